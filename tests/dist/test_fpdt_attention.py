@@ -1,0 +1,117 @@
+"""FPDT / Ulysses attention on several gloo processes against single-process fp64 attention (DESIGN.md §4, §7)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_fpdt.sequence import SequenceLayout, all_to_all_head_to_seq, all_to_all_seq_to_head, fpdt_attention
+from lightning_fpdt.sequence.all_to_all import group_rank, group_size
+from tests.reference import causal_attention
+
+# (num_heads, num_kv_heads) per sequence-parallel size: MHA, GQA with kv heads scattered (Hkv % P == 0), GQA with kv
+# heads replicated (P % Hkv == 0)
+HEADS = {
+    1: [(4, 4), (4, 2)],
+    2: [(4, 4), (4, 2), (4, 1)],
+    3: [(6, 6), (6, 3), (6, 1)],
+    4: [(8, 8), (8, 4), (8, 2)],
+}
+# fp64: the parallel and the reference computations differ only in summation order, so they agree to ~1e-15
+# relative; 1e-10 leaves room for long sums while catching any wrong index (errors are then O(1)).
+# fp32 (CPU flash kernel): per-block rounding of ~1e-7 relative, amplified by the softmax merge over up to 8 blocks
+# and the fp32 gradient accumulation: 2e-5 absolute on O(1) values.
+TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=2e-5)}
+
+
+def _check_attention(seq_len: int, num_chunks: int, heads: tuple[int, int], dtype: torch.dtype, backend: str, seed: int):
+    """One case on every rank: shard, run, gather, compare output and q/k/v gradients with the reference."""
+    sp_size, rank = group_size(None), group_rank(None)
+    num_heads, num_kv_heads = heads
+    batch, head_dim = 2, 8
+    gen = torch.Generator().manual_seed(seed)  # every rank draws the same full inputs
+    q = torch.randn(batch, seq_len, num_heads, head_dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(batch, seq_len, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, seq_len, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
+    grad_out = torch.randn(batch, seq_len, num_heads, head_dim, generator=gen, dtype=torch.float64)
+
+    ref_inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out = causal_attention(*ref_inputs)
+    ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad_out)
+
+    layout = SequenceLayout(sp_size, rank, num_chunks)
+    padded = layout.padded_length(seq_len)
+    # pad tokens sit after every real token, so causality keeps them out of the real tokens' results
+    local = [layout.shard(layout.pad(x.to(dtype), dim=1)).requires_grad_() for x in (q, k, v)]
+    local_grad_out = layout.shard(layout.pad(grad_out.to(dtype), dim=1))  # zero on pad tokens
+    out = fpdt_attention(*local, group=None, num_chunks=num_chunks, backend=backend)
+    grads = torch.autograd.grad(out, local, local_grad_out)
+
+    tol = TOLERANCE[dtype]
+    full_out = layout.gather(out.detach(), None)
+    assert full_out.shape[1] == padded
+    case = f"S={seq_len} P={sp_size} u={num_chunks} heads={heads} {dtype} {backend}"
+    torch.testing.assert_close(full_out[:, :seq_len].double(), ref_out.detach(), **tol, msg=lambda m: f"{case} out: {m}")
+    for name, grad, ref_grad in zip("qkv", grads, ref_grads):
+        full = layout.gather(grad, None)
+        torch.testing.assert_close(full[:, :seq_len].double(), ref_grad, **tol, msg=lambda m: f"{case} d{name}: {m}")
+        # no real query attends a pad key, and pad queries get no output gradient
+        assert torch.count_nonzero(full[:, seq_len:]) == 0, f"{case} d{name} nonzero on pad tokens"
+
+
+def run_attention_cases(cases: list[dict]) -> None:
+    for case in cases:
+        _check_attention(**case)
+
+
+def _cases(sp_size: int) -> list[dict]:
+    cases = []
+    for num_chunks in (1, 2, 4):
+        for heads in HEADS[sp_size]:
+            for seq_len in (sp_size * num_chunks * 3, sp_size * num_chunks * 3 + 1):  # exact and needing padding
+                cases.append(dict(seq_len=seq_len, num_chunks=num_chunks, heads=heads, dtype=torch.float64,
+                                  backend="math", seed=len(cases)))
+    # the CPU flash op in fp32, on the GQA case with the most blocks
+    cases.append(dict(seq_len=sp_size * 4 * 5 - 2, num_chunks=4, heads=HEADS[sp_size][-1], dtype=torch.float32,
+                      backend="flash", seed=99))
+    return cases
+
+
+def test_fpdt_single_process():
+    """P = 1: chunked attention (u = 1, 2, 4) equals full attention, forward and q/k/v gradients."""
+    run_attention_cases(_cases(1))
+
+
+@pytest.mark.parametrize("sp_size", [2, 3, 4])
+def test_fpdt_matches_single_process(dist_pool, sp_size):
+    """P = 2, 3, 4 with u = 1, 2, 4, MHA and both GQA cases, padded lengths: outputs and gradients are exact."""
+    dist_pool(sp_size).run(run_attention_cases, cases=_cases(sp_size))
+
+
+def _check_all_to_all(seed: int) -> None:
+    sp_size, rank = group_size(None), group_rank(None)
+    gen = torch.Generator().manual_seed(seed)
+    num_heads = 2 * sp_size
+    x = torch.randn(2, 3 * sp_size, num_heads, 4, generator=gen, dtype=torch.float64)  # global (B, S, H, D)
+    y = torch.randn(2, 3 * sp_size, 2 * num_heads, 4, generator=gen, dtype=torch.float64)  # wider second tensor
+    g = torch.randn(2, 3 * sp_size, num_heads, 4, generator=gen, dtype=torch.float64)
+    layout = SequenceLayout(sp_size, rank, 1)
+    x_local, y_local = (layout.shard(t).requires_grad_() for t in (x, y))
+    x_heads, y_heads = all_to_all_seq_to_head(x_local, y_local, group=None)
+    heads = slice(rank * num_heads // sp_size, (rank + 1) * num_heads // sp_size)
+    # head-sharded: every token of the group, this rank's heads, in (B, h/P, S, D) order
+    torch.testing.assert_close(x_heads, x[:, :, heads].transpose(1, 2), rtol=0, atol=0)
+    wide = slice(rank * 2 * num_heads // sp_size, (rank + 1) * 2 * num_heads // sp_size)
+    torch.testing.assert_close(y_heads, y[:, :, wide].transpose(1, 2), rtol=0, atol=0)
+    (back,) = all_to_all_head_to_seq(x_heads, group=None)
+    torch.testing.assert_close(back, x_local, rtol=0, atol=0)
+    # backward of seq->head is head->seq: d/dx_local of <x_heads, g_heads> is this rank's shard of g
+    (grad,) = torch.autograd.grad(x_heads, x_local, g[:, :, heads].transpose(1, 2))
+    torch.testing.assert_close(grad, layout.shard(g), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("sp_size", [2, 3])
+def test_all_to_all_round_trip_and_gradient(dist_pool, sp_size):
+    """seq->head gives each rank its heads of the whole sequence; head->seq inverts it; backward is the reverse."""
+    dist_pool(sp_size).run(_check_all_to_all, seed=sp_size)

@@ -1,0 +1,20 @@
+"""lightning_fpdt: ultra-long-context training for PyTorch Lightning (``Trainer(strategy="fpdt")``)."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, fpdt_attention, ulysses_attention
+from lightning_fpdt.strategy import FPDTStrategy, apply_fpdt
+
+__version__ = "0.1.0"
+
+# importing the package makes Trainer(strategy="fpdt") work; guarded so a second import registers nothing
+FPDTStrategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "FPDTAttention",
+    "FPDTStrategy",
+    "SequenceLayout",
+    "apply_fpdt",
+    "fpdt_attention",
+    "ulysses_attention",
+]

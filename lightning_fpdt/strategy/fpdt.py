@@ -1,0 +1,308 @@
+"""``FPDTStrategy``: ``Trainer(strategy="fpdt")`` (DESIGN.md §5)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_fpdt.sequence.fpdt import FPDTAttention
+from lightning_fpdt.sequence.integrations import SequenceParallelContext, sequence_parallel_loss
+from lightning_fpdt.sequence.kernels import check_backend_name
+from lightning_fpdt.sequence.layout import IGNORE_INDEX, SequenceLayout
+from lightning_fpdt.strategy.mesh import MESH_AXES, build_mesh, resolve_sizes
+from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt, find_model, unwrap_loss
+from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
+
+AUTO_CHUNK_TOKENS = 65536
+"""``chunks="auto"``: global tokens per FPDT chunk ``C`` at most this (FPDT's chunk size)."""
+
+
+def attention_heads(module: torch.nn.Module) -> Optional[tuple[int, int]]:
+    """``(num_heads, num_kv_heads)`` read from a config found in ``module``, or ``None``."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is None:
+            continue
+        heads = getattr(config, "num_heads", None) or getattr(config, "num_attention_heads", None)
+        if heads:
+            kv = getattr(config, "num_kv_heads", None) or getattr(config, "num_key_value_heads", None) or heads
+            return int(heads), int(kv)
+    return None
+
+
+class FPDTStrategy(ModelParallelStrategy):
+    """Sequence-parallel training of long sequences: Ulysses all-to-all, FPDT chunked attention, FSDP2.
+
+    Args:
+        sequence_parallel_size: ranks that share one sequence; ``"auto"``: the devices of a node, capped by what
+            the model's head counts allow.
+        data_parallel_size: groups that see different samples; ``"auto"``: world size / sequence_parallel_size.
+        chunks: FPDT chunks per rank ``u``; ``"auto"``: enough that a chunk holds at most 65536 global tokens.
+            ``1`` is plain Ulysses.
+        attention_backend: block attention kernel: ``"auto"``, ``"cudnn"``, ``"flash"`` or ``"math"``.
+        layer_classes: class names of the transformer blocks (FSDP2 units); ``None``: the largest ``ModuleList``.
+        cpu_offload_params: keep sharded parameters, gradients and optimizer state in host memory (FSDP2
+            ``CPUOffloadPolicy``), for models whose states do not fit the GPUs.
+        pad_to_multiple: right-pad sequences to a multiple of sequence_parallel_size × chunks (labels -100);
+            ``False`` raises instead.
+        pad_token_id: the token id used for that padding.
+        save_distributed_checkpoint: save one shard per rank (DCP) instead of one consolidated file.
+        process_group_backend: ``"nccl"``, ``"gloo"``, …; default by device.
+        timeout: collective timeout.
+    """
+
+    strategy_name = "fpdt"
+
+    def __init__(
+        self,
+        *,
+        sequence_parallel_size: Union[Literal["auto"], int] = "auto",
+        data_parallel_size: Union[Literal["auto"], int] = "auto",
+        chunks: Union[Literal["auto"], int] = "auto",
+        attention_backend: str = "auto",
+        layer_classes: Optional[list[str]] = None,
+        cpu_offload_params: bool = False,
+        pad_to_multiple: bool = True,
+        pad_token_id: int = 0,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size="auto",
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        if chunks != "auto" and (not isinstance(chunks, int) or chunks < 1):
+            raise ValueError(f"chunks must be 'auto' or a positive int, got {chunks!r}")
+        check_backend_name(attention_backend)
+        self._sequence_parallel_size = sequence_parallel_size
+        self._chunks = chunks
+        self._attention_backend = attention_backend
+        self._layer_classes = layer_classes
+        self._cpu_offload_params = cpu_offload_params
+        self._pad_to_multiple = pad_to_multiple
+        self._pad_token_id = pad_token_id
+        self._context: Optional[SequenceParallelContext] = None
+        self._padding_logged = False
+        self.last_batch_geometry: Optional[tuple[int, int, int]] = None
+        """``(batch_size, seq_len, padded_seq_len)`` of the global sequence of the last batch sharded."""
+        self._valid_tokens_local = 0
+
+    # ---- sizes and mesh -------------------------------------------------------------------------------------------
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.device_mesh["sequence_parallel"].size()
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.device_mesh["data_parallel"].size()
+
+    @property
+    def sequence_parallel_rank(self) -> int:
+        return self.device_mesh["sequence_parallel"].get_local_rank()
+
+    @property
+    def sequence_parallel_group(self) -> torch.distributed.ProcessGroup:
+        return self.device_mesh["sequence_parallel"].get_group()
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else FPDTPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        # also reached when the strategy is given as a string, where Lightning itself checks nothing
+        self._precision_plugin = to_fpdt_precision(plugin)
+
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        assert self.lightning_module is not None
+        heads = attention_heads(self.lightning_module)
+        dp, sp = resolve_sizes(
+            world_size=self.world_size,
+            devices_per_node=self.num_processes,
+            data_parallel_size=self._data_parallel_size,
+            sequence_parallel_size=self._sequence_parallel_size,
+            heads=heads,
+        )
+        self._data_parallel_size, self._sequence_parallel_size = dp, sp
+        self._device_mesh = build_mesh(self.root_device.type, dp, sp)
+        self.lightning_module._device_mesh = self._device_mesh
+        rank_zero_info(f"fpdt: mesh {dict(zip(MESH_AXES, (dp, sp)))}, heads {heads}")
+
+    # ---- model ----------------------------------------------------------------------------------------------------
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        # DTensor parameters do not work under inference_mode; evaluation runs under no_grad instead
+        for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop):
+            loop.inference_mode = False
+        if self._context is None:
+            self._context = SequenceParallelContext(
+                group=self.sequence_parallel_group,
+                attention=FPDTAttention(
+                    group=self.sequence_parallel_group, num_chunks=1, backend=self._attention_backend
+                ),
+            )
+        self.model = self.precision_plugin.convert_module(self.model)
+        on_meta = any(p.is_meta for p in self.model.parameters())
+        if not on_meta:
+            self.model_to_device()  # FSDP2 shards what is on the mesh's device
+        assert isinstance(self.precision_plugin, FPDTPrecision)
+        apply_fpdt(
+            self.model,
+            self.device_mesh,
+            config=ParallelizeConfig(
+                context=self._context,
+                layer_classes=self._layer_classes,
+                mp_policy=self.precision_plugin.mixed_precision_policy(),
+                cpu_offload_params=self._cpu_offload_params,
+            ),
+        )
+        if on_meta:
+            _materialize_distributed_module(self.model, self.root_device)
+            find_model(self.model).apply(_retie_weights)
+        if not self._cpu_offload_params:
+            self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING and not self._cpu_offload_params:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    # ---- data -----------------------------------------------------------------------------------------------------
+    def num_chunks_for(self, seq_len: int) -> int:
+        if self._chunks != "auto":
+            return self._chunks
+        return max(1, math.ceil(seq_len / AUTO_CHUNK_TOKENS))
+
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Move the batch, then shard its sequence with :class:`SequenceLayout` (adds ``position_ids`` and the
+        globally shifted ``labels``/``shift_labels``)."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), Tensor):
+            raise ValueError(
+                "the fpdt strategy shards batches by their 'input_ids' (B, S): return a dict with an 'input_ids' "
+                f"tensor from the dataloader (got {type(batch).__name__}"
+                f"{' with keys ' + str(sorted(batch)) if isinstance(batch, Mapping) else ''})"
+            )
+        return self.shard_batch(dict(batch))
+
+    def shard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        input_ids = batch["input_ids"]
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, sequence), got shape {tuple(input_ids.shape)}")
+        batch_size, seq_len = input_ids.shape
+        num_chunks = self.num_chunks_for(seq_len)
+        layout = SequenceLayout(self.sequence_parallel_size, self.sequence_parallel_rank, num_chunks)
+        padded = layout.padded_length(seq_len)
+        if padded != seq_len:
+            if not self._pad_to_multiple:
+                layout.check_divisible(seq_len)
+            if not self._padding_logged:
+                rank_zero_info(
+                    f"fpdt: padding sequences of {seq_len} tokens to {padded} (a multiple of sequence_parallel_size "
+                    f"{layout.sp_size} × chunks {num_chunks}); padded labels are -100"
+                )
+                self._padding_logged = True
+
+        attention_mask = batch.pop("attention_mask", None)
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError(
+                "batch['attention_mask'] has zeros: the fpdt attention is causal over the whole sequence and takes no "
+                "padding mask; right-pad instead and set the padded labels to -100"
+            )
+        if "shift_labels" in batch:
+            targets = batch["shift_labels"]
+        else:
+            labels = batch.get("labels", input_ids)
+            targets = SequenceLayout.shift_labels(labels)  # on the global sequence: no label lost at shard edges
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch_size, -1)
+
+        sharded = {}
+        for key, value in batch.items():
+            if key in ("input_ids", "labels", "shift_labels", "position_ids"):
+                continue
+            if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[:2] == (batch_size, seq_len):
+                sharded[key] = layout.shard(layout.pad(value, dim=1, value=0), dim=1)  # any other per-token tensor
+            else:
+                sharded[key] = value
+        sharded["input_ids"] = layout.shard(layout.pad(input_ids, dim=1, value=self._pad_token_id))
+        shift_labels = layout.shard(layout.pad(targets, dim=1, value=IGNORE_INDEX))
+        sharded["labels"] = sharded["shift_labels"] = shift_labels
+        sharded["position_ids"] = layout.shard(layout.pad_position_ids(position_ids))
+
+        self.last_batch_geometry = (batch_size, seq_len, padded)
+        self._valid_tokens_local = int((shift_labels != IGNORE_INDEX).sum())
+        assert self._context is not None
+        self._context.attention.num_chunks = num_chunks
+        self._context.position_ids = sharded["position_ids"]
+        self._context.loss_reduced = False
+        return sharded
+
+    # ---- steps ----------------------------------------------------------------------------------------------------
+    def _sequence_parallel_output(self, output: Any) -> Any:
+        """A loss a model computed itself (local token mean) becomes the group's token mean (DESIGN.md §5)."""
+        assert self._context is not None
+        loss = unwrap_loss(output)
+        if loss is None or self._context.loss_reduced:
+            return output
+        reduced = sequence_parallel_loss(loss, self._valid_tokens_local, group=self._context.group)
+        if isinstance(output, Tensor):
+            return reduced
+        return {**output, "loss": reduced}
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._sequence_parallel_output(super().training_step(*args, **kwargs))
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._sequence_parallel_output(super().validation_step(*args, **kwargs))
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._sequence_parallel_output(super().test_step(*args, **kwargs))
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No FSDP2 gradient reduce-scatter on gradient-accumulation micro-steps."""
+        modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model is not None else []
+        for module in modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.set_requires_gradient_sync(True, recurse=False)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="lightning_fpdt sequence parallelism")
+
+
+def _retie_weights(module: torch.nn.Module) -> None:
+    # materialising meta parameters unties shared ones; models that tie re-tie here
+    tie = getattr(module, "tie_weights", None)
+    if callable(tie) and getattr(getattr(module, "config", None), "tie_word_embeddings", False):
+        tie()
+

@@ -1,0 +1,65 @@
+"""Precision for the fpdt strategy: FSDP2's MixedPrecisionPolicy instead of autocast (DESIGN.md §5)."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+
+
+class FPDTPrecision(Precision):
+    """``bf16-mixed``: fp32 master weights, bf16 compute, fp32 gradient reduction; ``bf16-true``: bf16 everywhere;
+    ``32-true``: fp32 (the CPU tests)."""
+
+    def __init__(self, precision: str = "32-true") -> None:
+        if precision not in SUPPORTED_PRECISION:
+            fix = "bf16-mixed" if "16" in str(precision) else "32-true"
+            raise ValueError(
+                f"the fpdt strategy supports precision {SUPPORTED_PRECISION}, got {precision!r}: use "
+                f"precision={fix!r}"
+            )
+        self.precision = precision
+
+    def mixed_precision_policy(self) -> Optional[MixedPrecisionPolicy]:
+        if self.precision == "bf16-mixed":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if self.precision == "bf16-true":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        return None
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module.to(torch.bfloat16) if self.precision == "bf16-true" else module
+
+    @contextmanager
+    def tensor_init_context(self) -> Generator[None, None, None]:
+        if self.precision != "bf16-true":
+            yield
+            return
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(default)
+
+    @contextmanager
+    def module_init_context(self) -> Generator[None, None, None]:
+        with self.tensor_init_context():
+            yield
+
+    def convert_input(self, data: Any) -> Any:
+        return data  # FSDP2 casts floating inputs to param_dtype itself (cast_forward_inputs)
+
+
+def to_fpdt_precision(plugin: Optional[Precision]) -> Optional[FPDTPrecision]:
+    """Map the plugin Lightning chose from ``Trainer(precision=...)`` to :class:`FPDTPrecision`, or refuse it."""
+    if plugin is None or isinstance(plugin, FPDTPrecision):
+        return plugin
+    return FPDTPrecision(getattr(plugin, "precision", "32-true"))

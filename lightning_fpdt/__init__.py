@@ -2,6 +2,8 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_fpdt.callbacks import MFUMonitor
+from lightning_fpdt.flops import PEAK_FLOPS, ModelGeometry, flops_per_step, flops_per_token, peak_flops
 from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, fpdt_attention, ulysses_attention
 from lightning_fpdt.strategy import FPDTStrategy, apply_fpdt
 
@@ -11,10 +13,16 @@ __version__ = "0.1.0"
 FPDTStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "PEAK_FLOPS",
     "FPDTAttention",
     "FPDTStrategy",
+    "MFUMonitor",
+    "ModelGeometry",
     "SequenceLayout",
     "apply_fpdt",
+    "flops_per_step",
+    "flops_per_token",
     "fpdt_attention",
+    "peak_flops",
     "ulysses_attention",
 ]

@@ -44,9 +44,10 @@ def sequence_parallel_loss(
     divide factor keeps to plain averaging, which every backend has; gloo lacks the pre-multiplied sum.)
     A rank without valid tokens contributes zero, never NaN (its local mean is 0/0).
     """
-    n_local = torch.as_tensor(num_valid_local, device=local_mean.device, dtype=torch.float32)
-    local_sum = torch.where(n_local > 0, local_mean * n_local, torch.zeros_like(local_mean))
-    stats = torch.stack([local_sum.detach().float(), n_local])  # one collective for the sum and the count
+    acc = torch.promote_types(local_mean.dtype, torch.float32)  # token counts in bf16 would round above 256
+    n_local = torch.as_tensor(num_valid_local, device=local_mean.device, dtype=acc)
+    local_sum = torch.where(n_local > 0, local_mean.to(acc) * n_local, torch.zeros((), dtype=acc, device=n_local.device))
+    stats = torch.stack([local_sum.detach(), n_local.to(local_sum.dtype)])  # one collective for the sum and the count
     sp_size = 1
     if dist.is_available() and dist.is_initialized():
         sp_size = dist.get_world_size(group)
@@ -60,7 +61,7 @@ def sequence_parallel_loss(
 
 def token_cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:
     """``(mean over valid tokens, number of valid tokens)`` of fp32 cross-entropy; the mean is 0 without any."""
-    logits = logits.float().flatten(0, -2)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, -2)  # fp32 at least
     targets = targets.flatten().to(logits.device)
     total = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
     count = (targets != ignore_index).sum()

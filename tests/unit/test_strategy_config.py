@@ -1,0 +1,153 @@
+"""Strategy options, mesh sizes, precision and integration errors, checked without processes (DESIGN.md §5)."""
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lightning_fpdt  # noqa: F401  (registers "fpdt")
+from lightning_fpdt import FPDTAttention, FPDTStrategy
+from lightning_fpdt.sequence.integrations import (
+    SDPAInterception,
+    SequenceParallelContext,
+    _hf_attention,
+    install_hf_model,
+    sequence_parallel_loss,
+)
+from lightning_fpdt.strategy.mesh import resolve_sizes
+from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt
+
+
+def test_mesh_size_messages():
+    """dp × sp must equal the world size, and the message prints every factor."""
+    with pytest.raises(ValueError, match=r"sequence_parallel_size \(4\) \* data_parallel_size \(3\) = 12 != world size 8"):
+        resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size=3, sequence_parallel_size=4)
+    with pytest.raises(ValueError, match=r"sequence_parallel_size \(3\) does not divide the world size 8"):
+        resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size="auto", sequence_parallel_size=3)
+    with pytest.raises(ValueError, match=r"data_parallel_size \(3\) does not divide the world size 8"):
+        resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size=3, sequence_parallel_size="auto")
+    with pytest.raises(ValueError, match="sequence_parallel_size must be 'auto' or a positive int, got 0"):
+        resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size="auto", sequence_parallel_size=0)
+
+
+def test_heads_limit_sequence_parallel_size():
+    """An explicit size the heads cannot split is refused; "auto" takes the largest in-node size they allow."""
+    with pytest.raises(ValueError, match=r"num_heads \(12\) is not divisible by sequence_parallel_size \(8\)"):
+        resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size=1, sequence_parallel_size=8, heads=(12, 4))
+    dp, sp = resolve_sizes(world_size=16, devices_per_node=8, data_parallel_size="auto",
+                           sequence_parallel_size="auto", heads=(12, 4))
+    assert (dp, sp) == (4, 4)  # 8 does not divide 12 heads; 4 does, inside one node of 8
+    assert resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size="auto",
+                         sequence_parallel_size="auto", heads=(32, 8)) == (1, 8)
+
+
+def test_strategy_option_messages():
+    """Wrong strategy options raise ValueErrors naming the accepted values."""
+    with pytest.raises(ValueError, match=r"attention_backend must be one of .* got 'xformers'"):
+        FPDTStrategy(attention_backend="xformers")
+    with pytest.raises(ValueError, match="chunks must be 'auto' or a positive int, got 0"):
+        FPDTStrategy(chunks=0)
+    strategy = FPDTStrategy(chunks="auto")
+    assert [strategy.num_chunks_for(s) for s in (1000, 65536, 65537, 1 << 20)] == [1, 1, 2, 16]
+
+
+# (on CPU Lightning itself turns "16-mixed" into "bf16-mixed" before the strategy sees it)
+@pytest.mark.parametrize("precision", ["16-true", "64-true"])
+def test_unsupported_precision_is_refused_with_strategy_string(precision):
+    """precision other than 32-true / bf16-mixed / bf16-true is refused even for strategy="fpdt" (a string)."""
+    with pytest.raises(ValueError, match=r"the fpdt strategy supports precision .* got '" + precision):
+        L.Trainer(strategy="fpdt", accelerator="cpu", devices=1, precision=precision, logger=False)
+
+
+def test_supported_precision_maps_to_fsdp_policy():
+    """bf16-mixed becomes FSDP2's MixedPrecisionPolicy (bf16 params, fp32 reduction), not autocast."""
+    trainer = L.Trainer(strategy="fpdt", accelerator="cpu", devices=1, precision="bf16-mixed", logger=False)
+    policy = trainer.strategy.precision_plugin.mixed_precision_policy()
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+
+
+def test_hf_attention_refuses_what_it_cannot_compute():
+    """A mask, dropout, a sliding window, a non-causal module or a module not prepared raise ValueErrors."""
+    q = torch.randn(1, 2, 4, 8)
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    module = Module()
+    with pytest.raises(ValueError, match="not prepared by the fpdt strategy"):
+        _hf_attention(module, q, q, q, None)
+    module._fpdt_attention = FPDTAttention()
+    with pytest.raises(ValueError, match="takes no attention mask: drop padding"):
+        _hf_attention(module, q, q, q, torch.ones(1, 1, 4, 4))
+    with pytest.raises(ValueError, match=r"attention dropout \(0.1\) is not supported"):
+        _hf_attention(module, q, q, q, None, dropout=0.1)
+    with pytest.raises(ValueError, match="sliding-window attention is not supported"):
+        _hf_attention(module, q, q, q, None, sliding_window=4)
+    module.is_causal = False
+    with pytest.raises(ValueError, match="is not causal"):
+        _hf_attention(module, q, q, q, None)
+
+
+def test_sdpa_interception_routes_causal_calls_and_refuses_others():
+    """Inside the interception, causal SDPA equals plain SDPA; a mask, dropout or is_causal=False raise."""
+    q, k, v = (torch.randn(2, 4, 6, 8, dtype=torch.float64) for _ in range(3))
+    with SDPAInterception(FPDTAttention(num_chunks=2, backend="math")):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with pytest.raises(ValueError, match="with attn_mask cannot be sequence-parallelized"):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(6, 6, dtype=torch.bool))
+        with pytest.raises(ValueError, match="dropout_p > 0"):
+            F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        with pytest.raises(ValueError, match=r"is_causal=False\) is bidirectional"):
+            F.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_hf_model_on_one_rank_equals_sdpa():
+    """A Hugging Face Llama switched to attn_implementation="fpdt" gives SDPA's logits and loss (P = 1)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).double()
+    ids = torch.randint(0, 64, (2, 12))
+    ref = model(input_ids=ids, labels=ids)
+    context = SequenceParallelContext(group=None, attention=FPDTAttention(num_chunks=3, backend="math"))
+    install_hf_model(model, context)
+    targets = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)  # the strategy passes pre-shifted labels
+    out = model(input_ids=ids, labels=targets)
+    torch.testing.assert_close(out.logits, ref.logits)
+    torch.testing.assert_close(out.loss, ref.loss.double())
+    assert model.config._attn_implementation == "fpdt" and context.loss_reduced
+
+
+def test_hf_sliding_window_config_is_refused():
+    """A model configured with a sliding window is refused when the strategy installs the attention."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8)
+    with pytest.raises(ValueError, match="sliding_window=8; the fpdt attention is full causal attention"):
+        install_hf_model(Qwen2ForCausalLM(config), SequenceParallelContext(group=None, attention=FPDTAttention()))
+
+
+def test_loss_of_rank_without_valid_tokens_is_zero_not_nan():
+    """A rank whose targets are all -100 contributes 0 with zero gradients instead of NaN."""
+    logits = torch.randn(5, 7, requires_grad=True)
+    local_mean = F.cross_entropy(logits, torch.full((5,), -100))  # 0/0 = NaN
+    loss = sequence_parallel_loss(local_mean, 0, group=None)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_parameters_on_the_lightning_module_itself_are_refused():
+    """FSDP2 never wraps the LightningModule root: parameters held directly by it get a ValueError."""
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(1))
+
+    config = ParallelizeConfig(context=SequenceParallelContext(group=None, attention=FPDTAttention()))
+    with pytest.raises(ValueError, match=r"holds parameters \['scale'\] directly.*move them into a submodule"):
+        apply_fpdt(Module(), mesh=None, config=config)

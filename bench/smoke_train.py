@@ -14,7 +14,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fpdt import FPDTStrategy, MFUMonitor
-from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
+from lightning_fpdt.models.llama import LlamaConfig
+from lightning_fpdt.models.module import LlamaLM
 
 
 class RandomTokens(Dataset):
@@ -30,23 +31,6 @@ class RandomTokens(Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-class LM(L.LightningModule):
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = LlamaForCausalLM(config)
-        self.losses: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        loss = self.model(**batch)
-        self.losses.append(loss.item())
-        self.log("loss", loss, prog_bar=True)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama3-1b")
@@ -57,7 +41,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=torch.cuda.device_count())
     args = parser.parse_args()
     config = LlamaConfig.from_name(args.model, num_layers=args.layers)
-    module = LM(config)
+    module = LlamaLM(args.model, lr=1e-4, num_layers=args.layers)
     trainer = L.Trainer(
         strategy=FPDTStrategy(chunks=args.chunks), accelerator="gpu", devices=args.devices, precision="bf16-mixed",
         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_fpdt  # noqa: F401  (registers "fpdt")
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
+from lightning_fpdt.models.module import LlamaLM
 
 VOCAB, HALF = 32, 32
 
@@ -34,26 +34,9 @@ class RepeatTask(Dataset):
         return {"input_ids": ids, "labels": labels}
 
 
-class CopyLM(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = LlamaForCausalLM(LlamaConfig.from_name("tiny", vocab_size=VOCAB, num_layers=2))
-        self.losses: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        loss = self.model(**batch)
-        self.losses.append(loss.item())
-        self.log("loss", loss, prog_bar=True)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3)
-
-
 def main() -> None:
     torch.set_num_threads(1)
-    module = CopyLM()
+    module = LlamaLM("tiny", lr=3e-3, vocab_size=VOCAB, num_layers=2)
     trainer = L.Trainer(
         strategy=FPDTStrategy(sequence_parallel_size=2, chunks=2), accelerator="cpu", devices=2, max_steps=300,
         logger=False, enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=10,

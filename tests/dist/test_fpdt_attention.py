@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_fpdt.sequence import SequenceLayout, all_to_all_head_to_seq, all_to_all_seq_to_head, fpdt_attention
 from lightning_fpdt.sequence.all_to_all import group_rank, group_size

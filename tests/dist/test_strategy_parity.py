@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import lightning as L
-import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader

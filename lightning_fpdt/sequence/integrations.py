@@ -95,15 +95,26 @@ def install_reference_llama(model: nn.Module, context: SequenceParallelContext) 
         if isinstance(module, LlamaAttention):
             module.attention_fn = context.attention
     model.labels_are_shifted = True  # the strategy shifts labels on the global sequence before sharding
-    local_loss = model.loss
+    model.fpdt_reduce_loss = loss_reduction(context)
+    # the local loss is looked up at call time, so a later transform (TiledLoss) can replace it
+    model.fpdt_local_loss = model.loss
 
-    @functools.wraps(local_loss)
     def loss(hidden: Tensor, targets: Tensor) -> Tensor:
-        context.loss_reduced = True
-        return sequence_parallel_loss(local_loss(hidden, targets), (targets != IGNORE_INDEX).sum(), group=context.group)
+        return model.fpdt_reduce_loss(model.fpdt_local_loss(hidden, targets), (targets != IGNORE_INDEX).sum())
 
     model.loss = loss
     _inject_position_ids(model, context)
+
+
+def loss_reduction(context: SequenceParallelContext) -> Callable[[Tensor, Union[Tensor, int]], Tensor]:
+    """``fpdt_reduce_loss(local_mean, num_valid)``: what an installed model calls to turn its local token-mean loss
+    into the sequence group's (set on the model as ``model.fpdt_reduce_loss``; loss replacements call it too)."""
+
+    def reduce(local_mean: Tensor, num_valid: Union[Tensor, int]) -> Tensor:
+        context.loss_reduced = True
+        return sequence_parallel_loss(local_mean, num_valid, group=context.group)
+
+    return reduce
 
 
 # ---- Hugging Face transformers ------------------------------------------------------------------------------------
@@ -184,10 +195,9 @@ def install_hf_model(model: nn.Module, context: SequenceParallelContext) -> None
                       shift_labels: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
         # under the strategy `labels` are already shifted on the global sequence (no local shift may happen here)
         targets = shift_labels if shift_labels is not None else labels
-        mean, count = token_cross_entropy(logits, targets, ignore_index)
-        context.loss_reduced = True
-        return sequence_parallel_loss(mean, count, group=context.group)
+        return model.fpdt_reduce_loss(*token_cross_entropy(logits, targets, ignore_index))
 
+    model.fpdt_reduce_loss = loss_reduction(context)
     model.loss_function = loss_function
     _inject_position_ids(model, context)
 

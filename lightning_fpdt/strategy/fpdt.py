@@ -174,6 +174,7 @@ class FPDTStrategy(ModelParallelStrategy):
                 context=self._context,
                 layer_classes=self._layer_classes,
                 mp_policy=self.precision_plugin.mixed_precision_policy(),
+                memory_transforms=memory_transforms(trainer),
                 cpu_offload_params=self._cpu_offload_params,
             ),
         )
@@ -298,6 +299,13 @@ class FPDTStrategy(ModelParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(cls.strategy_name, cls, description="lightning_fpdt sequence parallelism")
+
+
+def memory_transforms(trainer: "pl.Trainer") -> list:
+    """The model transforms that callbacks declare (``fpdt_transform(model, blocks)``), in their fixed order
+    (tiled MLP, tiled loss, activation checkpointing + offload; DESIGN.md §5)."""
+    declaring = [cb for cb in trainer.callbacks if callable(getattr(cb, "fpdt_transform", None))]
+    return [cb.fpdt_transform for cb in sorted(declaring, key=lambda cb: cb.fpdt_transform_order)]
 
 
 def _retie_weights(module: torch.nn.Module) -> None:

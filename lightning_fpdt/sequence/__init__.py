@@ -1,8 +1,8 @@
 """The sequence-parallel core: plain PyTorch, no Lightning imports (DESIGN.md §2)."""
 
 from lightning_fpdt.sequence.all_to_all import all_to_all_head_to_seq, all_to_all_seq_to_head
-from lightning_fpdt.sequence.fpdt import FPDTAttention, check_heads, fpdt_attention, merge_partial
-from lightning_fpdt.sequence.host_stash import ChunkStash
+from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention, check_heads, fpdt_attention, merge_partial
+from lightning_fpdt.sequence.host_stash import ChunkStash, HostBufferPool, HostStash, StashFactory
 from lightning_fpdt.sequence.kernels import make_kernel, supported_backends
 from lightning_fpdt.sequence.layout import IGNORE_INDEX, SequenceLayout
 from lightning_fpdt.sequence.ulysses import ulysses_attention
@@ -11,6 +11,10 @@ __all__ = [
     "IGNORE_INDEX",
     "ChunkStash",
     "FPDTAttention",
+    "HostBufferPool",
+    "HostStash",
+    "LayerAttention",
+    "StashFactory",
     "SequenceLayout",
     "all_to_all_head_to_seq",
     "all_to_all_seq_to_head",

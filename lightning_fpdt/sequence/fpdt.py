@@ -12,14 +12,14 @@ Three layers, as in the rest of ``sequence/``: the loops (:func:`fpdt_forward`, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fpdt.sequence.all_to_all import group_rank, group_size, head_to_seq, seq_to_head
-from lightning_fpdt.sequence.host_stash import ChunkStash
+from lightning_fpdt.sequence.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.kernels import BlockKernel, accumulation_dtype, check_backend_name, make_kernel
 from lightning_fpdt.sequence.layout import SequenceLayout
 
@@ -87,10 +87,14 @@ def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan, stash: ChunkStash
 
     Stash keys (head-sharded, per global chunk ``i``): ``("k", i)``, ``("v", i)`` always (later q chunks read
     them); ``("q", i)``, ``("out", i)``, ``("lse", i)`` only for the backward, which needs no recompute with them.
+    While block ``(i, j)`` computes, kv chunk ``j + 1`` is on its way back (double buffer).
     """
     num_chunks = plan.layout.num_chunks
     out_local = torch.empty_like(q)  # (B, S/P, H, D)
     for i in range(num_chunks):
+        if i > 0:
+            stash.prefetch(("k", 0))  # overlaps the all-to-all below
+            stash.prefetch(("v", 0))
         q_i, k_i, v_i = _chunk(plan, q, i), _chunk(plan, k, i), _chunk(plan, v, i)  # (B, c, H|Hkv, D)
         if plan.kv_repeat > 1:
             # (B, c, Hkv, D) -> (B, c, P, D): rank p receives kv head p // kv_repeat, the one its q heads read
@@ -108,6 +112,9 @@ def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan, stash: ChunkStash
             v_j = v_heads if j == i else stash.get(("v", j))
             block_out, block_lse = plan.kernel.forward(q_heads, k_j, v_j, causal=(j == i), scale=plan.scale)
             out_acc, lse_acc = merge_partial(out_acc, lse_acc, block_out, block_lse)
+            if j < i:
+                stash.release(("k", j))
+                stash.release(("v", j))
         out_heads = out_acc.to(q.dtype)  # (B, H/P, C, D)
         if save_for_backward:
             stash.put(("q", i), q_heads)
@@ -121,13 +128,18 @@ def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan, stash: ChunkStash
     return out_local
 
 
+Q_SIDE = ("q", "out", "lse", "dout")
+
+
 def fpdt_backward(
-    dout: Tensor, plan: _Plan, stash: ChunkStash, q_like: Tensor, kv_like: Tensor
+    dout: Tensor, plan: _Plan, stash: ChunkStash, dq_store: ChunkStash, q_like: Tensor, kv_like: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward chunk loop: outer over kv chunks ``j``, inner over q chunks ``i >= j``.
 
     ``dK_j, dV_j`` are complete after the inner loop; ``dQ_j`` after outer step ``j`` (it needs only kv chunks
-    ``<= j``), so all three go back in one all-to-all per step and the stashed chunks of ``j`` are freed.
+    ``<= j``), so all three go back in one all-to-all per step and the stashed chunks of ``j`` are freed. The
+    partial ``dQ_i`` of later chunks wait in ``dq_store`` (device memory, or host memory under a tight budget).
+    While block ``(i, j)`` computes, the q-side chunks of ``i + 1`` are on their way back.
     """
     num_chunks = plan.layout.num_chunks
     acc = accumulation_dtype(q_like.dtype)
@@ -136,30 +148,40 @@ def fpdt_backward(
         # (B, c, H, D) -all_to_all-> (B, H/P, C, D), once per chunk
         (dout_heads,) = seq_to_head([_chunk(plan, dout, i)], plan.group)
         stash.put(("dout", i), dout_heads)
-    dq_acc: dict[int, Tensor] = {}  # partial dQ_i in the accumulation dtype, for q chunks i > current j
     for j in range(num_chunks):
         k_j, v_j = stash.get(("k", j)), stash.get(("v", j))
+        if j + 1 < num_chunks:
+            stash.prefetch(("k", j + 1))
+            stash.prefetch(("v", j + 1))
         dk_acc = torch.zeros(k_j.shape, dtype=acc, device=k_j.device)
         dv_acc = torch.zeros(v_j.shape, dtype=acc, device=v_j.device)
         for i in range(j, num_chunks):
             if i + 1 < num_chunks:
-                for name in ("q", "out", "lse", "dout"):
+                for name in Q_SIDE:
                     stash.prefetch((name, i + 1))
-            q_i, out_i, lse_i, dout_i = (stash.get((name, i)) for name in ("q", "out", "lse", "dout"))
+            q_i, out_i, lse_i, dout_i = (stash.get((name, i)) for name in Q_SIDE)
             dq, dk, dv = plan.kernel.backward(dout_i, q_i, k_j, v_j, out_i, lse_i, causal=(i == j), scale=plan.scale)
-            dq_acc[i] = dq.to(acc) if i not in dq_acc else dq_acc[i].add_(dq)
+            for name in Q_SIDE:
+                stash.release((name, i))
+            if ("dq", i) in dq_store:
+                dq = dq_store.get(("dq", i)).add_(dq)
+                dq_store.free(("dq", i))
+            dq_store.put(("dq", i), dq.to(acc))
             dk_acc.add_(dk)
             dv_acc.add_(dv)
-        dq_j = dq_acc.pop(j)
+        dq_j = dq_store.get(("dq", j))
+        dq_store.free(("dq", j))
         # (B, H/P, C, D) -all_to_all-> (B, c, H, D): one collective for dq, dk, dv, in the inputs' dtype
-        dq_i, dk_i, dv_i = head_to_seq([dq_j.to(q_like.dtype), dk_acc.to(kv_like.dtype), dv_acc.to(kv_like.dtype)], plan.group)
+        dq_i, dk_i, dv_i = head_to_seq(
+            [dq_j.to(q_like.dtype), dk_acc.to(kv_like.dtype), dv_acc.to(kv_like.dtype)], plan.group
+        )
         if plan.kv_repeat > 1:
             # (B, c, Hkv·r, D) -> (B, c, Hkv, D): a replicated kv head's gradient is the sum over its replicas
             dk_i, dv_i = (g.unflatten(2, (-1, plan.kv_repeat)).sum(3) for g in (dk_i, dv_i))
         _chunk(plan, dq_local, j).copy_(dq_i)
         _chunk(plan, dk_local, j).copy_(dk_i)
         _chunk(plan, dv_local, j).copy_(dv_i)
-        for name in ("k", "v", "q", "out", "lse", "dout"):
+        for name in ("k", "v", *Q_SIDE):
             stash.free((name, j))
     return dq_local, dk_local, dv_local
 
@@ -172,19 +194,26 @@ class _FPDTAttentionFunction(torch.autograd.Function):
     | q (in) | (B, S/P, H, D) | sequence | no: its head-sharded chunks are in the stash |
     | k, v (in) | (B, S/P, Hkv, D) | sequence | no: their head-sharded chunks are in the stash |
     | out | (B, S/P, H, D) | sequence | no: its head-sharded chunks are in the stash |
-    | stash ("q"/"k"/"v"/"out", i) | (B, H/P, C, D) | heads | yes: the block backward needs q, k, v and the final out |
+    | stash ("q"/"k"/"v"/"out", i) | (B, H/P, C, D) | heads | yes (host memory when offloading): the block backward needs q, k, v and the final out |
     | stash ("lse", i) | (B, H/P, C) fp32 | heads | yes: with out it makes the blockwise backward exact |
+    | stash ("dout", i) | (B, H/P, C, D) | heads | backward only: all-to-all'd once, read by every kv step |
+    | partial dQ ("dq", i) | (B, H/P, C, D) fp32 | heads | backward only: device or host by the memory budget |
 
     Nothing is recomputed in backward: the block backward runs on the stashed chunks.
     """
 
     @staticmethod
     def forward(
-        ctx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan, make_stash: Callable[[], ChunkStash], save: bool
+        ctx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan, stashes: StashFactory, save: bool,
+        first_pass: Optional["_FirstPass"] = None,
     ) -> Tensor:
-        stash = make_stash()
-        out = fpdt_forward(q, k, v, plan, stash, save_for_backward=save)
-        ctx.plan, ctx.stash = plan, stash
+        if first_pass is None:
+            stash = stashes.chunks(q.device)
+            out = fpdt_forward(q, k, v, plan, stash, save_for_backward=save)
+        else:
+            # a checkpoint's recompute: the first forward's output and stashed chunks, nothing computed again
+            stash, out = first_pass.stash, first_pass.out.view(first_pass.out.shape)
+        ctx.plan, ctx.stash, ctx.stashes = plan, stash, stashes
         # shapes and dtypes only: q, k, v themselves are not kept (their chunks are in the stash)
         ctx.q_meta = torch.empty_like(q, device="meta")
         ctx.kv_meta = torch.empty_like(k, device="meta")
@@ -194,9 +223,10 @@ class _FPDTAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         q_like = torch.empty(ctx.q_meta.shape, dtype=ctx.q_meta.dtype, device=dout.device)
         kv_like = torch.empty(ctx.kv_meta.shape, dtype=ctx.kv_meta.dtype, device=dout.device)
-        dq, dk, dv = fpdt_backward(dout.contiguous(), ctx.plan, ctx.stash, q_like, kv_like)
+        dq_store = ctx.stashes.partial_dq(dout.device)
+        dq, dk, dv = fpdt_backward(dout.contiguous(), ctx.plan, ctx.stash, dq_store, q_like, kv_like)
         ctx.stash = None
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def fpdt_attention(
@@ -209,7 +239,7 @@ def fpdt_attention(
     group: Optional[dist.ProcessGroup] = None,
     num_chunks: int = 1,
     backend: str = "auto",
-    make_stash: Callable[[], ChunkStash] = ChunkStash,
+    stashes: Optional[StashFactory] = None,
 ) -> Tensor:
     """Exact causal attention of a sequence-sharded batch over the sequence-parallel ``group``.
 
@@ -221,11 +251,22 @@ def fpdt_attention(
         group: the sequence-parallel process group (``None``: the default group, or one process).
         num_chunks: FPDT chunks per rank ``u``; ``1`` is Ulysses.
         backend: block kernel, one of ``"auto"``, ``"math"``, ``"flash"``, ``"cudnn"``.
-        make_stash: factory of the chunk store (host offload plugs in here).
+        stashes: where chunks wait for the backward (:class:`StashFactory`; default: device memory).
 
     Returns:
         ``(B, S/P, H, D)``, this rank's tokens of the attention output.
     """
+    plan = _make_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks, backend=backend)
+    # decided here: inside Function.forward grad mode is always off
+    save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    return _FPDTAttentionFunction.apply(query, key, value, plan, stashes or StashFactory(), save)
+
+
+def _make_plan(
+    query: Tensor, key: Tensor, value: Tensor, *, causal: bool, scale: Optional[float],
+    group: Optional[dist.ProcessGroup], num_chunks: int, backend: str,
+) -> _Plan:
+    """Validate the call (ValueErrors name the fix) and fix what the loops need."""
     if not causal:
         raise ValueError(
             "FPDT attention is causal only (its chunk schedule skips future chunks); for bidirectional attention "
@@ -249,23 +290,46 @@ def fpdt_attention(
             f"local sequence length {query.shape[1]} is not divisible by num_chunks ({num_chunks}): pad the global "
             f"sequence to a multiple of sequence_parallel_size * num_chunks = {layout.num_pieces}"
         )
-    plan = _Plan(
+    return _Plan(
         group=group,
         layout=layout,
         kernel=make_kernel(backend, query.device, query.dtype),
         scale=query.shape[-1] ** -0.5 if scale is None else scale,
         kv_repeat=kv_repeat,
     )
-    # decided here: inside Function.forward grad mode is always off
-    save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
-    return _FPDTAttentionFunction.apply(query, key, value, plan, make_stash, save)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward: a checkpoint recomputing a layer's forward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass
+class _FirstPass:
+    """What a checkpointed layer's first (no-grad) forward leaves for its recompute."""
+
+    plan: _Plan
+    stash: ChunkStash  # the q/k/v/out/lse chunks, as for a normal backward
+    out: Tensor  # the local output, (B, S/P, H, D)
 
 
 class FPDTAttention:
-    """:func:`fpdt_attention` bound to a group and options; the ``attention_fn`` a strategy installs in a model."""
+    """:func:`fpdt_attention` bound to a group and options: what a strategy installs in a model.
+
+    One instance serves a whole model (it owns the host buffer pool and the copy streams); each attention layer
+    calls it through its own :meth:`for_layer` handle. Under activation checkpointing (``recording`` is set while a
+    checkpoint runs a block's first, no-grad forward) a layer computes attention once, keeps its output and chunks,
+    and the recompute in backward gets them back instead of running attention again.
+    """
 
     def __init__(
-        self, *, group: Optional[dist.ProcessGroup] = None, num_chunks: int = 1, backend: str = "auto"
+        self,
+        *,
+        group: Optional[dist.ProcessGroup] = None,
+        num_chunks: int = 1,
+        backend: str = "auto",
+        offload: bool = False,
+        offload_dq: bool = False,
     ) -> None:
         check_backend_name(backend)
         if num_chunks < 1:
@@ -273,12 +337,77 @@ class FPDTAttention:
         self.group = group
         self.num_chunks = num_chunks
         self.backend = backend
+        self.stashes = StashFactory(offload=offload, offload_dq=offload_dq)
+        self.recording = False
+        """Set by a checkpoint around a block's first forward: keep what the recompute will need."""
+        self.kernel_calls = 0
+        """Attention computations run (a recompute served from the first forward does not count)."""
+
+    @property
+    def offload(self) -> bool:
+        return self.stashes.offload
+
+    @offload.setter
+    def offload(self, value: bool) -> None:
+        self.stashes.offload = value
+
+    def plan(self, query: Tensor, key: Tensor, value: Tensor, causal: bool, scale: Optional[float]) -> _Plan:
+        return _make_plan(query, key, value, causal=causal, scale=scale, group=self.group,
+                          num_chunks=self.num_chunks, backend=self.backend)
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, causal: bool = True, scale: Optional[float] = None) -> Tensor:
-        return fpdt_attention(
-            query, key, value, causal=causal, scale=scale, group=self.group, num_chunks=self.num_chunks,
-            backend=self.backend,
-        )
+        self.kernel_calls += 1
+        save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+        return _FPDTAttentionFunction.apply(query, key, value, self.plan(query, key, value, causal, scale),
+                                            self.stashes, save)
+
+    def for_layer(self) -> "LayerAttention":
+        return LayerAttention(self)
 
     def __repr__(self) -> str:
-        return f"FPDTAttention(num_chunks={self.num_chunks}, backend={self.backend!r})"
+        return f"FPDTAttention(num_chunks={self.num_chunks}, backend={self.backend!r}, offload={self.offload})"
+
+
+class LayerAttention:
+    """One layer's handle on a shared :class:`FPDTAttention` (see there)."""
+
+    def __init__(self, shared: FPDTAttention) -> None:
+        self.shared = shared
+        self._first_pass: Optional[_FirstPass] = None
+        self._kept_out: Optional[ChunkStash] = None  # the first pass's output, on the host when offloading
+
+    def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, causal: bool = True, scale: Optional[float] = None) -> Tensor:
+        shared = self.shared
+        if self._first_pass is not None and _in_backward():
+            return self._replay(query, key, value)
+        if not shared.recording:
+            return shared(query, key, value, causal=causal, scale=scale)
+        # a checkpoint's first forward (no grad): compute and stash as for a backward, keep the output
+        self.discard()
+        shared.kernel_calls += 1
+        plan = shared.plan(query, key, value, causal, scale)
+        stash = shared.stashes.chunks(query.device)
+        out = fpdt_forward(query, key, value, plan, stash, save_for_backward=True)
+        self._kept_out = shared.stashes.chunks(out.device)
+        self._kept_out.put("out", out)
+        self._first_pass = _FirstPass(plan=plan, stash=stash, out=out)
+        self._first_pass.out = None  # the kept copy lives in _kept_out (host memory when offloading)
+        return out
+
+    def _replay(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        first_pass, kept = self._first_pass, self._kept_out
+        self._first_pass = self._kept_out = None
+        first_pass.out = kept.get("out")
+        kept.release("out")
+        kept.free("out")
+        return _FPDTAttentionFunction.apply(query, key, value, first_pass.plan, self.shared.stashes, True, first_pass)
+
+    def discard(self) -> None:
+        """Drop what a first pass kept (its graph was discarded without a backward)."""
+        if self._first_pass is not None:
+            self._first_pass.stash.clear()
+            self._kept_out.clear()
+        self._first_pass = self._kept_out = None
+
+    def __repr__(self) -> str:
+        return f"LayerAttention({self.shared!r})"

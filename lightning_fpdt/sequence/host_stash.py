@@ -1,18 +1,26 @@
 """Where the FPDT attention keeps its chunks between the forward and the backward.
 
-The chunk loop talks to a stash through four calls with an explicit life cycle: ``put`` a chunk once, optionally
-``prefetch`` it ahead of use, ``get`` it (any number of times), ``free`` it once. Misuse (a second ``put`` of the same
-key, ``get`` or ``free`` of a key never put or already freed) raises ``RuntimeError``: those are scheduling bugs that
-would otherwise show up as wrong gradients.
+The chunk loop talks to a stash through a small life cycle: ``put`` a chunk once; ``prefetch`` it ahead of use;
+``get`` it (blocks the compute stream until it is resident); ``release`` the resident copy after use (the stash keeps
+its own); ``free`` it once at the end. Misuse (a second ``put`` of the same key, ``get``/``prefetch``/``release``/
+``free`` of a key never put or already freed) raises ``RuntimeError``: those are scheduling bugs that would
+otherwise show up as wrong gradients or a hang.
 
-:class:`ChunkStash` keeps the tensors where they are (device memory). It is the store for ``offload=False`` and the
-contract a host-offloading stash implements with pinned buffers, copy streams and events.
+- :class:`ChunkStash` keeps the tensors where they are (device memory): ``offload=False``.
+- :class:`HostStash` keeps them in host memory (pinned on CUDA) from a :class:`HostBufferPool` that allocates each
+  buffer size once and reuses it across chunks, layers and steps (pinning is slow). On CUDA, ``put`` copies on a
+  device-to-host stream and ``prefetch`` on a host-to-device stream, ordered by CUDA events only: no
+  ``synchronize()`` and no barrier anywhere in the chunk loops. On CPU the same logic runs with plain tensors and
+  no streams, so the multi-process CPU tests cover it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Optional
 
+import torch
 from torch import Tensor
 
 
@@ -35,13 +43,18 @@ class ChunkStash:
         self._check(key, "get")
         return self._chunks[key]
 
+    def release(self, key: Hashable) -> None:
+        """The caller is done with the tensor ``get`` returned (for now); a no-op for chunks kept in place."""
+        self._check(key, "release")
+
     def free(self, key: Hashable) -> None:
         self._check(key, "free")
         del self._chunks[key]
 
     def clear(self) -> None:
         """Drop every chunk (the end of a backward, or a forward whose graph is discarded)."""
-        self._chunks.clear()
+        for key in list(self._chunks):
+            self.free(key)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._chunks
@@ -57,3 +70,184 @@ class ChunkStash:
     def _check(self, key: Hashable, verb: str) -> None:
         if key not in self._chunks:
             raise RuntimeError(f"stash: {verb} of {key!r}, which was never put or was already freed")
+
+
+class HostBufferPool:
+    """Host buffers (pinned on CUDA machines) by ``(dtype, numel)``, allocated once and reused.
+
+    A buffer handed back carries the event of its last device read; its next user waits on that event before
+    writing, so a buffer is never overwritten while a copy still reads it.
+    """
+
+    def __init__(self, pin_memory: bool) -> None:
+        self.pin_memory = pin_memory
+        self._idle: dict[tuple[torch.dtype, int], list[tuple[Tensor, Optional[torch.cuda.Event]]]] = {}
+        self.allocated_bytes = 0
+        """Host memory this pool has allocated (the peak of what was live at once)."""
+
+    def acquire(self, dtype: torch.dtype, numel: int) -> tuple[Tensor, Optional[torch.cuda.Event]]:
+        idle = self._idle.get((dtype, numel))
+        if idle:
+            return idle.pop()
+        buffer = torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
+        self.allocated_bytes += buffer.numel() * buffer.element_size()
+        return buffer, None
+
+    def give_back(self, buffer: Tensor, last_read: Optional[torch.cuda.Event]) -> None:
+        self._idle.setdefault((buffer.dtype, buffer.numel()), []).append((buffer, last_read))
+
+
+@dataclass
+class _HostChunk:
+    host: Tensor  # the stash's own copy, (shape) view of a pool buffer
+    buffer: Tensor  # the pool buffer behind it
+    device_copy: Optional[Tensor] = None  # resident copy after prefetch, until release
+    written: Optional[torch.cuda.Event] = None  # device-to-host copy finished
+    loaded: Optional[torch.cuda.Event] = None  # host-to-device copy finished
+
+
+class CopyStreams:
+    """One CUDA stream per copy direction, shared by every stash of a model."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.to_host = torch.cuda.Stream(device=device)
+        self.to_device = torch.cuda.Stream(device=device)
+
+
+class HostStash(ChunkStash):
+    """Chunks in host memory, brought back on demand; see the module docstring.
+
+    Args:
+        device: where ``get`` returns tensors (a CUDA device, or the CPU for the tests).
+        pool: the host buffers, shared by every stash of a model.
+        streams: the copy streams on CUDA (``None`` on CPU).
+    """
+
+    def __init__(self, device: torch.device, pool: HostBufferPool, streams: Optional[CopyStreams]) -> None:
+        super().__init__()
+        self.device = device
+        self.pool = pool
+        self.streams = streams
+        self._entries: dict[Hashable, _HostChunk] = {}
+
+    def put(self, key: Hashable, tensor: Tensor) -> None:
+        if key in self._entries:
+            raise RuntimeError(f"stash: put of {key!r}, which is already stashed (free it first)")
+        buffer, last_read = self.pool.acquire(tensor.dtype, tensor.numel())
+        entry = _HostChunk(host=buffer.view(tensor.shape), buffer=buffer)
+        if self.streams is None:
+            entry.host.copy_(tensor)
+        else:
+            produced = torch.cuda.current_stream(self.device).record_event()
+            stream = self.streams.to_host
+            with torch.cuda.stream(stream):
+                stream.wait_event(produced)  # the chunk is computed
+                if last_read is not None:
+                    stream.wait_event(last_read)  # the buffer's previous chunk has been read back
+                entry.host.copy_(tensor, non_blocking=True)
+                entry.written = stream.record_event()
+            tensor.record_stream(stream)  # its memory is not reused before the copy has read it
+        self._entries[key] = entry
+
+    def prefetch(self, key: Hashable) -> None:
+        entry = self._entry(key, "prefetch")
+        if entry.device_copy is not None:
+            return
+        if self.streams is None:
+            entry.device_copy = entry.host.clone()  # a separate tensor, as on the GPU
+            return
+        stream = self.streams.to_device
+        with torch.cuda.stream(stream):
+            stream.wait_event(entry.written)
+            device_copy = torch.empty(entry.host.shape, dtype=entry.host.dtype, device=self.device)
+            device_copy.copy_(entry.host, non_blocking=True)
+            entry.loaded = stream.record_event()
+        entry.device_copy = device_copy
+
+    def get(self, key: Hashable) -> Tensor:
+        entry = self._entry(key, "get")
+        self.prefetch(key)
+        if self.streams is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(entry.loaded)
+            entry.device_copy.record_stream(compute)  # allocated on the copy stream, used on this one
+        return entry.device_copy
+
+    def release(self, key: Hashable) -> None:
+        self._entry(key, "release").device_copy = None
+
+    def free(self, key: Hashable) -> None:
+        entry = self._entry(key, "free")
+        # the buffer's last reader: the host-to-device copy if there was one, else the device-to-host write
+        self.pool.give_back(entry.buffer, entry.loaded or entry.written)
+        del self._entries[key]
+
+    def clear(self) -> None:
+        for key in list(self._entries):
+            self.free(key)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held by the stash now."""
+        return sum(e.buffer.numel() * e.buffer.element_size() for e in self._entries.values())
+
+    @property
+    def resident_bytes(self) -> int:
+        """Device bytes of chunks prefetched and not yet released."""
+        return sum(
+            e.device_copy.numel() * e.device_copy.element_size()
+            for e in self._entries.values()
+            if e.device_copy is not None
+        )
+
+    def _entry(self, key: Hashable, verb: str) -> _HostChunk:
+        entry = self._entries.get(key)
+        if entry is None:
+            raise RuntimeError(f"stash: {verb} of {key!r}, which was never put or was already freed")
+        return entry
+
+
+class StashFactory:
+    """Makes the stashes of each attention call; shares one buffer pool and one pair of copy streams among all of
+    them (every layer, every step), so pinned memory is allocated once.
+
+    Args:
+        offload: keep q/k/v/out/lse chunks in host memory between forward and backward.
+        offload_dq: keep the partial dQ sums of the backward in host memory too (a tighter GPU budget, more copies).
+        pin_memory: pin host buffers on CUDA machines (pageable copies are ~3× slower and synchronous).
+    """
+
+    def __init__(self, *, offload: bool = False, offload_dq: bool = False, pin_memory: bool = True) -> None:
+        self.offload = offload
+        self.offload_dq = offload_dq
+        self.pin_memory = pin_memory
+        self._pool: Optional[HostBufferPool] = None
+        self._streams: dict[torch.device, CopyStreams] = {}
+
+    def chunks(self, device: torch.device) -> ChunkStash:
+        return self._host_stash(device) if self.offload else ChunkStash()
+
+    def partial_dq(self, device: torch.device) -> ChunkStash:
+        return self._host_stash(device) if self.offload_dq else ChunkStash()
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory allocated for stashed chunks so far."""
+        return 0 if self._pool is None else self._pool.allocated_bytes
+
+    def _host_stash(self, device: torch.device) -> HostStash:
+        cuda = device.type == "cuda"
+        if self._pool is None:
+            self._pool = HostBufferPool(pin_memory=cuda and self.pin_memory)
+        streams = None
+        if cuda:
+            streams = self._streams.get(device)
+            if streams is None:
+                streams = self._streams[device] = CopyStreams(device)
+        return HostStash(device, self._pool, streams)

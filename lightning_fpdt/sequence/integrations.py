@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_fpdt.sequence.fpdt import FPDTAttention
+from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention
 from lightning_fpdt.sequence.layout import IGNORE_INDEX
 
 HF_ATTENTION_NAME = "fpdt"
@@ -93,7 +93,7 @@ def install_reference_llama(model: nn.Module, context: SequenceParallelContext) 
 
     for module in model.modules():
         if isinstance(module, LlamaAttention):
-            module.attention_fn = context.attention
+            module.attention_fn = context.attention.for_layer()
     model.labels_are_shifted = True  # the strategy shifts labels on the global sequence before sharding
     model.fpdt_reduce_loss = loss_reduction(context)
     # the local loss is looked up at call time, so a later transform (TiledLoss) can replace it
@@ -137,7 +137,7 @@ def _hf_attention(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """transformers attention-interface function: ``(B, H, S/P, D)`` in, ``(B, S/P, H, D)`` out."""
-    attention: Optional[FPDTAttention] = getattr(module, "_fpdt_attention", None)
+    attention: Optional[LayerAttention] = getattr(module, "_fpdt_attention", None)
     if attention is None:
         raise ValueError(
             f"{type(module).__name__} uses attn_implementation='fpdt' but was not prepared by the fpdt strategy; "
@@ -188,7 +188,7 @@ def install_hf_model(model: nn.Module, context: SequenceParallelContext) -> None
     config.use_cache = False  # a KV cache of the local shard is useless in training and costs memory
     for module in model.modules():
         if hasattr(module, "is_causal") and hasattr(module, "config"):
-            module._fpdt_attention = context.attention
+            module._fpdt_attention = context.attention.for_layer()
 
     def loss_function(logits: Tensor, labels: Optional[Tensor] = None, vocab_size: Optional[int] = None,
                       num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX,
@@ -220,7 +220,7 @@ class SDPAInterception(TorchFunctionMode):
     The intercepted call receives ``(B, H, S/P, D)`` tensors of the local shard and returns the same layout.
     """
 
-    def __init__(self, attention: FPDTAttention) -> None:
+    def __init__(self, attention: Union[FPDTAttention, LayerAttention]) -> None:
         super().__init__()
         self.attention = attention
 
@@ -250,13 +250,16 @@ def install_sdpa_interception(blocks: list[nn.Module], context: SequenceParallel
     """Run each block's forward under :class:`SDPAInterception` (also when a checkpoint recomputes it)."""
     for block in blocks:
         forward = block.forward
+        interception = SDPAInterception(context.attention.for_layer())
 
         @functools.wraps(forward)
-        def intercepted(*args: Any, __forward: Callable = forward, **kwargs: Any) -> Any:
-            with SDPAInterception(context.attention):
+        def intercepted(*args: Any, __forward: Callable = forward, __mode: SDPAInterception = interception,
+                        **kwargs: Any) -> Any:
+            with __mode:
                 return __forward(*args, **kwargs)
 
         block.forward = intercepted
+        block._fpdt_attention = interception.attention  # found by ActivationOffload (no attention recompute)
 
 
 def install(model: nn.Module, blocks: list[nn.Module], context: SequenceParallelContext) -> str:

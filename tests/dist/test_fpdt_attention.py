@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fpdt.sequence import SequenceLayout, all_to_all_head_to_seq, all_to_all_seq_to_head, fpdt_attention
+from lightning_fpdt.sequence import (
+    SequenceLayout,
+    StashFactory,
+    all_to_all_head_to_seq,
+    all_to_all_seq_to_head,
+    fpdt_attention,
+)
 from lightning_fpdt.sequence.all_to_all import group_rank, group_size
 from tests.reference import causal_attention
 
@@ -24,7 +30,8 @@ HEADS = {
 TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=2e-5)}
 
 
-def _check_attention(seq_len: int, num_chunks: int, heads: tuple[int, int], dtype: torch.dtype, backend: str, seed: int):
+def _check_attention(seq_len: int, num_chunks: int, heads: tuple[int, int], dtype: torch.dtype, backend: str, seed: int,
+                     offload: bool = False, offload_dq: bool = False):
     """One case on every rank: shard, run, gather, compare output and q/k/v gradients with the reference."""
     sp_size, rank = group_size(None), group_rank(None)
     num_heads, num_kv_heads = heads
@@ -44,13 +51,14 @@ def _check_attention(seq_len: int, num_chunks: int, heads: tuple[int, int], dtyp
     # pad tokens sit after every real token, so causality keeps them out of the real tokens' results
     local = [layout.shard(layout.pad(x.to(dtype), dim=1)).requires_grad_() for x in (q, k, v)]
     local_grad_out = layout.shard(layout.pad(grad_out.to(dtype), dim=1))  # zero on pad tokens
-    out = fpdt_attention(*local, group=None, num_chunks=num_chunks, backend=backend)
+    stashes = StashFactory(offload=offload, offload_dq=offload_dq)
+    out = fpdt_attention(*local, group=None, num_chunks=num_chunks, backend=backend, stashes=stashes)
     grads = torch.autograd.grad(out, local, local_grad_out)
 
     tol = TOLERANCE[dtype]
     full_out = layout.gather(out.detach(), None)
     assert full_out.shape[1] == padded
-    case = f"S={seq_len} P={sp_size} u={num_chunks} heads={heads} {dtype} {backend}"
+    case = f"S={seq_len} P={sp_size} u={num_chunks} heads={heads} {dtype} {backend} offload={offload}/{offload_dq}"
     torch.testing.assert_close(full_out[:, :seq_len].double(), ref_out.detach(), **tol, msg=lambda m: f"{case} out: {m}")
     for name, grad, ref_grad in zip("qkv", grads, ref_grads):
         full = layout.gather(grad, None)
@@ -71,6 +79,10 @@ def _cases(sp_size: int) -> list[dict]:
             for seq_len in (sp_size * num_chunks * 3, sp_size * num_chunks * 3 + 1):  # exact and needing padding
                 cases.append(dict(seq_len=seq_len, num_chunks=num_chunks, heads=heads, dtype=torch.float64,
                                   backend="math", seed=len(cases)))
+    # chunks through the host stash (and the partial dQ sums too), every GQA kind
+    for heads in HEADS[sp_size]:
+        cases.append(dict(seq_len=sp_size * 4 * 2 + 1, num_chunks=4, heads=heads, dtype=torch.float64, backend="math",
+                          seed=50 + len(cases), offload=True, offload_dq=len(cases) % 2 == 0))
     # the CPU flash op in fp32, on the GQA case with the most blocks
     cases.append(dict(seq_len=sp_size * 4 * 5 - 2, num_chunks=4, heads=HEADS[sp_size][-1], dtype=torch.float32,
                       backend="flash", seed=99))
@@ -84,7 +96,7 @@ def test_fpdt_single_process():
 
 @pytest.mark.parametrize("sp_size", [2, 3, 4])
 def test_fpdt_matches_single_process(dist_pool, sp_size):
-    """P = 2, 3, 4 with u = 1, 2, 4, MHA and both GQA cases, padded lengths: outputs and gradients are exact."""
+    """P = 2, 3, 4 with u = 1, 2, 4, MHA and both GQA cases, padded lengths, host offload: exact outputs, gradients."""
     dist_pool(sp_size).run(run_attention_cases, cases=_cases(sp_size))
 
 

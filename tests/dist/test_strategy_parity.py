@@ -19,13 +19,13 @@ TOL = dict(rtol=1e-4, atol=2e-5)
 
 
 def train_and_compare(kind: str, dp: int, sp: int, chunks: int, accumulate: int, seq_len: int, steps: int = 3,
-                      batch_size: int = 2, strategy_name: bool = False) -> None:
+                      batch_size: int = 2, strategy_name: bool = False, callbacks: list | None = None) -> None:
     world = dist.get_world_size()
     seed, lr = 1234, 0.5
     dataset = TokenDataset(num_samples=dp * batch_size * steps * accumulate, seq_len=seq_len, seed=7)
     strategy = "fpdt" if strategy_name else FPDTStrategy(sequence_parallel_size=sp, data_parallel_size=dp, chunks=chunks)
     trainer = L.Trainer(strategy=strategy, devices=world, max_steps=steps, accumulate_grad_batches=accumulate,
-                        **trainer_kwargs())
+                        callbacks=callbacks or [], **trainer_kwargs())
     module = LitLM(kind, seed, lr)
     trainer.fit(module, DataLoader(dataset, batch_size=batch_size, shuffle=False))
     assert trainer.strategy.sequence_parallel_size == sp and trainer.strategy.data_parallel_size == dp

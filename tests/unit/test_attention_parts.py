@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_fpdt.sequence import ChunkStash, FPDTAttention, check_heads, fpdt_attention, merge_partial
+from lightning_fpdt.sequence import ChunkStash, FPDTAttention, StashFactory, check_heads, fpdt_attention, merge_partial
 from lightning_fpdt.sequence.kernels import MathKernel, make_kernel, supported_backends
 
 
@@ -139,14 +139,16 @@ def test_attention_argument_validation_messages():
 
 
 def test_no_grad_forward_keeps_nothing():
-    """Under no_grad (validation) the forward stashes nothing for a backward."""
-    stashes = []
+    """Under no_grad (validation) the forward stashes nothing for a backward, also when offloading."""
+    made = []
 
-    def make_stash():
-        stashes.append(ChunkStash())
-        return stashes[-1]
+    class Recording(StashFactory):
+        def chunks(self, device):
+            made.append(super().chunks(device))
+            return made[-1]
 
     q = torch.randn(1, 8, 2, 4, requires_grad=True)
-    with torch.no_grad():
-        fpdt_attention(q, q, q, num_chunks=4, make_stash=make_stash)
-    assert len(stashes[0]) == 0
+    for offload in (False, True):
+        with torch.no_grad():
+            fpdt_attention(q, q, q, num_chunks=4, stashes=Recording(offload=offload))
+        assert len(made[-1]) == 0

@@ -1,0 +1,28 @@
+"""ActivationOffload under Trainer(strategy="fpdt") on gloo processes: training parity with one process."""
+
+from __future__ import annotations
+
+from lightning_fpdt.callbacks.activation_offload import ActivationOffload
+from tests.dist import test_strategy_parity as parity
+
+
+def run_with_offload(cases: list[dict]) -> None:
+    for case in cases:
+        parity.train_and_compare(**case, callbacks=[ActivationOffload()])
+
+
+def test_activation_offload_parity_two_processes(dist_pool):
+    """1×2 with chunks 2: reference Llama (gradient accumulation 2), HF Llama and a plain SDPA module."""
+    dist_pool(2).run(run_with_offload, cases=[
+        dict(kind="llama", dp=1, sp=2, chunks=2, accumulate=2, seq_len=15),
+        dict(kind="hf", dp=1, sp=2, chunks=2, accumulate=1, seq_len=16),
+        dict(kind="plain", dp=1, sp=2, chunks=2, accumulate=1, seq_len=16),
+    ])
+
+
+def test_activation_offload_parity_four_processes(dist_pool):
+    """1×4 and 2×2 with chunks 2."""
+    dist_pool(4).run(run_with_offload, cases=[
+        dict(kind="llama", dp=1, sp=4, chunks=2, accumulate=1, seq_len=24),
+        dict(kind="hf", dp=2, sp=2, chunks=2, accumulate=1, seq_len=16),
+    ])

@@ -1,0 +1,112 @@
+"""Host stash, offloaded attention, and no attention recompute under ActivationOffload (DESIGN.md §4, §6)."""
+
+import copy
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+from lightning_fpdt.callbacks.activation_offload import ActivationOffload
+from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
+from lightning_fpdt.sequence import FPDTAttention, HostBufferPool, HostStash, StashFactory, fpdt_attention
+from lightning_fpdt.sequence.integrations import SequenceParallelContext, install_reference_llama
+from lightning_fpdt.strategy.parallelize import find_blocks
+
+
+def test_host_stash_life_cycle_and_misuse():
+    """put/prefetch/get/release/free on the host stash; misuse raises RuntimeError naming the key and the verb."""
+    stash = HostStash(torch.device("cpu"), HostBufferPool(pin_memory=False), streams=None)
+    t = torch.randn(2, 3)
+    original = t.clone()
+    stash.put("a", t)
+    t.add_(1.0)  # the stash holds its own copy
+    stash.prefetch("a")
+    got = stash.get("a")
+    assert torch.equal(got, original) and stash.resident_bytes == 24 and stash.nbytes == 24
+    stash.release("a")
+    assert stash.resident_bytes == 0
+    with pytest.raises(RuntimeError, match="put of 'a', which is already stashed"):
+        stash.put("a", t)
+    stash.free("a")
+    for verb in ("get", "prefetch", "release", "free"):
+        with pytest.raises(RuntimeError, match=f"{verb} of 'a', which was never put or was already freed"):
+            getattr(stash, verb)("a")
+
+
+def test_pool_buffers_are_reused_across_calls():
+    """Host buffers are allocated once: a second attention call of the same shape allocates nothing more."""
+    stashes = StashFactory(offload=True, offload_dq=True)
+    q = torch.randn(1, 16, 2, 4, requires_grad=True)
+    for _ in range(2):
+        fpdt_attention(q, q, q, num_chunks=4, stashes=stashes).sum().backward()
+        if _ == 0:
+            allocated = stashes.host_bytes
+    assert allocated > 0 and stashes.host_bytes == allocated
+
+
+@pytest.mark.parametrize("offload_dq", [False, True])
+def test_offloaded_attention_equals_in_place(offload_dq):
+    """Offloading chunks (and partial dQ) to host memory changes no output or gradient bit."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 24, 4, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 24, 2, 8, generator=gen, requires_grad=True) for _ in range(2))
+    g = torch.randn(2, 24, 4, 8, generator=gen)
+    results = []
+    for stashes in (StashFactory(), StashFactory(offload=True, offload_dq=offload_dq)):
+        out = fpdt_attention(q, k, v, num_chunks=3, stashes=stashes)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), g)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def _models(num_layers: int = 3):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.from_name("tiny", num_layers=num_layers)).double()
+    return model, copy.deepcopy(model)
+
+
+def _train_steps(model, steps: int = 2):
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    targets = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    for _ in range(steps):
+        model(input_ids=ids, labels=targets).backward()
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_activation_offload_runs_attention_once_per_layer(offload):
+    """Checkpointed blocks recompute everything but attention: kernel calls per step = layers; gradients exact."""
+    plain, checkpointed = _models()
+    attentions = []
+    for model, wrap in ((plain, False), (checkpointed, True)):
+        attention = FPDTAttention(num_chunks=2, backend="math", offload=offload)
+        install_reference_llama(model, SequenceParallelContext(group=None, attention=attention))
+        if wrap:
+            callback = ActivationOffload(offload=offload)
+            callback.fpdt_transform(model, find_blocks(model))
+            callback.fpdt_transform(model, find_blocks(model))  # idempotent: wraps once
+        _train_steps(model)
+        attentions.append(attention)
+    assert attentions[0].kernel_calls == attentions[1].kernel_calls == 3 * 2  # 3 layers, 2 steps
+    for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12, msg=name)  # fp64, same arithmetic
+    assert (callback.host_bytes > 0) == offload
+
+
+def test_plain_checkpointing_would_recompute_attention():
+    """Contrast: torch's own checkpoint around each block runs the attention twice per layer and step."""
+    model, _ = _models()
+    attention = FPDTAttention(num_chunks=2, backend="math")
+    install_reference_llama(model, SequenceParallelContext(group=None, attention=attention))
+    for block in model.model.layers:
+        forward = block.forward
+        block.forward = lambda *a, __f=forward, **k: torch.utils.checkpoint.checkpoint(__f, *a, use_reentrant=False, **k)
+    _train_steps(model)
+    assert attention.kernel_calls == 2 * 3 * 2
+
+
+def test_activation_offload_option_messages():
+    """prefetch < 0 and a model without blocks are refused by name."""
+    with pytest.raises(ValueError, match="prefetch must be >= 0 blocks, got -1"):
+        ActivationOffload(prefetch=-1)
+    with pytest.raises(ValueError, match="found no transformer blocks in Linear"):
+        ActivationOffload().fpdt_transform(torch.nn.Linear(2, 2), [])

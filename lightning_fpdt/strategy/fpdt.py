@@ -20,17 +20,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_fpdt.sequence.fpdt import FPDTAttention
+from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention
 from lightning_fpdt.sequence.integrations import SequenceParallelContext, sequence_parallel_loss
 from lightning_fpdt.sequence.kernels import check_backend_name
 from lightning_fpdt.sequence.layout import IGNORE_INDEX, SequenceLayout
+from lightning_fpdt.sequence.planning import MAX_CHUNK_TOKENS, AttentionGeometry, choose_chunks, choose_offload
 from lightning_fpdt.strategy.mesh import MESH_AXES, build_mesh, resolve_sizes
 from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt, find_model, unwrap_loss
 from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
-
-AUTO_CHUNK_TOKENS = 65536
-"""``chunks="auto"``: global tokens per FPDT chunk ``C`` at most this (FPDT's chunk size)."""
-
 
 def attention_heads(module: torch.nn.Module) -> Optional[tuple[int, int]]:
     """``(num_heads, num_kv_heads)`` read from a config found in ``module``, or ``None``."""
@@ -52,8 +49,12 @@ class FPDTStrategy(ModelParallelStrategy):
         sequence_parallel_size: ranks that share one sequence; ``"auto"``: the devices of a node, capped by what
             the model's head counts allow.
         data_parallel_size: groups that see different samples; ``"auto"``: world size / sequence_parallel_size.
-        chunks: FPDT chunks per rank ``u``; ``"auto"``: enough that a chunk holds at most 65536 global tokens.
+        chunks: FPDT chunks per rank ``u``; ``"auto"``: the fewest whose working set fits a sixteenth of the free
+            GPU memory, with at most 65536 global tokens per chunk (``lightning_fpdt.sequence.planning``).
             ``1`` is plain Ulysses.
+        offload: keep the attention's q/k/v/out/lse chunks in pinned host memory between forward and backward;
+            ``"auto"``: when all layers' chunks would take more than a quarter of the free GPU memory (never on CPU).
+        offload_dq: keep the backward's partial dQ sums in host memory too (tighter GPU budget, more copies).
         attention_backend: block attention kernel: ``"auto"``, ``"cudnn"``, ``"flash"`` or ``"math"``.
         layer_classes: class names of the transformer blocks (FSDP2 units); ``None``: the largest ``ModuleList``.
         cpu_offload_params: keep sharded parameters, gradients and optimizer state in host memory (FSDP2
@@ -74,6 +75,8 @@ class FPDTStrategy(ModelParallelStrategy):
         sequence_parallel_size: Union[Literal["auto"], int] = "auto",
         data_parallel_size: Union[Literal["auto"], int] = "auto",
         chunks: Union[Literal["auto"], int] = "auto",
+        offload: Union[Literal["auto"], bool] = "auto",
+        offload_dq: bool = False,
         attention_backend: str = "auto",
         layer_classes: Optional[list[str]] = None,
         cpu_offload_params: bool = False,
@@ -92,6 +95,13 @@ class FPDTStrategy(ModelParallelStrategy):
         )
         if chunks != "auto" and (not isinstance(chunks, int) or chunks < 1):
             raise ValueError(f"chunks must be 'auto' or a positive int, got {chunks!r}")
+        if offload not in ("auto", True, False):
+            raise ValueError(f"offload must be 'auto', True or False, got {offload!r}")
+        self._offload = offload
+        self._offload_dq = offload_dq
+        self._geometry: Optional[AttentionGeometry] = None
+        self._free_bytes: Optional[int] = None  # free GPU memory at the first batch, what "auto" plans with
+        self._plans_logged: set[tuple[int, int, bool]] = set()
         check_backend_name(attention_backend)
         self._sequence_parallel_size = sequence_parallel_size
         self._chunks = chunks
@@ -159,7 +169,8 @@ class FPDTStrategy(ModelParallelStrategy):
             self._context = SequenceParallelContext(
                 group=self.sequence_parallel_group,
                 attention=FPDTAttention(
-                    group=self.sequence_parallel_group, num_chunks=1, backend=self._attention_backend
+                    group=self.sequence_parallel_group, num_chunks=1, backend=self._attention_backend,
+                    offload=self._offload is True, offload_dq=self._offload_dq,
                 ),
             )
         self.model = self.precision_plugin.convert_module(self.model)
@@ -178,6 +189,7 @@ class FPDTStrategy(ModelParallelStrategy):
                 cpu_offload_params=self._cpu_offload_params,
             ),
         )
+        self._geometry = attention_geometry(find_model(self.model), self.precision_plugin.precision)
         if on_meta:
             _materialize_distributed_module(self.model, self.root_device)
             find_model(self.model).apply(_retie_weights)
@@ -191,10 +203,32 @@ class FPDTStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     # ---- data -----------------------------------------------------------------------------------------------------
-    def num_chunks_for(self, seq_len: int) -> int:
+    def _free_memory(self) -> Optional[int]:
+        if self.parallel_devices is None or self.root_device.type != "cuda":
+            return None
+        if self._free_bytes is None:
+            self._free_bytes = torch.cuda.mem_get_info(self.root_device)[0]
+        return self._free_bytes
+
+    def num_chunks_for(self, seq_len: int, batch_size: int = 1) -> int:
+        """FPDT chunks for a global sequence of ``seq_len`` tokens (the option, or the plan for ``"auto"``)."""
         if self._chunks != "auto":
             return self._chunks
-        return max(1, math.ceil(seq_len / AUTO_CHUNK_TOKENS))
+        free = self._free_memory()
+        if free is None or self._geometry is None:
+            return max(1, math.ceil(seq_len / MAX_CHUNK_TOKENS))
+        return choose_chunks(self._geometry, batch_size=batch_size, seq_len=seq_len,
+                             sp_size=self.sequence_parallel_size, free_bytes=free)
+
+    def offload_for(self, seq_len: int, batch_size: int = 1) -> bool:
+        """Whether the attention offloads its chunks for this sequence length (the option, or the plan)."""
+        if self._offload != "auto":
+            return self._offload
+        free = self._free_memory()
+        if free is None or self._geometry is None:
+            return False
+        return choose_offload(self._geometry, batch_size=batch_size, seq_len=seq_len,
+                              sp_size=self.sequence_parallel_size, free_bytes=free)
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Move the batch, then shard its sequence with :class:`SequenceLayout` (adds ``position_ids`` and the
@@ -213,7 +247,15 @@ class FPDTStrategy(ModelParallelStrategy):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, sequence), got shape {tuple(input_ids.shape)}")
         batch_size, seq_len = input_ids.shape
-        num_chunks = self.num_chunks_for(seq_len)
+        num_chunks = self.num_chunks_for(seq_len, batch_size)
+        offload = self.offload_for(seq_len, batch_size)
+        if (seq_len, num_chunks, offload) not in self._plans_logged:
+            self._plans_logged.add((seq_len, num_chunks, offload))
+            rank_zero_info(
+                f"fpdt: sequences of {seq_len} tokens: chunks={num_chunks} ({self._chunks!r}), offload={offload} "
+                f"({self._offload!r}), sequence_parallel_size={self.sequence_parallel_size}"
+                + (f", planned for {self._free_bytes / 2**30:.1f} GiB free" if self._free_bytes else "")
+            )
         layout = SequenceLayout(self.sequence_parallel_size, self.sequence_parallel_rank, num_chunks)
         padded = layout.padded_length(seq_len)
         if padded != seq_len:
@@ -258,6 +300,7 @@ class FPDTStrategy(ModelParallelStrategy):
         self._valid_tokens_local = int((shift_labels != IGNORE_INDEX).sum())
         assert self._context is not None
         self._context.attention.num_chunks = num_chunks
+        self._context.attention.offload = offload
         self._context.position_ids = sharded["position_ids"]
         self._context.loss_reduced = False
         return sharded
@@ -299,6 +342,22 @@ class FPDTStrategy(ModelParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(cls.strategy_name, cls, description="lightning_fpdt sequence parallelism")
+
+
+def attention_geometry(model: torch.nn.Module, precision: str) -> Optional[AttentionGeometry]:
+    """The attention sizes the planner needs, read from the model's config and its installed attention layers."""
+    heads = attention_heads(model)
+    config = getattr(model, "config", None)
+    if heads is None or config is None:
+        return None
+    hidden = getattr(config, "hidden_size", None)
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads[0] if hidden else None)
+    layers = sum(isinstance(getattr(m, name, None), LayerAttention) for m in model.modules()
+                 for name in ("attention_fn", "_fpdt_attention"))
+    if not head_dim or not layers:
+        return None
+    return AttentionGeometry(num_layers=layers, num_heads=heads[0], num_kv_heads=heads[1], head_dim=int(head_dim),
+                             dtype_bytes=4 if precision == "32-true" else 2)
 
 
 def memory_transforms(trainer: "pl.Trainer") -> list:

@@ -151,3 +151,28 @@ def test_parameters_on_the_lightning_module_itself_are_refused():
     config = ParallelizeConfig(context=SequenceParallelContext(group=None, attention=FPDTAttention()))
     with pytest.raises(ValueError, match=r"holds parameters \['scale'\] directly.*move them into a submodule"):
         apply_fpdt(Module(), mesh=None, config=config)
+
+
+def test_planner_offloads_and_chunks_by_memory():
+    """offload/chunks "auto": 8B attention geometry at 1M tokens on 4 ranks offloads and chunks to fit 80 GB."""
+    from lightning_fpdt.sequence.planning import (
+        AttentionGeometry,
+        choose_chunks,
+        choose_offload,
+        stash_bytes,
+        working_set_bytes,
+    )
+
+    geometry = AttentionGeometry(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
+    free = 70 * 2**30
+    # per layer: 262144 local tokens × (2·32 + 2·8) heads × 128 × 2 bytes + lse 262144 × 32 × 4 = 5.03 GiB
+    assert stash_bytes(geometry, batch_size=1, seq_len=1 << 20, sp_size=4) == 262144 * 80 * 256 + 262144 * 128
+    assert choose_offload(geometry, batch_size=1, seq_len=1 << 20, sp_size=4, free_bytes=free)
+    assert not choose_offload(geometry, batch_size=1, seq_len=1 << 14, sp_size=4, free_bytes=free)
+    chunks = choose_chunks(geometry, batch_size=1, seq_len=1 << 20, sp_size=4, free_bytes=free)
+    assert chunks == 16  # 65536 global tokens per chunk; its working set is far under free / 16
+    assert working_set_bytes(geometry, batch_size=1, seq_len=1 << 20, sp_size=4, num_chunks=chunks) < free / 16
+    # a small budget forces more chunks
+    assert choose_chunks(geometry, batch_size=1, seq_len=1 << 20, sp_size=4, free_bytes=2**30) > 16
+    with pytest.raises(ValueError, match="offload must be 'auto', True or False, got 'yes'"):
+        FPDTStrategy(offload="yes")

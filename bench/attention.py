@@ -1,0 +1,145 @@
+"""The FPDT attention op alone, forward + backward: memory, TFLOP/s, offload cost, all-to-all share.
+
+One GPU:   python bench/attention.py --seq-lens 131072,262144,524288,1048576 --chunk-tokens 32768 --offload on
+Several:   torchrun --nproc_per_node 4 bench/attention.py --seq-lens 262144,524288 --chunk-tokens 65536
+
+Geometry defaults to Llama-3-8B attention (32 heads, 8 kv heads, head dim 128), bf16, causal. ``--seq-lens`` are
+global lengths; with P GPUs each holds S/P tokens. FLOPs follow the convention of DESIGN.md's kernel figures
+(../shared/probes/probe_env.py): causal forward = 2·B·H·S²·D, forward + backward = 3.5 × forward. Prints one table
+row per case and writes JSON lines to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from lightning_fpdt.sequence import all_to_all as a2a
+from lightning_fpdt.sequence import StashFactory, fpdt_attention
+
+
+class A2ATimer:
+    """Wall time of the all-to-alls (synchronised around each), to report their share of a step."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._original = a2a._exchange
+
+    def __enter__(self):
+        def timed(*args, **kwargs):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = self._original(*args, **kwargs)
+            torch.cuda.synchronize()
+            self.seconds += time.perf_counter() - start
+            return out
+
+        a2a._exchange = timed
+        return self
+
+    def __exit__(self, *exc):
+        a2a._exchange = self._original
+
+
+def run_case(seq_len: int, num_chunks: int, offload: bool, args, rank: int, world: int) -> dict:
+    device = torch.device("cuda", torch.cuda.current_device())
+    local = seq_len // world
+    gen = torch.Generator(device=device).manual_seed(rank)
+    shape_q, shape_kv = (1, local, args.heads, args.head_dim), (1, local, args.kv_heads, args.head_dim)
+    q = torch.randn(shape_q, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+    k = torch.randn(shape_kv, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+    v = torch.randn(shape_kv, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+    dout = torch.randn(shape_q, device=device, dtype=torch.bfloat16, generator=gen)
+    stashes = StashFactory(offload=offload)
+    group = dist.group.WORLD if world > 1 else None
+
+    def step():
+        out = fpdt_attention(q, k, v, num_chunks=num_chunks, backend=args.backend, stashes=stashes, group=group)
+        out.backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    step()  # warm-up: kernels chosen, pinned pool allocated
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.repeat):
+        if world > 1:
+            dist.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() - base
+    # what the op must hold whatever it does: out, dq, dk, dv (q, k, v, dout are in `base`)
+    io_bytes = 2 * q.numel() * 2 + 2 * k.numel() * 2
+    a2a_seconds = 0.0
+    if world > 1:
+        with A2ATimer() as timer:
+            step()
+            torch.cuda.synchronize()
+        a2a_seconds = timer.seconds
+    median = sorted(times)[len(times) // 2]
+    flops = 3.5 * 2 * args.heads * seq_len * seq_len * args.head_dim  # global, causal, fwd + bwd
+    return dict(
+        card=torch.cuda.get_device_name(), gpus=world, seq_len=seq_len, chunks=num_chunks, offload=offload,
+        heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, backend=args.backend,
+        step_s=median, tflops_per_gpu=flops / median / world / 1e12,
+        peak_extra_gib=(peak - io_bytes) / 2**30, inputs_gib=base / 2**30,
+        a2a_share=a2a_seconds / median, host_gib=stashes.host_bytes / 2**30,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq-lens", default="131072,262144")
+    parser.add_argument("--chunk-tokens", type=int, default=32768, help="global tokens per chunk (u = S / this)")
+    parser.add_argument("--chunks", type=int, default=0, help="fixed chunk count instead of --chunk-tokens")
+    parser.add_argument("--offload", choices=["on", "off", "both"], default="on")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--backend", default="cudnn")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "attention.jsonl"))
+    args = parser.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    rows = []
+    for seq_len in (int(s) for s in args.seq_lens.split(",")):
+        for offload in {"on": [True], "off": [False], "both": [False, True]}[args.offload]:
+            num_chunks = args.chunks or max(1, seq_len // args.chunk_tokens)
+            try:
+                row = run_case(seq_len, num_chunks, offload, args, rank, world)
+            except torch.OutOfMemoryError:
+                row = dict(seq_len=seq_len, chunks=num_chunks, offload=offload, gpus=world, oom=True)
+            torch.cuda.empty_cache()
+            rows.append(row)
+            if rank == 0:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    if rank == 0:
+        print(f"{'card':24s} {'gpus':>4s} {'S':>8s} {'u':>3s} {'offl':>5s} {'step s':>8s} {'TFLOP/s/gpu':>11s} "
+              f"{'extra GiB':>9s} {'in GiB':>7s} {'a2a %':>6s} {'host GiB':>8s}")
+        for r in rows:
+            if r.get("oom"):
+                print(f"{'':24s} {r['gpus']:4d} {r['seq_len']:8d} {r['chunks']:3d} {str(r['offload']):>5s}  OOM")
+                continue
+            print(f"{r['card'][:24]:24s} {r['gpus']:4d} {r['seq_len']:8d} {r['chunks']:3d} {str(r['offload']):>5s} "
+                  f"{r['step_s']:8.3f} {r['tflops_per_gpu']:11.1f} {r['peak_extra_gib']:9.2f} {r['inputs_gib']:7.2f} "
+                  f"{100 * r['a2a_share']:6.1f} {r['host_gib']:8.1f}")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""``chunks="auto"`` and ``offload="auto"``: sized from the sequence, the head geometry and free GPU memory.
+
+Bytes the FPDT attention holds (per rank; ``B`` batch, ``S`` global length, ``P`` sequence-parallel size, ``u``
+chunks, ``C = S/u`` global tokens per chunk, ``h = H/P`` query heads and ``hk = max(Hkv, P)/P`` kv heads per rank
+after the all-to-all):
+
+- between forward and backward, per layer (the stash): q and out ``2·B·(S/P)·H·D·b``, k and v
+  ``2·B·(S/P)·max(Hkv, P)·D·b``, lse ``B·(S/P)·H·4``;
+- while one chunk computes (the working set): its q, k, v and the prefetched kv chunk ``B·C·(h + 4·hk)·D·b``, the
+  fp32 running output and block output ``2·B·C·h·D·4``, the lse ``B·C·h·4·2``.
+
+``offload="auto"`` offloads when the stash of all layers would take more than a quarter of the free memory;
+``chunks="auto"`` takes the fewest chunks whose working set stays under a sixteenth of it, and at most 65,536 global
+tokens per chunk (FPDT's chunk size; longer chunks gain no kernel efficiency).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_CHUNK_TOKENS = 65536
+STASH_FRACTION = 4  # offload when the stash of all layers exceeds free / 4
+WORKING_SET_FRACTION = 16  # one chunk's working set stays under free / 16
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """What the sizes depend on."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+
+
+def stash_bytes(geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int) -> int:
+    """Bytes one layer's chunks occupy between its forward and its backward, on one rank."""
+    g = geometry
+    local = batch_size * seq_len // sp_size
+    kv_heads = max(g.num_kv_heads, sp_size)  # replicated up to P when P > Hkv
+    return local * (2 * g.num_heads + 2 * kv_heads) * g.head_dim * g.dtype_bytes + local * g.num_heads * 4
+
+
+def working_set_bytes(geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, num_chunks: int) -> int:
+    """Bytes live on the device while one chunk of one layer computes."""
+    g = geometry
+    chunk = batch_size * math.ceil(seq_len / num_chunks)
+    heads = g.num_heads / sp_size
+    kv_heads = max(g.num_kv_heads, sp_size) / sp_size
+    return int(chunk * (heads + 4 * kv_heads) * g.head_dim * g.dtype_bytes + chunk * heads * (2 * g.head_dim + 2) * 4)
+
+
+def choose_offload(geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, free_bytes: int) -> bool:
+    total = geometry.num_layers * stash_bytes(geometry, batch_size=batch_size, seq_len=seq_len, sp_size=sp_size)
+    return total > free_bytes / STASH_FRACTION
+
+
+def choose_chunks(geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, free_bytes: int) -> int:
+    num_chunks = max(1, math.ceil(seq_len / MAX_CHUNK_TOKENS))
+    while (
+        working_set_bytes(geometry, batch_size=batch_size, seq_len=seq_len, sp_size=sp_size, num_chunks=num_chunks)
+        > free_bytes / WORKING_SET_FRACTION
+        and seq_len / (num_chunks * 2) >= sp_size
+    ):
+        num_chunks *= 2
+    return num_chunks

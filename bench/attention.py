@@ -55,7 +55,7 @@ def run_case(seq_len: int, num_chunks: int, offload: bool, args, rank: int, worl
     k = torch.randn(shape_kv, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
     v = torch.randn(shape_kv, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
     dout = torch.randn(shape_q, device=device, dtype=torch.bfloat16, generator=gen)
-    stashes = StashFactory(offload=offload)
+    stashes = StashFactory(offload=offload, offload_dq=offload and not args.keep_dq_on_gpu)
     group = dist.group.WORLD if world > 1 else None
 
     def step():
@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, default=32768, help="global tokens per chunk (u = S / this)")
     parser.add_argument("--chunks", type=int, default=0, help="fixed chunk count instead of --chunk-tokens")
     parser.add_argument("--offload", choices=["on", "off", "both"], default="on")
+    parser.add_argument("--keep-dq-on-gpu", action="store_true", help="partial dQ sums stay on the GPU")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)

@@ -2,7 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_fpdt.callbacks import MFUMonitor
+from lightning_fpdt.callbacks import ActivationOffload, MFUMonitor, TiledLoss, TiledMLP, tiled_cross_entropy
 from lightning_fpdt.flops import PEAK_FLOPS, ModelGeometry, flops_per_step, flops_per_token, peak_flops
 from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, fpdt_attention, ulysses_attention
 from lightning_fpdt.strategy import FPDTStrategy, apply_fpdt
@@ -14,6 +14,10 @@ FPDTStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "PEAK_FLOPS",
+    "ActivationOffload",
+    "TiledLoss",
+    "TiledMLP",
+    "tiled_cross_entropy",
     "FPDTAttention",
     "FPDTStrategy",
     "MFUMonitor",

@@ -132,7 +132,7 @@ Q_SIDE = ("q", "out", "lse", "dout")
 
 
 def fpdt_backward(
-    dout: Tensor, plan: _Plan, stash: ChunkStash, dq_store: ChunkStash, q_like: Tensor, kv_like: Tensor
+    dout: Tensor, plan: _Plan, stash: ChunkStash, dq_store: ChunkStash, q_meta: Tensor, kv_meta: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward chunk loop: outer over kv chunks ``j``, inner over q chunks ``i >= j``.
 
@@ -142,12 +142,18 @@ def fpdt_backward(
     While block ``(i, j)`` computes, the q-side chunks of ``i + 1`` are on their way back.
     """
     num_chunks = plan.layout.num_chunks
-    acc = accumulation_dtype(q_like.dtype)
-    dq_local, dk_local, dv_local = torch.empty_like(q_like), torch.empty_like(kv_like), torch.empty_like(kv_like)
-    for i in range(num_chunks):
-        # (B, c, H, D) -all_to_all-> (B, H/P, C, D), once per chunk
+    acc = accumulation_dtype(q_meta.dtype)
+    # q_meta, kv_meta: meta tensors with the inputs' shapes and dtypes (the inputs themselves are not kept)
+    dq_local = torch.empty(q_meta.shape, dtype=q_meta.dtype, device=dout.device)
+    dk_local, dv_local = (torch.empty(kv_meta.shape, dtype=kv_meta.dtype, device=dout.device) for _ in range(2))
+
+    def stash_dout(i: int) -> None:
+        # (B, c, H, D) -all_to_all-> (B, H/P, C, D), once per chunk, when the first kv step reaches it (so only a
+        # chunk or two of it is on the device at a time when the stash offloads)
         (dout_heads,) = seq_to_head([_chunk(plan, dout, i)], plan.group)
         stash.put(("dout", i), dout_heads)
+
+    stash_dout(0)
     for j in range(num_chunks):
         k_j, v_j = stash.get(("k", j)), stash.get(("v", j))
         if j + 1 < num_chunks:
@@ -157,23 +163,29 @@ def fpdt_backward(
         dv_acc = torch.zeros(v_j.shape, dtype=acc, device=v_j.device)
         for i in range(j, num_chunks):
             if i + 1 < num_chunks:
+                if j == 0:
+                    stash_dout(i + 1)
                 for name in Q_SIDE:
                     stash.prefetch((name, i + 1))
+                if ("dq", i + 1) in dq_store:
+                    dq_store.prefetch(("dq", i + 1))
             q_i, out_i, lse_i, dout_i = (stash.get((name, i)) for name in Q_SIDE)
             dq, dk, dv = plan.kernel.backward(dout_i, q_i, k_j, v_j, out_i, lse_i, causal=(i == j), scale=plan.scale)
             for name in Q_SIDE:
                 stash.release((name, i))
             if ("dq", i) in dq_store:
                 dq = dq_store.get(("dq", i)).add_(dq)
+                dq_store.release(("dq", i))
                 dq_store.free(("dq", i))
             dq_store.put(("dq", i), dq.to(acc))
             dk_acc.add_(dk)
             dv_acc.add_(dv)
         dq_j = dq_store.get(("dq", j))
+        dq_store.release(("dq", j))
         dq_store.free(("dq", j))
         # (B, H/P, C, D) -all_to_all-> (B, c, H, D): one collective for dq, dk, dv, in the inputs' dtype
         dq_i, dk_i, dv_i = head_to_seq(
-            [dq_j.to(q_like.dtype), dk_acc.to(kv_like.dtype), dv_acc.to(kv_like.dtype)], plan.group
+            [dq_j.to(q_meta.dtype), dk_acc.to(kv_meta.dtype), dv_acc.to(kv_meta.dtype)], plan.group
         )
         if plan.kv_repeat > 1:
             # (B, c, Hkv·r, D) -> (B, c, Hkv, D): a replicated kv head's gradient is the sum over its replicas
@@ -221,10 +233,8 @@ class _FPDTAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        q_like = torch.empty(ctx.q_meta.shape, dtype=ctx.q_meta.dtype, device=dout.device)
-        kv_like = torch.empty(ctx.kv_meta.shape, dtype=ctx.kv_meta.dtype, device=dout.device)
         dq_store = ctx.stashes.partial_dq(dout.device)
-        dq, dk, dv = fpdt_backward(dout.contiguous(), ctx.plan, ctx.stash, dq_store, q_like, kv_like)
+        dq, dk, dv = fpdt_backward(dout.contiguous(), ctx.plan, ctx.stash, dq_store, ctx.q_meta, ctx.kv_meta)
         ctx.stash = None
         return dq, dk, dv, None, None, None, None
 

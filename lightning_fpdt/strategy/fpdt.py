@@ -54,7 +54,8 @@ class FPDTStrategy(ModelParallelStrategy):
             ``1`` is plain Ulysses.
         offload: keep the attention's q/k/v/out/lse chunks in pinned host memory between forward and backward;
             ``"auto"``: when all layers' chunks would take more than a quarter of the free GPU memory (never on CPU).
-        offload_dq: keep the backward's partial dQ sums in host memory too (tighter GPU budget, more copies).
+        offload_dq: keep the backward's partial dQ sums (fp32, twice q's size) in host memory too; ``"auto"``:
+            whenever the chunks are offloaded, so the GPU memory of the attention does not grow with the sequence.
         attention_backend: block attention kernel: ``"auto"``, ``"cudnn"``, ``"flash"`` or ``"math"``.
         layer_classes: class names of the transformer blocks (FSDP2 units); ``None``: the largest ``ModuleList``.
         cpu_offload_params: keep sharded parameters, gradients and optimizer state in host memory (FSDP2
@@ -76,7 +77,7 @@ class FPDTStrategy(ModelParallelStrategy):
         data_parallel_size: Union[Literal["auto"], int] = "auto",
         chunks: Union[Literal["auto"], int] = "auto",
         offload: Union[Literal["auto"], bool] = "auto",
-        offload_dq: bool = False,
+        offload_dq: Union[Literal["auto"], bool] = "auto",
         attention_backend: str = "auto",
         layer_classes: Optional[list[str]] = None,
         cpu_offload_params: bool = False,
@@ -170,7 +171,7 @@ class FPDTStrategy(ModelParallelStrategy):
                 group=self.sequence_parallel_group,
                 attention=FPDTAttention(
                     group=self.sequence_parallel_group, num_chunks=1, backend=self._attention_backend,
-                    offload=self._offload is True, offload_dq=self._offload_dq,
+                    offload=self._offload is True, offload_dq=self._offload_dq is True,
                 ),
             )
         self.model = self.precision_plugin.convert_module(self.model)
@@ -301,6 +302,7 @@ class FPDTStrategy(ModelParallelStrategy):
         assert self._context is not None
         self._context.attention.num_chunks = num_chunks
         self._context.attention.offload = offload
+        self._context.attention.stashes.offload_dq = offload if self._offload_dq == "auto" else self._offload_dq
         self._context.position_ids = sharded["position_ids"]
         self._context.loss_reduced = False
         return sharded

@@ -13,7 +13,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_fpdt import FPDTStrategy, MFUMonitor
+from lightning_fpdt import ActivationOffload, FPDTStrategy, MFUMonitor, TiledLoss, TiledMLP
 from lightning_fpdt.models.llama import LlamaConfig
 from lightning_fpdt.models.module import LlamaLM
 
@@ -39,18 +39,26 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--devices", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--callbacks", default="", help="comma list of mlp, loss, offload, checkpoint (no offload)")
     args = parser.parse_args()
     config = LlamaConfig.from_name(args.model, num_layers=args.layers)
     module = LlamaLM(args.model, lr=1e-4, num_layers=args.layers)
+    chosen = {name for name in args.callbacks.split(",") if name}
+    callbacks = [MFUMonitor()]
+    callbacks += [TiledMLP()] if "mlp" in chosen else []
+    callbacks += [TiledLoss()] if "loss" in chosen else []
+    callbacks += [ActivationOffload()] if "offload" in chosen else []
+    callbacks += [ActivationOffload(offload=False)] if "checkpoint" in chosen else []
     trainer = L.Trainer(
         strategy=FPDTStrategy(chunks=args.chunks), accelerator="gpu", devices=args.devices, precision="bf16-mixed",
         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[MFUMonitor()],
+        enable_model_summary=False, callbacks=callbacks,
     )
     trainer.fit(module, DataLoader(RandomTokens(config.vocab_size, args.seq_len, 64), batch_size=1))
     if trainer.global_rank == 0:
         peak = torch.cuda.max_memory_allocated() / 2**30
         print(f"RESULT model={args.model} layers={args.layers} S={args.seq_len} gpus={args.devices} "
+              f"callbacks={sorted(chosen)} "
               f"sp={trainer.strategy.sequence_parallel_size} chunks={args.chunks} first_loss={module.losses[0]:.5f} "
               f"last_loss={module.losses[-1]:.5f} peak_gib={peak:.1f}")
 

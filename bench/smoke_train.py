@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--devices", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--offload", choices=["auto", "on", "off"], default="auto", help="attention chunk offload")
     parser.add_argument("--callbacks", default="", help="comma list of mlp, loss, offload, checkpoint (no offload)")
     args = parser.parse_args()
     config = LlamaConfig.from_name(args.model, num_layers=args.layers)
@@ -50,17 +51,21 @@ def main() -> None:
     callbacks += [ActivationOffload()] if "offload" in chosen else []
     callbacks += [ActivationOffload(offload=False)] if "checkpoint" in chosen else []
     trainer = L.Trainer(
-        strategy=FPDTStrategy(chunks=args.chunks), accelerator="gpu", devices=args.devices, precision="bf16-mixed",
+        strategy=FPDTStrategy(chunks=args.chunks, offload={"auto": "auto", "on": True, "off": False}[args.offload]), accelerator="gpu", devices=args.devices, precision="bf16-mixed",
         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=callbacks,
     )
     trainer.fit(module, DataLoader(RandomTokens(config.vocab_size, args.seq_len, 64), batch_size=1))
     if trainer.global_rank == 0:
         peak = torch.cuda.max_memory_allocated() / 2**30
+        # this rank's share of fp32 parameters, gradients and AdamW's two moments (16 bytes per parameter)
+        local_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in module.parameters())
+        states = 16 * local_params / 2**30
         print(f"RESULT model={args.model} layers={args.layers} S={args.seq_len} gpus={args.devices} "
               f"callbacks={sorted(chosen)} "
               f"sp={trainer.strategy.sequence_parallel_size} chunks={args.chunks} first_loss={module.losses[0]:.5f} "
-              f"last_loss={module.losses[-1]:.5f} peak_gib={peak:.1f}")
+              f"last_loss={module.losses[-1]:.5f} peak_gib={peak:.1f} states_gib={states:.1f} "
+              f"peak_minus_states_gib={peak - states:.1f} offload={trainer.strategy.offload_for(args.seq_len)}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ after the all-to-all):
 - while one chunk computes (the working set): its q, k, v and the prefetched kv chunk ``B·C·(h + 4·hk)·D·b``, the
   fp32 running output and block output ``2·B·C·h·D·4``, the lse ``B·C·h·4·2``.
 
-``offload="auto"`` offloads when the stash of all layers would take more than a quarter of the free memory;
+``offload="auto"`` offloads when the stash of all layers would take more than a quarter of the free memory, and
+``offload_dq="auto"`` moves the backward's fp32 partial dQ sums (``4·B·(S/P)·H·D``) to the host as well when they
+would take more than an eighth;
 ``chunks="auto"`` takes the fewest chunks whose working set stays under a sixteenth of it, and at most 65,536 global
 tokens per chunk (FPDT's chunk size; longer chunks gain no kernel efficiency).
 """
@@ -66,3 +68,8 @@ def choose_chunks(geometry: AttentionGeometry, *, batch_size: int, seq_len: int,
     ):
         num_chunks *= 2
     return num_chunks
+
+
+def choose_offload_dq(geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, free_bytes: int) -> bool:
+    partial_dq = 4 * batch_size * seq_len // sp_size * geometry.num_heads * geometry.head_dim
+    return partial_dq > free_bytes / (2 * STASH_FRACTION)

@@ -24,7 +24,13 @@ from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention
 from lightning_fpdt.sequence.integrations import SequenceParallelContext, sequence_parallel_loss
 from lightning_fpdt.sequence.kernels import check_backend_name
 from lightning_fpdt.sequence.layout import IGNORE_INDEX, SequenceLayout
-from lightning_fpdt.sequence.planning import MAX_CHUNK_TOKENS, AttentionGeometry, choose_chunks, choose_offload
+from lightning_fpdt.sequence.planning import (
+    MAX_CHUNK_TOKENS,
+    AttentionGeometry,
+    choose_chunks,
+    choose_offload,
+    choose_offload_dq,
+)
 from lightning_fpdt.strategy.mesh import MESH_AXES, build_mesh, resolve_sizes
 from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt, find_model, unwrap_loss
 from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
@@ -55,7 +61,7 @@ class FPDTStrategy(ModelParallelStrategy):
         offload: keep the attention's q/k/v/out/lse chunks in pinned host memory between forward and backward;
             ``"auto"``: when all layers' chunks would take more than a quarter of the free GPU memory (never on CPU).
         offload_dq: keep the backward's partial dQ sums (fp32, twice q's size) in host memory too; ``"auto"``:
-            whenever the chunks are offloaded, so the GPU memory of the attention does not grow with the sequence.
+            when the chunks are offloaded and those sums would take more than an eighth of the free GPU memory.
         attention_backend: block attention kernel: ``"auto"``, ``"cudnn"``, ``"flash"`` or ``"math"``.
         layer_classes: class names of the transformer blocks (FSDP2 units); ``None``: the largest ``ModuleList``.
         cpu_offload_params: keep sharded parameters, gradients and optimizer state in host memory (FSDP2
@@ -96,8 +102,9 @@ class FPDTStrategy(ModelParallelStrategy):
         )
         if chunks != "auto" and (not isinstance(chunks, int) or chunks < 1):
             raise ValueError(f"chunks must be 'auto' or a positive int, got {chunks!r}")
-        if offload not in ("auto", True, False):
-            raise ValueError(f"offload must be 'auto', True or False, got {offload!r}")
+        for name, value in (("offload", offload), ("offload_dq", offload_dq)):
+            if value not in ("auto", True, False):
+                raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
         self._offload = offload
         self._offload_dq = offload_dq
         self._geometry: Optional[AttentionGeometry] = None
@@ -221,6 +228,16 @@ class FPDTStrategy(ModelParallelStrategy):
         return choose_chunks(self._geometry, batch_size=batch_size, seq_len=seq_len,
                              sp_size=self.sequence_parallel_size, free_bytes=free)
 
+    def offload_dq_for(self, seq_len: int, batch_size: int, offload: bool) -> bool:
+        """Whether the backward keeps its partial dQ sums in host memory (the option, or the plan)."""
+        if self._offload_dq != "auto":
+            return self._offload_dq
+        free = self._free_memory()
+        if not offload or free is None or self._geometry is None:
+            return False
+        return choose_offload_dq(self._geometry, batch_size=batch_size, seq_len=seq_len,
+                                 sp_size=self.sequence_parallel_size, free_bytes=free)
+
     def offload_for(self, seq_len: int, batch_size: int = 1) -> bool:
         """Whether the attention offloads its chunks for this sequence length (the option, or the plan)."""
         if self._offload != "auto":
@@ -302,7 +319,7 @@ class FPDTStrategy(ModelParallelStrategy):
         assert self._context is not None
         self._context.attention.num_chunks = num_chunks
         self._context.attention.offload = offload
-        self._context.attention.stashes.offload_dq = offload if self._offload_dq == "auto" else self._offload_dq
+        self._context.attention.stashes.offload_dq = self.offload_dq_for(seq_len, batch_size, offload)
         self._context.position_ids = sharded["position_ids"]
         self._context.loss_reduced = False
         return sharded

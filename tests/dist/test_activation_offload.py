@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload
+from lightning_fpdt.callbacks.tiled_loss import TiledLoss
+from lightning_fpdt.callbacks.tiled_mlp import TiledMLP
 from tests.dist import test_strategy_parity as parity
 
 
@@ -26,3 +28,18 @@ def test_activation_offload_parity_four_processes(dist_pool):
         dict(kind="llama", dp=1, sp=4, chunks=2, accumulate=1, seq_len=24),
         dict(kind="hf", dp=2, sp=2, chunks=2, accumulate=1, seq_len=16),
     ])
+
+
+def run_with_all_three(cases: list[dict]) -> None:
+    for case in cases:
+        callbacks = [ActivationOffload(), TiledLoss(num_tiles=3), TiledMLP(num_tiles=3)]  # any order: fixed by the strategy
+        parity.train_and_compare(**case, callbacks=callbacks)
+
+
+def test_all_memory_callbacks_together(dist_pool):
+    """TiledMLP + TiledLoss + ActivationOffload together at P = 2 (reference and HF Llama) and P = 4."""
+    dist_pool(2).run(run_with_all_three, cases=[
+        dict(kind="llama", dp=1, sp=2, chunks=2, accumulate=2, seq_len=15),
+        dict(kind="hf", dp=1, sp=2, chunks=2, accumulate=1, seq_len=16),
+    ])
+    dist_pool(4).run(run_with_all_three, cases=[dict(kind="llama", dp=1, sp=4, chunks=2, accumulate=1, seq_len=24)])

@@ -159,6 +159,7 @@ def test_planner_offloads_and_chunks_by_memory():
         AttentionGeometry,
         choose_chunks,
         choose_offload,
+        choose_offload_dq,
         stash_bytes,
         working_set_bytes,
     )
@@ -176,3 +177,8 @@ def test_planner_offloads_and_chunks_by_memory():
     assert choose_chunks(geometry, batch_size=1, seq_len=1 << 20, sp_size=4, free_bytes=2**30) > 16
     with pytest.raises(ValueError, match="offload must be 'auto', True or False, got 'yes'"):
         FPDTStrategy(offload="yes")
+    with pytest.raises(ValueError, match="offload_dq must be 'auto', True or False, got 1.5"):
+        FPDTStrategy(offload_dq=1.5)
+    # partial dQ of 1M tokens on 4 ranks: 4 · 262144 · 32 · 128 bytes = 4 GiB, over 1/8 of 16 GiB but not of 70
+    assert choose_offload_dq(geometry, batch_size=1, seq_len=1 << 20, sp_size=4, free_bytes=16 * 2**30)
+    assert not choose_offload_dq(geometry, batch_size=1, seq_len=1 << 20, sp_size=4, free_bytes=free)

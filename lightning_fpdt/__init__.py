@@ -2,7 +2,14 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_fpdt.callbacks import ActivationOffload, MFUMonitor, TiledLoss, TiledMLP, tiled_cross_entropy
+from lightning_fpdt.callbacks import (
+    ActivationOffload,
+    MFUMonitor,
+    SequenceLengthCurriculum,
+    TiledLoss,
+    TiledMLP,
+    tiled_cross_entropy,
+)
 from lightning_fpdt.flops import PEAK_FLOPS, ModelGeometry, flops_per_step, flops_per_token, peak_flops
 from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, fpdt_attention, ulysses_attention
 from lightning_fpdt.strategy import FPDTStrategy, apply_fpdt
@@ -22,6 +29,7 @@ __all__ = [
     "FPDTStrategy",
     "MFUMonitor",
     "ModelGeometry",
+    "SequenceLengthCurriculum",
     "SequenceLayout",
     "apply_fpdt",
     "flops_per_step",

@@ -1,0 +1,19 @@
+"""Data for long-context training: a synthetic retrieval task (the demo's) and packed token files."""
+
+from lightning_fpdt.data.base import LongContextDataModule
+from lightning_fpdt.data.metrics import TokenAccuracy, TokenPerplexity
+from lightning_fpdt.data.retrieval import RetrievalDataModule, RetrievalDataset, RetrievalTask
+from lightning_fpdt.data.token_file import PackedTokenDataset, TokenFile, TokenFileDataModule, write_token_file
+
+__all__ = [
+    "LongContextDataModule",
+    "PackedTokenDataset",
+    "RetrievalDataModule",
+    "RetrievalDataset",
+    "RetrievalTask",
+    "TokenAccuracy",
+    "TokenFile",
+    "TokenFileDataModule",
+    "TokenPerplexity",
+    "write_token_file",
+]

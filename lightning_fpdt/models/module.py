@@ -1,37 +1,308 @@
-"""A LightningModule around the reference Llama, for the demo, the examples and the benchmarks."""
+"""LightningModules for causal language models: the reference Llama and Hugging Face models.
+
+Both train with AdamW (optional linear warm-up and cosine decay) and log, per step, the training loss (the
+sequence group's token mean, as the strategy reports it) and, per validation run, the token-mean loss and the
+perplexity over all validation tokens. With ``accuracy=True`` they also log the token accuracy (on the retrieval
+task: the retrieval accuracy), which needs the full logits of each rank's shard: meant for small vocabularies, not
+for 128K-vocabulary models at long context.
+
+Under sequence parallelism each rank holds different tokens of the same sequences, so every metric keeps sums and
+counts that torchmetrics adds up over all ranks (see :mod:`lightning_fpdt.data.metrics`).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
 
 import lightning as L
 import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
 
+from lightning_fpdt.data.metrics import TokenAccuracy, TokenPerplexity
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
+from lightning_fpdt.sequence.layout import IGNORE_INDEX, SequenceLayout
+
+_MODEL_INPUTS = ("input_ids", "position_ids")
 
 
-class LlamaLM(L.LightningModule):
-    """Causal-LM training of the reference Llama with AdamW; logs ``loss`` to the progress bar.
+def targets_of(batch: dict[str, Tensor]) -> Tensor:
+    """Per-token targets of a batch: the strategy's ``shift_labels`` (shifted on the global sequence before
+    sharding), else ``labels`` (or the input ids) shifted here on the whole, unsharded sequence."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    return SequenceLayout.shift_labels(batch.get("labels", batch["input_ids"]))
+
+
+def token_loss_sum(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """``(sum of fp32 cross-entropy over scored tokens, number of scored tokens)``."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # CE over the vocabulary in fp32 at least
+    loss_sum = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss_sum, (targets != IGNORE_INDEX).sum()
+
+
+class CausalLM(L.LightningModule):
+    """Training, evaluation and optimizer of a causal LM held in ``self.model``; subclasses build the model.
+
+    Subclasses implement :meth:`model_loss` (the model computing its own loss, which the fpdt strategy has switched
+    to the sequence group's token mean, tiled by ``TiledLoss`` when present) and :meth:`model_logits`.
+
+    Args:
+        lr: AdamW peak learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear warm-up from 0 over this many optimizer steps.
+        decay: ``"constant"`` after warm-up, or ``"cosine"`` to 10% of ``lr`` at the last step.
+        accuracy: also compute token accuracy (train: every step, synced over the ranks; validation/test). Needs the
+            logits of the whole shard, and bypasses ``TiledLoss``.
+    """
+
+    model: nn.Module
+
+    def __init__(
+        self,
+        *,
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        decay: Literal["constant", "cosine"] = "constant",
+        accuracy: bool = False,
+    ) -> None:
+        super().__init__()
+        if lr <= 0 or weight_decay < 0 or warmup_steps < 0:
+            raise ValueError(
+                f"need lr ({lr}) > 0, weight_decay ({weight_decay}) >= 0, warmup_steps ({warmup_steps}) >= 0"
+            )
+        if decay not in ("constant", "cosine"):
+            raise ValueError(f"decay must be 'constant' or 'cosine', got {decay!r}")
+        self.lr, self.weight_decay, self.warmup_steps, self.decay = lr, weight_decay, warmup_steps, decay
+        self.accuracy = accuracy
+        self.losses: list[float] = []
+        """The training loss of every micro-batch (the sequence group's token mean)."""
+        # every state is a sum, added up over all ranks when computed (see lightning_fpdt.data.metrics)
+        self.train_accuracy = TokenAccuracy(dist_sync_on_step=True)  # the answers may all sit on another rank
+        self.val_perplexity, self.val_accuracy = TokenPerplexity(), TokenAccuracy()
+        self.test_perplexity, self.test_accuracy = TokenPerplexity(), TokenAccuracy()
+
+    # ---- what subclasses provide ----------------------------------------------------------------------------------
+    def model_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        raise NotImplementedError
+
+    def model_logits(self, batch: dict[str, Tensor]) -> Tensor:
+        raise NotImplementedError
+
+    # ---- steps ----------------------------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        if not self.accuracy:
+            return self.model_loss(batch)
+        targets = targets_of(batch)
+        logits = self.model_logits(batch)
+        loss_sum, count = token_loss_sum(logits, targets)
+        self.log("train/accuracy", self.train_accuracy(logits.detach(), targets), prog_bar=True)
+        # this rank's token mean; the fpdt strategy turns it into the group's (a plain module's loss, DESIGN.md §5)
+        return loss_sum / count.clamp(min=1)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # the loss after the strategy (the sequence group's token mean), undone from Lightning's division by the
+        # accumulation steps
+        if not isinstance(outputs, dict) or outputs.get("loss") is None:
+            return  # a skipped step
+        loss = outputs["loss"].detach() * self.trainer.accumulate_grad_batches
+        self.losses.append(loss.item())
+        self.log("train/loss", loss, prog_bar=True)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, self.val_perplexity, self.val_accuracy)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, self.test_perplexity, self.test_accuracy)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_evaluation("val", self.val_perplexity, self.val_accuracy)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_evaluation("test", self.test_perplexity, self.test_accuracy)
+
+    def _evaluate(self, batch: dict[str, Tensor], perplexity: TokenPerplexity, accuracy: TokenAccuracy) -> None:
+        targets = targets_of(batch)
+        if self.accuracy:
+            logits = self.model_logits(batch)
+            perplexity.update(*token_loss_sum(logits, targets))
+            accuracy.update(logits, targets)
+        else:
+            # the model's loss is its sequence group's token mean m; the group's ranks add up m · n_local to the
+            # group's total loss (m alone, averaged over ranks, would weight ranks with few tokens wrongly)
+            count = (targets != IGNORE_INDEX).sum()
+            perplexity.update(self.model_loss(batch).detach() * count, count)
+
+    def _log_evaluation(self, prefix: str, perplexity: TokenPerplexity, accuracy: TokenAccuracy) -> None:
+        value = perplexity.compute()  # summed over every rank: the same on all
+        metrics = {f"{prefix}/loss": value.log(), f"{prefix}/perplexity": value}
+        if self.accuracy:
+            metrics[f"{prefix}/accuracy"] = accuracy.compute()
+        # already global (the same on every rank); sync_dist averages equal values and keeps Lightning from warning
+        for name, metric in metrics.items():
+            self.log(name, metric.float(), prog_bar=name.endswith("accuracy"), sync_dist=True)
+        perplexity.reset()
+        accuracy.reset()
+
+    # ---- optimizer ------------------------------------------------------------------------------------------------
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        if not self.warmup_steps and self.decay == "constant":
+            return optimizer
+        total = max(1, int(self.trainer.estimated_stepping_batches)) if self.decay == "cosine" else 0
+        warmup, decay = self.warmup_steps, self.decay
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if decay == "constant":
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class LlamaLM(CausalLM):
+    """The reference Llama (:mod:`lightning_fpdt.models.llama`) as a causal LM.
 
     Args:
         name: a named size of :class:`LlamaConfig` (``"tiny"``, ``"llama3-1b"``, ``"llama3-8b"``).
-        lr: AdamW learning rate.
-        seed: seed of the weight initialisation (the same on every rank).
-        overrides: config fields to change, e.g. ``num_layers=2``.
+        config_overrides: config fields to change, e.g. ``{"num_layers": 2, "vocab_size": 96}``.
+        seed: seed of the weight initialisation (the same on every rank; the global RNG is left alone).
+        lr, weight_decay, warmup_steps, decay, accuracy: see :class:`CausalLM`.
+        **overrides: more config fields, for Python callers (``LlamaLM("tiny", num_layers=2)``).
     """
 
-    def __init__(self, name: str = "tiny", *, lr: float = 3e-4, seed: int = 0, **overrides: Any) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        name: str = "tiny",
+        *,
+        config_overrides: Optional[dict[str, Any]] = None,
+        seed: int = 0,
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        decay: Literal["constant", "cosine"] = "constant",
+        accuracy: bool = False,
+        **overrides: Any,
+    ) -> None:
+        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, decay=decay, accuracy=accuracy)
+        self.save_hyperparameters()
+        config = LlamaConfig.from_name(name, **{**(config_overrides or {}), **overrides})
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.model = LlamaForCausalLM(config)
+
+    def model_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        inputs = {k: batch[k] for k in (*_MODEL_INPUTS, "labels", "shift_labels") if k in batch}
+        inputs.setdefault("labels", batch["input_ids"])
+        return self.model(**inputs)
+
+    def model_logits(self, batch: dict[str, Tensor]) -> Tensor:
+        return self.model(**{k: batch[k] for k in _MODEL_INPUTS if k in batch})
+
+
+class HFCausalLM(CausalLM):
+    """A Hugging Face ``AutoModelForCausalLM`` by name or path, pretrained weights when available.
+
+    Args:
+        model_name_or_path: a Hub model name (``"Qwen/Qwen2.5-0.5B"``) or a local directory with a ``config.json``.
+        from_pretrained: ``True``: load the weights (downloading them if needed); ``False``: random init from the
+            config; ``"auto"``: load the weights if they are on this machine (the directory or the Hub cache),
+            else random init from the config.
+        config_overrides: config fields to change, e.g. ``{"num_hidden_layers": 2}`` (random init only uses
+            them all; with weights, only fields that keep the shapes make sense).
+        dtype: dtype of the weights when built (``"bfloat16"``, ``"float32"``); ``None``: float32, which
+            mixed precision expects.
+        trust_remote_code: passed to transformers.
+        seed: seed of a random initialisation.
+        lr, weight_decay, warmup_steps, decay, accuracy: see :class:`CausalLM`.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str,
+        *,
+        from_pretrained: Union[bool, Literal["auto"]] = "auto",
+        config_overrides: Optional[dict[str, Any]] = None,
+        dtype: Optional[str] = None,
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        decay: Literal["constant", "cosine"] = "constant",
+        accuracy: bool = False,
+    ) -> None:
+        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, decay=decay, accuracy=accuracy)
+        if from_pretrained not in (True, False, "auto"):
+            raise ValueError(f"from_pretrained must be True, False or 'auto', got {from_pretrained!r}")
+        self.save_hyperparameters()
+        self.model, self.loaded_pretrained = build_hf_model(
+            model_name_or_path, from_pretrained=from_pretrained, config_overrides=config_overrides,
+            dtype=dtype, trust_remote_code=trust_remote_code, seed=seed,
+        )
+
+    def model_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        inputs = {k: batch[k] for k in (*_MODEL_INPUTS, "labels", "shift_labels") if k in batch}
+        inputs.setdefault("labels", batch["input_ids"])
+        return self.model(**inputs).loss
+
+    def model_logits(self, batch: dict[str, Tensor]) -> Tensor:
+        return self.model(**{k: batch[k] for k in _MODEL_INPUTS if k in batch}).logits
+
+
+def build_hf_model(
+    model_name_or_path: str,
+    *,
+    from_pretrained: Union[bool, Literal["auto"]] = "auto",
+    config_overrides: Optional[dict[str, Any]] = None,
+    dtype: Optional[str] = None,
+    trust_remote_code: bool = False,
+    seed: int = 0,
+) -> tuple[nn.Module, bool]:
+    """``(model, whether pretrained weights were loaded)``; see :class:`HFCausalLM`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"dtype must name a torch dtype such as 'bfloat16' or 'float32', got {dtype!r}")
+    torch_dtype = getattr(torch, dtype) if dtype else torch.float32
+    common = dict(trust_remote_code=trust_remote_code, attn_implementation="sdpa")  # the strategy swaps in "fpdt"
+    overrides = dict(config_overrides or {})
+    if from_pretrained is True or (from_pretrained == "auto" and _weights_available(model_name_or_path)):
+        model = AutoModelForCausalLM.from_pretrained(
+            model_name_or_path, dtype=torch_dtype, local_files_only=from_pretrained == "auto", **overrides, **common
+        )
+        rank_zero_info(f"HFCausalLM: loaded the pretrained weights of {model_name_or_path}")
+        return model, True
+    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code, **overrides)
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        self.model = LlamaForCausalLM(LlamaConfig.from_name(name, **overrides))
-        self.lr = lr
-        self.losses: list[float] = []
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, **common)
+    rank_zero_info(f"HFCausalLM: {model_name_or_path} initialised at random from its config (no weights loaded)")
+    return model, False
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch)
-        self.losses.append(loss.item())
-        self.log("loss", loss, prog_bar=True)
-        return loss
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+_WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
+)
+
+
+def _weights_available(model_name_or_path: str) -> bool:
+    """Whether ``from_pretrained`` can load weights without downloading: a local directory holding them, or a Hub
+    name whose weights are in the local cache."""
+    path = Path(model_name_or_path).expanduser()
+    if path.is_dir():
+        return any((path / name).exists() for name in _WEIGHT_FILES)
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return any(isinstance(try_to_load_from_cache(model_name_or_path, name), str) for name in _WEIGHT_FILES)
+    except ValueError:  # not a valid Hub name either (huggingface_hub's HFValidationError)
+        return False

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
@@ -34,6 +38,8 @@ from lightning_fpdt.sequence.planning import (
 from lightning_fpdt.strategy.mesh import MESH_AXES, build_mesh, resolve_sizes
 from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt, find_model, unwrap_loss
 from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
+from lightning_fpdt.strategy.resumable import ResumableLoader
+from lightning_fpdt.strategy.topology import warn_if_sequence_groups_span_hosts
 
 def attention_heads(module: torch.nn.Module) -> Optional[tuple[int, int]]:
     """``(num_heads, num_kv_heads)`` read from a config found in ``module``, or ``None``."""
@@ -69,6 +75,8 @@ class FPDTStrategy(ModelParallelStrategy):
         pad_to_multiple: right-pad sequences to a multiple of sequence_parallel_size × chunks (labels -100);
             ``False`` raises instead.
         pad_token_id: the token id used for that padding.
+        nonfinite_loss: ``"raise"`` stops training on every rank at the first NaN/inf loss, naming the step;
+            ``"ignore"`` trains on (no check, no extra collective).
         save_distributed_checkpoint: save one shard per rank (DCP) instead of one consolidated file.
         process_group_backend: ``"nccl"``, ``"gloo"``, …; default by device.
         timeout: collective timeout.
@@ -88,6 +96,7 @@ class FPDTStrategy(ModelParallelStrategy):
         layer_classes: Optional[list[str]] = None,
         cpu_offload_params: bool = False,
         pad_to_multiple: bool = True,
+        nonfinite_loss: Literal["raise", "ignore"] = "raise",
         pad_token_id: int = 0,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
@@ -118,11 +127,15 @@ class FPDTStrategy(ModelParallelStrategy):
         self._cpu_offload_params = cpu_offload_params
         self._pad_to_multiple = pad_to_multiple
         self._pad_token_id = pad_token_id
+        if nonfinite_loss not in ("raise", "ignore"):
+            raise ValueError(f"nonfinite_loss must be 'raise' or 'ignore', got {nonfinite_loss!r}")
+        self._nonfinite_loss = nonfinite_loss
         self._context: Optional[SequenceParallelContext] = None
         self._padding_logged = False
         self.last_batch_geometry: Optional[tuple[int, int, int]] = None
         """``(batch_size, seq_len, padded_seq_len)`` of the global sequence of the last batch sharded."""
         self._valid_tokens_local = 0
+        self._pending_rng_states: Optional[dict[str, Any]] = None
 
     # ---- sizes and mesh -------------------------------------------------------------------------------------------
     @property
@@ -162,6 +175,9 @@ class FPDTStrategy(ModelParallelStrategy):
             heads=heads,
         )
         self._data_parallel_size, self._sequence_parallel_size = dp, sp
+        warn_if_sequence_groups_span_hosts(
+            sequence_parallel_size=sp, devices_per_node=self.num_processes, world_size=self.world_size
+        )
         self._device_mesh = build_mesh(self.root_device.type, dp, sp)
         self.lightning_module._device_mesh = self._device_mesh
         rank_zero_info(f"fpdt: mesh {dict(zip(MESH_AXES, (dp, sp)))}, heads {heads}")
@@ -261,6 +277,9 @@ class FPDTStrategy(ModelParallelStrategy):
         return self.shard_batch(dict(batch))
 
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        if self._pending_rng_states is not None:
+            _set_rng_states(self._pending_rng_states)
+            self._pending_rng_states = None
         input_ids = batch["input_ids"]
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, sequence), got shape {tuple(input_ids.shape)}")
@@ -337,13 +356,64 @@ class FPDTStrategy(ModelParallelStrategy):
         return {**output, "loss": reduced}
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._sequence_parallel_output(super().training_step(*args, **kwargs))
+        output = self._sequence_parallel_output(super().training_step(*args, **kwargs))
+        if self._nonfinite_loss == "raise":
+            self._check_finite(unwrap_loss(output))
+        return output
+
+    def _check_finite(self, loss: Optional[Tensor]) -> None:
+        """Stop every rank together on a non-finite loss (one rank stopping alone would hang the others)."""
+        if loss is None:
+            return
+        flag = (~torch.isfinite(loss.detach())).float().reshape(1)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item():
+            trainer = self.lightning_module.trainer
+            raise FloatingPointError(
+                f"non-finite loss ({loss.item()} on rank {self.global_rank}) at global step {trainer.global_step} "
+                f"(epoch {trainer.current_epoch}): training stopped; lower the learning rate, check the data, or "
+                f"pass FPDTStrategy(nonfinite_loss='ignore') to train on"
+            )
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._sequence_parallel_output(super().validation_step(*args, **kwargs))
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._sequence_parallel_output(super().test_step(*args, **kwargs))
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Training loaders resume mid-epoch at the checkpointed position (see ``strategy/resumable.py``)."""
+        from torch.utils.data import DataLoader
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training or not isinstance(dataloader, DataLoader):
+            return dataloader
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        # `processed`: batches whose training step finished (a checkpoint written in on_train_batch_end has not
+        # counted its batch as `completed` yet; after the loop's restart reset both are equal)
+        return ResumableLoader(dataloader, completed_batches=lambda: progress.current.processed)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        # every rank's random state (dropout, sampling), so a resumed run draws what the uninterrupted one would
+        states: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(states, _rng_states())
+        checkpoint[RNG_KEY] = states
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        check_checkpoint_complete(Path(self.broadcast(checkpoint_path)))
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        states = checkpoint.pop(RNG_KEY, None)
+        if states is not None and len(states) == self.world_size:
+            # applied at the next batch: creating the dataloader iterator in between draws from the torch generator
+            self._pending_rng_states = states[self.global_rank]
+        elif states is not None:
+            rank_zero_warn(
+                f"fpdt: the checkpoint holds the random states of {len(states)} ranks and this run has "
+                f"{self.world_size}; random streams start afresh (parameters and optimizer states are restored)"
+            )
+        return checkpoint
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -361,6 +431,47 @@ class FPDTStrategy(ModelParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(cls.strategy_name, cls, description="lightning_fpdt sequence parallelism")
+
+
+RNG_KEY = "fpdt_rng_states"
+
+
+def _rng_states() -> dict[str, Any]:
+    # numpy's key array as a tensor: checkpoints load with weights_only=True, which refuses numpy objects
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    states = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    kind, key, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def check_checkpoint_complete(path: Path) -> None:
+    """A distributed checkpoint is complete only when both its DCP index (``.metadata``, written by the coordinator
+    after every rank's shard) and Lightning's ``meta.pt`` (written by rank 0 after that) exist; a save interrupted by a
+    dying rank leaves a folder without them, which must never be resumed from as if it were whole."""
+    if not path.is_dir():
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint {path} does not exist")
+        return  # a single-file checkpoint: torch.load checks it
+    missing = [name for name in (".metadata", _METADATA_FILENAME) if not (path / name).is_file()]
+    if missing:
+        raise ValueError(
+            f"checkpoint folder {path} is incomplete (missing {', '.join(missing)}): a save was interrupted, e.g. by a "
+            f"rank that died; resume from an earlier checkpoint"
+        )
 
 
 def attention_geometry(model: torch.nn.Module, precision: str) -> Optional[AttentionGeometry]:

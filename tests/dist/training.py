@@ -155,5 +155,6 @@ def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def trainer_kwargs(**extra: Any) -> dict[str, Any]:
-    return dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False, **extra)
+    kwargs = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False)
+    return {**kwargs, **extra}

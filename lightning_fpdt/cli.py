@@ -1,0 +1,88 @@
+"""``lightning-fpdt``: the LightningCLI of the project (``fit``, ``validate``, ``test``, ``--print_config``).
+
+    lightning-fpdt fit --config examples/configs/demo_cpu.yaml
+    python -m lightning_fpdt.cli fit --config examples/configs/demo_cpu.yaml --trainer.max_steps 100
+
+It imports the package (so ``trainer.strategy: fpdt`` works) and the project's models, data modules and callbacks,
+so YAML can name them by their short class name (``model: LlamaLM``, ``data: RetrievalDataModule``,
+``trainer.callbacks: [MFUMonitor]``) as well as by ``class_path``. See docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import statistics
+from typing import Any, Optional
+
+from lightning.pytorch.cli import ArgsType, LightningCLI
+
+import lightning_fpdt  # noqa: F401  (registers the "fpdt" strategy)
+from lightning_fpdt.callbacks.curriculum import SequenceLengthCurriculum  # noqa: F401  (a short name for YAML)
+from lightning_fpdt.callbacks.mfu import MFUMonitor
+from lightning_fpdt.data import RetrievalDataModule, TokenFileDataModule  # noqa: F401  (short names for YAML)
+from lightning_fpdt.models.module import HFCausalLM, LlamaLM  # noqa: F401  (short names for YAML)
+
+# callbacks that may not exist in every version of the package: imported when present, so their short names work
+OPTIONAL_MODULES = (
+    "lightning_fpdt.callbacks.tiled_mlp",
+    "lightning_fpdt.callbacks.tiled_loss",
+    "lightning_fpdt.callbacks.activation_offload",
+)
+
+
+def _import_optional_modules() -> None:
+    for name in OPTIONAL_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if error.name != name:  # the module exists but something it imports does not: that is a real error
+                raise
+
+
+class FPDTCLI(LightningCLI):
+    """LightningCLI with any LightningModule / LightningDataModule as ``model`` / ``data`` (subclass mode), the
+    project's classes importable by short name, the config saved next to the logs (overwritten on a rerun), and a
+    closing summary after ``fit``: validation metrics, the task's chance accuracy if it has one, and throughput."""
+
+    def __init__(self, args: ArgsType = None, **kwargs: Any) -> None:
+        _import_optional_modules()
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        super().__init__(args=args, **kwargs)
+
+    def after_fit(self) -> None:
+        if self.trainer.is_global_zero:
+            print(fit_summary(self.trainer, self.datamodule), flush=True)
+
+
+def fit_summary(trainer: Any, datamodule: Optional[Any] = None) -> str:
+    """The closing lines of a fit: validation accuracy (next to the chance level when the data module knows it),
+    validation loss and perplexity, and the median tokens/s of the steps after the first (from ``MFUMonitor``)."""
+    metrics = trainer.callback_metrics
+    lines = [f"fit done: {trainer.global_step} optimizer steps on {trainer.world_size} "
+             f"{trainer.strategy.root_device.type} processes"]
+    accuracy, chance = metrics.get("val/accuracy"), getattr(datamodule, "chance_accuracy", None)
+    if accuracy is not None:
+        line = f"  validation accuracy {100 * float(accuracy):.1f}%"
+        if chance is not None:
+            line += f"   (chance: {100 * chance:.1f}%, a guess among {round(1 / chance)} values)"
+        lines.append(line)
+    if "val/loss" in metrics:
+        loss, perplexity = float(metrics["val/loss"]), float(metrics["val/perplexity"])
+        lines.append(f"  validation loss {loss:.4f}, perplexity {perplexity:.3f}")
+    monitor = next((cb for cb in trainer.callbacks if isinstance(cb, MFUMonitor)), None)
+    if monitor is not None and monitor.step_records:
+        steps = monitor.step_records[1:] or monitor.step_records  # the first step warms up
+        tokens_per_sec = statistics.median(r.tokens / r.step_time_s for r in steps)
+        lines.append(f"  {tokens_per_sec:,.0f} tokens/s (median of {len(steps)} steps)")
+    return "\n".join(lines)
+
+
+def main(args: ArgsType = None) -> None:
+    """Entry point of the ``lightning-fpdt`` console script and of ``python -m lightning_fpdt.cli``."""
+    FPDTCLI(args=args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The lightning-fpdt CLI: short names, --print_config round trips, every example config parses, HF models."""
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_fpdt import FPDTStrategy, MFUMonitor
+from lightning_fpdt.callbacks.curriculum import SequenceLengthCurriculum
+from lightning_fpdt.cli import FPDTCLI
+from lightning_fpdt.data import RetrievalDataModule
+from lightning_fpdt.models.module import HFCausalLM, LlamaLM
+
+CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
+
+
+@pytest.fixture(autouse=True)
+def command_line(monkeypatch):
+    """The CLI reads args= only; pytest's own arguments must not look like a second command line."""
+    monkeypatch.setattr("sys.argv", ["lightning-fpdt"])
+
+
+def print_config(args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        FPDTCLI(args=[*args, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+def test_print_config_round_trip(tmp_path, capsys):
+    """The config --print_config prints, fed back with --config, prints the same config again."""
+    first = print_config(["fit", "--config", str(CONFIGS / "demo_cpu.yaml")], capsys)
+    assert "class_path: lightning_fpdt.FPDTStrategy" in first
+    assert "class_path: lightning_fpdt.models.module.LlamaLM" in first
+    (tmp_path / "printed.yaml").write_text(first)
+    assert print_config(["fit", "--config", str(tmp_path / "printed.yaml")], capsys) == first
+
+
+def test_short_names_and_strategy_string(tmp_path):
+    """model/data/callbacks by short class name and trainer.strategy: fpdt build the project's classes."""
+    (tmp_path / "short.yaml").write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 1\n  strategy: fpdt\n  logger: false\n"
+        "  callbacks:\n    - MFUMonitor\n"
+        "    - class_path: SequenceLengthCurriculum\n      init_args: {schedule: {0: 32, 4: 64}}\n"
+        "model: LlamaLM\n"
+        "data:\n  class_path: RetrievalDataModule\n  init_args: {seq_len: 64}\n"
+    )
+    cli = FPDTCLI(args=["--config", str(tmp_path / "short.yaml")], run=False)
+    assert isinstance(cli.model, LlamaLM) and isinstance(cli.datamodule, RetrievalDataModule)
+    assert isinstance(cli.trainer.strategy, FPDTStrategy)
+    assert any(isinstance(cb, MFUMonitor) for cb in cli.trainer.callbacks)
+    curriculum = next(cb for cb in cli.trainer.callbacks if isinstance(cb, SequenceLengthCurriculum))
+    assert curriculum.schedule == [(0, 32), (4, 64)]
+
+
+def test_strategy_by_class_path_with_options(tmp_path):
+    """trainer.strategy as class_path + init_args reaches the strategy's keyword-only options."""
+    cli = FPDTCLI(args=["--config", str(CONFIGS / "demo_cpu.yaml"), "--trainer.devices", "1", "--trainer.logger",
+                        "false"], run=False)
+    assert isinstance(cli.trainer.strategy, FPDTStrategy) and cli.trainer.strategy.num_chunks_for(256) == 2
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_example_configs_parse(config, capsys):
+    """Every example config parses (GPU ones too: --print_config instantiates nothing)."""
+    text = (CONFIGS / config).read_text()
+    for module in ("tiled_mlp", "tiled_loss", "activation_offload"):
+        if f"lightning_fpdt.callbacks.{module}" in text:
+            try:
+                importlib.import_module(f"lightning_fpdt.callbacks.{module}")
+            except ModuleNotFoundError:
+                pytest.skip(f"{config} needs lightning_fpdt.callbacks.{module}, which does not exist yet")
+    printed = print_config(["fit", "--config", str(CONFIGS / config)], capsys)
+    assert "class_path: lightning_fpdt.FPDTStrategy" in printed
+
+
+def _tiny_hf_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=128)
+
+
+def test_hf_model_from_config_or_weights(tmp_path):
+    """HFCausalLM loads the weights of a local directory when they are there ("auto"), else initialises at random
+    from the config; config_overrides change the config."""
+    from transformers import AutoModelForCausalLM
+
+    config_only, with_weights = tmp_path / "config_only", tmp_path / "with_weights"
+    _tiny_hf_config().save_pretrained(config_only)
+    torch.manual_seed(1)
+    saved = AutoModelForCausalLM.from_config(_tiny_hf_config())
+    saved.save_pretrained(with_weights)
+
+    random_init = HFCausalLM(str(config_only), config_overrides={"num_hidden_layers": 1})
+    assert not random_init.loaded_pretrained and random_init.model.config.num_hidden_layers == 1
+    loaded = HFCausalLM(str(with_weights))
+    assert loaded.loaded_pretrained
+    torch.testing.assert_close(loaded.model.state_dict(), saved.state_dict(), rtol=0, atol=0)
+    not_loaded = HFCausalLM(str(with_weights), from_pretrained=False, seed=2)
+    assert not not_loaded.loaded_pretrained
+    assert not torch.equal(not_loaded.model.lm_head.weight, saved.lm_head.weight)
+
+    batch = {"input_ids": torch.randint(0, 64, (2, 16))}
+    assert loaded.model_logits(batch).shape == (2, 16, 64)
+    assert loaded.model_loss(batch).dim() == 0
+    with pytest.raises(ValueError, match="from_pretrained must be True, False or 'auto'"):
+        HFCausalLM(str(config_only), from_pretrained="yes")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import statistics
+import sys
 from typing import Any, Optional
 
 from lightning.pytorch.cli import ArgsType, LightningCLI
@@ -80,7 +81,13 @@ def fit_summary(trainer: Any, datamodule: Optional[Any] = None) -> str:
 
 
 def main(args: ArgsType = None) -> None:
-    """Entry point of the ``lightning-fpdt`` console script and of ``python -m lightning_fpdt.cli``."""
+    """Entry point of the ``lightning-fpdt`` console script and of ``python -m lightning_fpdt.cli``; ``plan`` runs the
+    memory planner (lightning_fpdt.planner) instead of a LightningCLI subcommand."""
+    argv = sys.argv[1:] if args is None else args
+    if isinstance(argv, (list, tuple)) and argv[:1] == ["plan"]:
+        from lightning_fpdt.planner import main as plan_main
+
+        raise SystemExit(plan_main(list(argv[1:])))
     FPDTCLI(args=args)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Generator, Mapping
@@ -40,6 +41,7 @@ from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt, f
 from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
 from lightning_fpdt.strategy.resumable import ResumableLoader
 from lightning_fpdt.strategy.topology import warn_if_sequence_groups_span_hosts
+from lightning_fpdt.strategy.watchdog import RankWatchdog
 
 def attention_heads(module: torch.nn.Module) -> Optional[tuple[int, int]]:
     """``(num_heads, num_kv_heads)`` read from a config found in ``module``, or ``None``."""
@@ -136,6 +138,7 @@ class FPDTStrategy(ModelParallelStrategy):
         """``(batch_size, seq_len, padded_seq_len)`` of the global sequence of the last batch sharded."""
         self._valid_tokens_local = 0
         self._pending_rng_states: Optional[dict[str, Any]] = None
+        self._watchdog: Optional[RankWatchdog] = None
 
     # ---- sizes and mesh -------------------------------------------------------------------------------------------
     @property
@@ -165,6 +168,8 @@ class FPDTStrategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         self._setup_distributed()
+        self._watchdog = RankWatchdog(self.global_rank, self.world_size)
+        self._watchdog.start()
         assert self.lightning_module is not None
         heads = attention_heads(self.lightning_module)
         dp, sp = resolve_sizes(
@@ -225,6 +230,9 @@ class FPDTStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self._cpu_offload_params:
             _optimizers_to_device(self.optimizers, self.root_device)
+        datamodule = trainer.datamodule
+        if isinstance(getattr(datamodule, "seq_len", None), int):  # the length is known before the first batch
+            self.check_memory_plan(datamodule.seq_len, getattr(datamodule, "batch_size", 1), collective=True)
 
     # ---- data -----------------------------------------------------------------------------------------------------
     def _free_memory(self) -> Optional[int]:
@@ -288,6 +296,7 @@ class FPDTStrategy(ModelParallelStrategy):
         offload = self.offload_for(seq_len, batch_size)
         if (seq_len, num_chunks, offload) not in self._plans_logged:
             self._plans_logged.add((seq_len, num_chunks, offload))
+            self.check_memory_plan(seq_len, batch_size)  # before the forward pins host memory for this length
             rank_zero_info(
                 f"fpdt: sequences of {seq_len} tokens: chunks={num_chunks} ({self._chunks!r}), offload={offload} "
                 f"({self._offload!r}), sequence_parallel_size={self.sequence_parallel_size}"
@@ -381,6 +390,63 @@ class FPDTStrategy(ModelParallelStrategy):
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._sequence_parallel_output(super().test_step(*args, **kwargs))
+
+    def check_memory_plan(self, seq_len: int, batch_size: int = 1, *, collective: bool = False) -> None:
+        """Refuse, before any pinned buffer exists, a run whose pinned host memory does not fit this host
+        (lightning_fpdt.planner; pinned-memory exhaustion takes the machine down, not just the job)."""
+        from lightning_fpdt.callbacks import ActivationOffload, TiledLoss, TiledMLP
+        from lightning_fpdt.planner import available_host_memory, check_host_memory, plan_memory, resolve_geometry
+
+        config = getattr(find_model(self.model), "config", None)
+        available = available_host_memory()
+        if self.root_device.type != "cuda" or config is None or available is None:
+            return  # pinned memory is a CUDA matter; without a config there is no geometry to plan
+        try:
+            geometry = resolve_geometry(config)
+        except ValueError:
+            return  # a config the planner cannot read: nothing to check against
+        callbacks = self.lightning_module.trainer.callbacks
+        checkpoints = [cb for cb in callbacks if isinstance(cb, ActivationOffload)]
+        offload = self.offload_for(seq_len, batch_size)
+        plan = plan_memory(
+            geometry=geometry, seq_len=seq_len, batch_size=batch_size, num_gpus=self.world_size,
+            gpus_per_node=self.num_processes, sequence_parallel_size=self.sequence_parallel_size,
+            chunks=self.num_chunks_for(seq_len, batch_size), offload=offload,
+            offload_dq=self.offload_dq_for(seq_len, batch_size, offload),
+            activation_offload=any(cb.stashes.offload for cb in checkpoints),
+            activation_checkpointing=bool(checkpoints),
+            tiled_mlp=any(isinstance(cb, TiledMLP) for cb in callbacks),
+            tiled_loss=any(isinstance(cb, TiledLoss) for cb in callbacks),
+            precision=self.precision_plugin.precision, cpu_offload_params=self._cpu_offload_params,
+            gpu_memory_gib=torch.cuda.get_device_properties(self.root_device).total_memory / 2**30,
+        )
+        try:
+            check_host_memory(plan, available)
+            refusal = None
+        except ValueError as error:
+            refusal = error
+        # at setup every rank refuses together, so none waits in a collective for a rank that raised
+        if collective and not self.reduce_boolean_decision(refusal is None, all=True):
+            raise refusal or ValueError("another rank refused the run: its host lacks the pinned memory (see its log)")
+        if refusal is not None:
+            raise refusal
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Name the rank that died or hung when a collective failed (see ``strategy/watchdog.py``)."""
+        super().on_exception(exception)
+        if self._watchdog is None or isinstance(exception, (ValueError, FloatingPointError, KeyboardInterrupt)):
+            return
+        faults = self._watchdog.diagnose(wait=6 * self._watchdog.interval)
+        if faults:
+            logging.getLogger("lightning.pytorch").error(
+                f"fpdt: rank {self.global_rank} failed ({type(exception).__name__}: {str(exception)[:200]}); "
+                + "; ".join(faults)
+            )
+
+    def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        super().teardown()
 
     def process_dataloader(self, dataloader: object) -> object:
         """Training loaders resume mid-epoch at the checkpointed position (see ``strategy/resumable.py``)."""

@@ -8,7 +8,7 @@ import torch
 
 from lightning_fpdt import FPDTStrategy, MFUMonitor
 from lightning_fpdt.callbacks.curriculum import SequenceLengthCurriculum
-from lightning_fpdt.cli import FPDTCLI
+from lightning_fpdt.cli import FPDTCLI, main
 from lightning_fpdt.data import RetrievalDataModule
 from lightning_fpdt.models.module import HFCausalLM, LlamaLM
 
@@ -107,3 +107,11 @@ def test_hf_model_from_config_or_weights(tmp_path):
     assert loaded.model_loss(batch).dim() == 0
     with pytest.raises(ValueError, match="from_pretrained must be True, False or 'auto'"):
         HFCausalLM(str(config_only), from_pretrained="yes")
+
+
+def test_plan_subcommand(capsys):
+    """`lightning-fpdt plan ...` prints the memory plan (lightning_fpdt.planner.main) and exits with its status."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "tiny", "--seq-len", "4096", "--gpus", "2"])
+    assert exit_info.value.code == 0
+    assert "predicted peak per GPU" in capsys.readouterr().out

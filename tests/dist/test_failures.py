@@ -1,0 +1,73 @@
+"""Failures end every rank quickly and say why: a dead or hung rank is named, a NaN loss stops training."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from lightning_fpdt import FPDTStrategy
+from tests.dist.training import LitLM, TokenDataset, trainer_kwargs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _launch(mode: str) -> tuple[subprocess.CompletedProcess, float, subprocess.Popen]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                   LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.dist.failing_run", mode], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    start = time.time()
+    out, _ = procs[0].communicate(timeout=240)
+    elapsed = time.time() - start
+    return subprocess.CompletedProcess(procs[0].args, procs[0].returncode, out), elapsed, procs[1]
+
+
+@pytest.mark.parametrize("mode,named", [
+    ("die", "rank 1 stopped responding"),
+    ("hang", "rank 1 is not in the collective the others wait in; it is at"),
+])
+def test_dead_or_hung_rank_is_named_and_others_exit(mode, named):
+    """Rank 1 dies (or hangs outside a collective) at step 1: rank 0 exits non-zero within the collective timeout
+    (15 s) plus the diagnosis, with a message naming rank 1."""
+    result, elapsed, other = _launch(mode)
+    other.kill()
+    other.communicate()
+    assert result.returncode != 0
+    assert named in result.stdout, result.stdout[-3000:]
+    assert elapsed < 120
+
+
+class NaNLM(LitLM):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        # one data-parallel group only: all ranks must still stop together
+        return loss * float("nan") if self.global_step == 1 and dist.get_rank() == 0 else loss
+
+
+def nonfinite_stops_everyone() -> None:
+    trainer = L.Trainer(strategy=FPDTStrategy(sequence_parallel_size=1, data_parallel_size=2), devices=2,
+                        max_steps=4, **trainer_kwargs())
+    with pytest.raises(FloatingPointError, match=r"non-finite loss \(nan on rank 0\)|non-finite loss \(.* at global step 1"):
+        trainer.fit(NaNLM("llama", seed=0, lr=0.1), DataLoader(TokenDataset(16, 16, seed=0), batch_size=2))
+    assert trainer.global_step == 1
+
+
+def test_nonfinite_loss_stops_every_rank_with_the_step(dist_pool):
+    """A NaN loss on one data-parallel group stops both groups at global step 1, naming the step."""
+    dist_pool(2).run(nonfinite_stops_everyone)
+    torch.manual_seed(0)

@@ -29,7 +29,7 @@ class AdamLM(LitLM):
 
 
 def _fit(dp: int, sp: int, max_steps: int, ckpt_in: str | None = None, ckpt_out: str | None = None,
-         checkpoint_every: str | None = None):
+         checkpoint_every: str | None = None, distributed: bool = True):
     torch.manual_seed(0)
     module = AdamLM("llama", seed=3, lr=0.01)
     module.draws = []
@@ -37,8 +37,9 @@ def _fit(dp: int, sp: int, max_steps: int, ckpt_in: str | None = None, ckpt_out:
     if checkpoint_every:  # a checkpoint every 2 steps, during training (mid-epoch), as a real run writes them
         callbacks.append(ModelCheckpoint(dirpath=checkpoint_every, every_n_train_steps=2, save_top_k=-1))
     kwargs = trainer_kwargs(enable_checkpointing=bool(checkpoint_every))
-    trainer = L.Trainer(strategy=FPDTStrategy(sequence_parallel_size=sp, data_parallel_size=dp, chunks=2),
-                        devices=dp * sp, max_steps=max_steps, callbacks=callbacks, **kwargs)
+    strategy = FPDTStrategy(sequence_parallel_size=sp, data_parallel_size=dp, chunks=2,
+                            save_distributed_checkpoint=distributed)
+    trainer = L.Trainer(strategy=strategy, devices=dp * sp, max_steps=max_steps, callbacks=callbacks, **kwargs)
     # 16 samples, batch 2: 8 batches per data-parallel group at dp=1 — the interruption falls mid-epoch
     trainer.fit(module, DataLoader(TokenDataset(16, 16, seed=11), batch_size=2), ckpt_path=ckpt_in)
     if ckpt_out:
@@ -46,11 +47,14 @@ def _fit(dp: int, sp: int, max_steps: int, ckpt_in: str | None = None, ckpt_out:
     return module, trainer
 
 
-def interrupted_equals_uninterrupted(folder: str, dp: int, sp: int) -> None:
+def interrupted_equals_uninterrupted(folder: str, dp: int, sp: int, distributed: bool = True) -> None:
     folder = os.path.join(folder, f"{dp}x{sp}")
-    full, _ = _fit(dp, sp, max_steps=5, checkpoint_every=folder)  # the uninterrupted run, saving at steps 2 and 4
+    # the uninterrupted run, saving at steps 2 and 4
+    full, _ = _fit(dp, sp, max_steps=5, checkpoint_every=folder, distributed=distributed)
     # the interrupted run: a new process state restarts from the step-2 checkpoint
-    resumed, trainer = _fit(dp, sp, max_steps=5, ckpt_in=os.path.join(folder, "epoch=0-step=2.ckpt"))
+    resumed, trainer = _fit(dp, sp, max_steps=5, ckpt_in=os.path.join(folder, "epoch=0-step=2.ckpt"),
+                            distributed=distributed)
+    assert os.path.isdir(os.path.join(folder, "epoch=0-step=2.ckpt")) == distributed  # a folder of shards, or a file
     # fp32 and the same batches in the same order: the resumed run repeats the same arithmetic exactly
     torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses[2:]), rtol=0, atol=0)
     assert resumed.draws == full.draws[2:]
@@ -60,11 +64,11 @@ def interrupted_equals_uninterrupted(folder: str, dp: int, sp: int) -> None:
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 5
 
 
-@pytest.mark.parametrize("dp,sp", [(1, 2), (2, 1)])
-def test_interrupted_training_equals_uninterrupted(dist_pool, tmp_path, dp, sp):
+@pytest.mark.parametrize("dp,sp,distributed", [(1, 2, True), (2, 1, True), (1, 2, False)])
+def test_interrupted_training_equals_uninterrupted(dist_pool, tmp_path, dp, sp, distributed):
     """Saved after 2 steps (mid-epoch) and resumed to 5: the same losses, parameters, LR schedule, data position and
-    random draws as 5 steps in one go."""
-    dist_pool(2).run(interrupted_equals_uninterrupted, folder=str(tmp_path), dp=dp, sp=sp)
+    random draws as 5 steps in one go; distributed checkpoints and the single-file option."""
+    dist_pool(2).run(interrupted_equals_uninterrupted, folder=str(tmp_path), dp=dp, sp=sp, distributed=distributed)
 
 
 def save_at(folder: str, dp: int, sp: int) -> None:

@@ -174,6 +174,30 @@ def test_calibration_training_runs(layers, callbacks, measured_peak_gib):
 
 
 @pytest.mark.parametrize(
+    ("gpus", "layers", "seq_len", "chunks", "gpu_memory_gib", "measured_peak_gib"),
+    [
+        # runs the planner was not fitted to (docs/planner.md), all with --offload on --callbacks mlp,loss,offload:
+        # one NVIDIA H100 80GB HBM3: python bench/smoke_train.py --devices 1 --model llama3-8b --layers 4
+        #   --seq-len 131072 --chunks 4 --steps 3 ... -> peak 48.9 GiB
+        (1, 4, 131072, 4, 80, 48.9),
+        # the same with --seq-len 262144 --chunks 8 -> peak 70.2 GiB
+        (1, 4, 262144, 8, 80, 70.2),
+        # 4× NVIDIA H200: torchrun --nproc_per_node 4 bench/smoke_train.py --model llama3-8b --layers 8
+        #   --seq-len 524288 --chunks 8 --steps 2 ... -> peak 35.2 GiB
+        (4, 8, 524288, 8, 139, 35.2),
+    ],
+)
+def test_prediction_of_unfitted_runs(gpus, layers, seq_len, chunks, gpu_memory_gib, measured_peak_gib):
+    """Runs measured after the model was fitted (1 and 4 GPUs, 128K to 512K) are predicted within 15%."""
+    plan = plan_memory(
+        geometry=resolve_geometry("llama3-8b", num_layers=layers), seq_len=seq_len, num_gpus=gpus, chunks=chunks,
+        offload=True, activation_offload=True, activation_checkpointing=True, tiled_mlp=True, tiled_loss=True,
+        gpu_memory_gib=gpu_memory_gib,
+    )
+    assert within(plan.peak_gpu_bytes, measured_peak_gib), (plan.peak_gpu_bytes / GIB, measured_peak_gib)
+
+
+@pytest.mark.parametrize(
     ("gpus", "seq_len", "chunks", "offload", "measured_extra_gib"),
     [
         # one NVIDIA H100 80GB HBM3 (docs/benchmarks.md §1): python bench/attention.py --seq-lens 131072,262144,524288

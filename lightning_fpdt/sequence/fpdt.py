@@ -320,7 +320,7 @@ class _FirstPass:
 
     plan: _Plan
     stash: ChunkStash  # the q/k/v/out/lse chunks, as for a normal backward
-    out: Tensor  # the local output, (B, S/P, H, D)
+    out: Optional[Tensor]  # the local output (B, S/P, H, D), set when the recompute takes it back
 
 
 class FPDTAttention:
@@ -398,10 +398,9 @@ class LayerAttention:
         plan = shared.plan(query, key, value, causal, scale)
         stash = shared.stashes.chunks(query.device)
         out = fpdt_forward(query, key, value, plan, stash, save_for_backward=True)
-        self._kept_out = shared.stashes.chunks(out.device)
+        self._kept_out = shared.stashes.chunks(out.device)  # host memory when offloading
         self._kept_out.put("out", out)
-        self._first_pass = _FirstPass(plan=plan, stash=stash, out=out)
-        self._first_pass.out = None  # the kept copy lives in _kept_out (host memory when offloading)
+        self._first_pass = _FirstPass(plan=plan, stash=stash, out=None)  # out comes back from _kept_out in _replay
         return out
 
     def _replay(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:

@@ -1,0 +1,299 @@
+"""bench/report.py's tables and plots from synthetic records, and the pieces of bench/peers.py that need no process
+group: the ballast arithmetic, the out-of-memory record, the length search, primed AdamW states."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_fpdt.flops import ModelGeometry
+from lightning_fpdt.models.llama import LlamaConfig, sdpa_attention
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def load_bench(name: str):
+    """bench/<name>.py as a module (bench/ is scripts, not a package), loaded once per process."""
+    key = f"bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+report = load_bench("report")
+peers = load_bench("peers")
+GIB = 2**30
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def run_record(system: str, *, gpus: int, layers: int, seq_len: int, status: str = "ok", peak_gib: float = 40.0,
+               ballast_gib: float = 0.0, mfu: float = 0.4, tokens_per_s: float = 10_000.0, card: str = H100,
+               host_fits: bool = True, limit: str = None, timed_steps: int = 2) -> dict:
+    """A record shaped as bench/peers.py writes it (the fields the report reads)."""
+    ok = status == "ok"
+    command = (f"torchrun --standalone --nproc_per_node {gpus} bench/peers.py --system {system} --model llama3-8b "
+               f"--layers {layers} --seq-len {seq_len} --ballast auto --check-host")
+    return {
+        "kind": "run", "system": system, "status": status, "limit": limit, "card": card,
+        "card_memory_bytes": 80 * GIB, "gpus": gpus, "model": "llama3-8b", "layers": layers, "full_layers": 32,
+        "seq_len": seq_len, "chunks": 8 if system == "fpdt" else None, "options": {"ballast": "auto"},
+        "timed_steps": timed_steps,
+        "step_time_s": 10.0 if ok else None, "tokens_per_s": tokens_per_s if ok else None,
+        "tflops_per_gpu": 989 * mfu if ok else None, "mfu": mfu if ok else None,
+        "peak_gpu_bytes": int(peak_gib * GIB) if ok else None, "ballast_bytes": int(ballast_gib * GIB),
+        "peak_gpu_bytes_minus_ballast": int((peak_gib - ballast_gib) * GIB) if ok else None,
+        "first_loss": 11.9321, "host_check": {"needed_bytes": 100 * GIB, "available_bytes": 1500 * GIB,
+                                              "fits": host_fits, "planned_peak_gpu_bytes": 70 * GIB},
+        "command": command, "env": {"NCCL_NVLS_ENABLE": "0"},
+    }
+
+
+def synthetic_records() -> list[dict]:
+    """1 GPU: searches for fpdt and ring, single runs for modelparallel; 4 GPUs: two depths, equal length, full depth."""
+    return [
+        {"kind": "max_length", "system": "fpdt", "model": "llama3-8b", "layers": 2, "full_layers": 32, "gpus": 1,
+         "card": H100, "ballast": "auto", "max_seq_len": 1_048_576, "first_failed_seq_len": 1_572_864,
+         "limited_by": "gpu", "command": "python bench/peers.py --system fpdt --max-length --gpus 1 --seq-len 262144"},
+        {"kind": "max_length", "system": "ring", "model": "llama3-8b", "layers": 2, "full_layers": 32, "gpus": 1,
+         "card": H100, "ballast": "auto", "max_seq_len": 131_072, "first_failed_seq_len": 196_608,
+         "limited_by": "gpu", "command": "python bench/peers.py --system ring --max-length --gpus 1 --seq-len 65536"},
+        run_record("modelparallel", gpus=1, layers=2, seq_len=16_384, peak_gib=71.5),
+        run_record("modelparallel", gpus=1, layers=2, seq_len=32_768, status="oom", limit="gpu"),
+        run_record("fpdt", gpus=4, layers=2, seq_len=1_048_576, peak_gib=61.2, ballast_gib=25.4),
+        run_record("fpdt", gpus=4, layers=4, seq_len=1_048_576, peak_gib=61.4, ballast_gib=23.6),
+        run_record("fpdt", gpus=4, layers=4, seq_len=262_144, tokens_per_s=26_000.0, mfu=0.41),
+        run_record("ring", gpus=4, layers=4, seq_len=262_144, tokens_per_s=20_000.0, mfu=0.31),
+        run_record("fpdt", gpus=4, layers=32, seq_len=524_288, mfu=0.47, tokens_per_s=14_000.0),
+        run_record("fpdt", gpus=4, layers=2, seq_len=2_097_152, host_fits=False),  # a step ran, the host can't hold it
+        run_record("ring", gpus=4, layers=2, seq_len=131_072, timed_steps=0, mfu=0.05, tokens_per_s=999.0),  # 1 step
+    ]
+
+
+def test_report_names_every_figure_with_its_command(tmp_path):
+    """Tables carry card, GPUs, geometry, length and a command reference; targets are judged from the figures."""
+    doc = report.render_markdown(synthetic_records(), plot_note="no plots")
+    for command in ("python bench/peers.py --system fpdt --max-length --gpus 1 --seq-len 262144",
+                    "NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 4 bench/peers.py --system fpdt "
+                    "--model llama3-8b --layers 32 --seq-len 524288"):
+        assert f"`{command}" in doc, command
+    lines = doc.splitlines()
+
+    def row(*cells: str) -> str:
+        found = [line for line in lines if all(cell in line for cell in cells)]
+        assert found, cells
+        return found[0]
+
+    # maximum length, 1 GPU: fpdt 1M (search), modelparallel 16K (runs: 32K ran out of memory), ring 128K
+    one_gpu = row("| NVIDIA H100 80GB HBM3 | 1 |", "1,048,576")
+    assert "16,384; 32,768 failed (gpu)" in one_gpu and "131,072" in one_gpu
+    assert "64.00×" in one_gpu and "8.00×" in one_gpu  # fpdt / modelparallel, fpdt / ring
+    # 4 GPUs: 2M ran but the full depth's host memory does not fit, so 1M is the longest trainable length; ring's
+    # single run is a lower bound only, so the ratio over it says nothing
+    four_gpus = row("| NVIDIA H100 80GB HBM3 | 4 | llama3-8b |")
+    assert "1,048,576; 2,097,152 failed (host (planned, full depth))" in four_gpus
+    assert "≥ 262,144 (nothing longer run)" in four_gpus and "? (no failing length for ring)" in four_gpus
+    assert row("maximum length, fpdt / ring, 4 GPUs").endswith("| not conclusive |")
+    # targets: 1 GPU met, MFU 47% missed, throughput 1.30x met, the 4-GPU length (1M < 2M) missed
+    assert row("maximum length, 1 GPU, fpdt").endswith("| met |")
+    assert "47.0%" in row("MFU (causal), full depth") and "**missed**" in row("MFU (causal), full depth")
+    assert "1.30×" in row("tokens/s, fpdt / ring") and row("tokens/s, fpdt / ring").endswith("| met |")
+    assert "**missed**" in row("maximum length, 4 GPUs, fpdt")
+    # the ballast protocol: two depths at 1M, their peaks and their spread (0.2 GiB)
+    assert "61.2" in row("| fpdt | NVIDIA H100 80GB HBM3 | 4 |", "2 of 32 layers + ballast", "1,048,576", "25.4")
+    assert "| 0.2 |" in row("| fpdt | NVIDIA H100 80GB HBM3 | 4 |", "4 of 32 layers + ballast", "1,048,576")
+    # throughput at equal length, with the ratio against ring in the same group; a one-step run (warm-up only) is not
+    # a throughput figure, only a memory one
+    assert "1.30×" in row("| 262,144 | fpdt |", "26,000")
+    assert not [line for line in lines if "| 131,072 | ring |" in line]
+    assert "(warm-up)" in row("| ring | ok |", "131,072")
+    # every run is listed, out-of-memory ones with their limit
+    assert "oom (gpu)" in row("| modelparallel | oom")
+    assert doc.count("| ok |") == 8  # the 9 runs of the "every run" table, one out of memory
+
+
+def test_plots_skipped_cleanly_without_matplotlib(tmp_path, monkeypatch, capsys):
+    """No matplotlib: the tables are written, the plots skipped with a message saying why."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    path = tmp_path / "peers.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in synthetic_records()) + "not json\n")
+    with pytest.warns(UserWarning, match="not JSON"):
+        assert report.main([str(path), "--doc", str(tmp_path / "peers.md"), "--plots", str(tmp_path / "plots")]) == 0
+    assert "matplotlib is not installed, plots skipped" in capsys.readouterr().err
+    doc = (tmp_path / "peers.md").read_text()
+    assert "Plots not drawn: matplotlib was not installed" in doc and "1,048,576" in doc
+    assert not (tmp_path / "plots").exists()
+
+
+def test_plots_written_with_matplotlib(tmp_path):
+    """With matplotlib: a memory and an MFU plot per card, GPU count and model, linked from the document."""
+    pytest.importorskip("matplotlib")
+    plots = report.write_plots(synthetic_records(), str(tmp_path / "plots"))
+    names = sorted(Path(p).name for p in plots)
+    assert names == [f"peers_{m}_nvidia-h100-80gb-hbm3_{g}gpu_llama3-8b.png" for m in ("memory", "mfu") for g in (1, 4)]
+    assert all(Path(p).stat().st_size > 1000 for p in plots)
+    doc = report.render_markdown(synthetic_records(), plots=plots, doc_dir=str(tmp_path))
+    assert "![peers_mfu_nvidia-h100-80gb-hbm3_4gpu_llama3-8b.png](plots/peers_mfu_" in doc
+
+
+def test_ballast_is_the_sharded_states_of_the_layers_not_run():
+    """Llama-3-8B block: 2·4096² + 2·4096·1024 + 3·4096·14336 + 2·4096 = 218,112,000 parameters, 16 B each (bf16-mixed
+    AdamW: fp32 master, fp32 gradient, two fp32 moments), sharded over the GPUs; none when the states are offloaded."""
+    geometry = ModelGeometry.from_config(LlamaConfig.from_name("llama3-8b"))
+    block = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    assert block == 218_112_000
+    assert peers.state_bytes_per_parameter("bf16-mixed") == 16 and peers.state_bytes_per_parameter("32-true") == 16
+    four = dict(num_gpus=4, precision="bf16-mixed", cpu_offload_params=False)
+    assert peers.ballast_bytes(geometry, layers_run=4, **four) == 28 * 218_112_000 * 16 // 4 == 24_428_544_000
+    assert peers.ballast_bytes(geometry, layers_run=8, **four) == 20_938_752_000
+    assert peers.ballast_bytes(geometry, layers_run=32, **four) == 0
+    assert peers.ballast_bytes(geometry, layers_run=2, num_gpus=1, precision="bf16-mixed",
+                               cpu_offload_params=True) == 0
+    tiny = ModelGeometry.from_config(LlamaConfig.from_name("tiny"))  # block: 2·64·64 + 2·64·32 + 3·64·128 + 2·64
+    assert peers.ballast_bytes(tiny, layers_run=1, num_gpus=2, precision="32-true",
+                               cpu_offload_params=False) == 36_992 * 16 // 2
+
+
+def test_ballast_holds_what_the_missing_blocks_keep_on_the_gpu():
+    """Between forward and backward a block keeps on the GPU: modelparallel its checkpointed input, S·4096·2 B; ring
+    the same for S/W tokens; fpdt nothing with offload, else its attention chunks (q, k, v, out in bf16 and the fp32
+    lse: (2·32 + 2·8)·128·2 + 32·4 B per local token) and its output (32·128·2 B per local token)."""
+    geometry = ModelGeometry.from_config(LlamaConfig.from_name("llama3-8b"))
+
+    def kept(system, seq_len, offload=True):
+        return peers.kept_bytes_per_layer(system, geometry, seq_len=seq_len, num_gpus=4, precision="bf16-mixed",
+                                          attention_offload=offload)
+
+    assert kept("modelparallel", 16_384) == 16_384 * 4096 * 2 == 134_217_728
+    assert kept("ring", 65_536) == 65_536 // 4 * 4096 * 2 == 134_217_728
+    assert kept("fpdt", 262_144) == 0
+    local = 262_144 // 4
+    assert kept("fpdt", 262_144, offload=False) == local * (80 * 128 * 2 + 32 * 4 + 32 * 128 * 2) == 1_887_436_800
+    states = 28 * 218_112_000 * 16 // 4
+    assert peers.ballast_bytes(geometry, layers_run=4, num_gpus=4, precision="bf16-mixed", cpu_offload_params=False,
+                               kept_per_layer=134_217_728) == states + 28 * 134_217_728 == 28_186_640_384
+    with pytest.raises(ValueError, match="--ballast auto needs --offload on or off"):
+        peers.validate(peers.parse_args(["--system", "fpdt", "--ballast", "auto", "--offload", "auto",
+                                         "--accelerator", "cpu"]), world_size=1)
+
+
+def test_out_of_memory_becomes_a_record(monkeypatch, tmp_path):
+    """A CUDA out-of-memory error inside a system ends the run with status "oom", the steps done and the message."""
+    def runs_out(args, *, info, **kwargs):
+        info.update(tokens_per_step=args.seq_len, step_times_s=[1.5], losses=[5.5], peak_gpu_bytes_per_step=[None])
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setitem(peers.SYSTEM_FUNCTIONS, "fpdt", runs_out)
+    args = peers.parse_args(["--system", "fpdt", "--model", "tiny", "--layers", "1", "--seq-len", "64", "--steps", "2",
+                             "--accelerator", "cpu", "--precision", "32-true", "--ballast", "auto",
+                             "--out", str(tmp_path / "r.jsonl")])
+    record = peers.run(args)
+    assert record["status"] == "oom" and record["limit"] == "gpu" and "Tried to allocate" in record["error"]
+    assert record["steps_done"] == 1 and record["losses"] == [5.5] and record["ranks_answered"] == [0]
+    assert record["ballast_bytes"] == 36_992 * 16 and record["command"].startswith("python bench/peers.py --system fpdt")
+    peers.append_record(args.out, record)
+    assert "| oom (gpu) |" in report.render_markdown(report.load_records([args.out]))
+
+    def crashes(args, **kwargs):
+        raise KeyError("a bug, not a memory limit")
+
+    monkeypatch.setitem(peers.SYSTEM_FUNCTIONS, "fpdt", crashes)
+    with pytest.raises(KeyError, match="a bug"):
+        peers.run(args)
+
+
+def test_memory_errors_are_told_from_bugs():
+    """CUDA OOM, allocation failures in libraries and the planner's pinned-memory refusal count as limits."""
+    assert peers.out_of_memory(torch.OutOfMemoryError("CUDA out of memory")) == "gpu"
+    assert peers.out_of_memory(RuntimeError("CUDA error: out of memory")) == "gpu"
+    assert peers.out_of_memory(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")) == "gpu"
+    assert peers.out_of_memory(ValueError("this run needs 900 GiB of pinned host memory per host")) == "host"
+    assert peers.out_of_memory(ValueError("chunks must be 'auto' or a positive int")) is None
+    assert peers.out_of_memory(RuntimeError("NCCL error")) is None
+
+
+def test_length_search_doubles_then_bisects_once():
+    """Double while it fits, then try the midpoint once (rounded to the multiple); halve first if the start fails."""
+    def limit(longest):
+        return lambda seq_len: seq_len <= longest
+
+    result = peers.search_lengths(limit(1_300_000), 262_144, multiple=8192, max_len=16 * 2**20)
+    assert result["tried"] == [(262_144, True), (524_288, True), (1_048_576, True), (2_097_152, False),
+                               (1_572_864, False)]
+    assert (result["max_fit"], result["min_fail"]) == (1_048_576, 1_572_864)
+    result = peers.search_lengths(limit(100_000), 524_288, multiple=8192, max_len=16 * 2**20)
+    assert [s for s, _ in result["tried"]] == [524_288, 262_144, 131_072, 65_536, 98_304]
+    assert (result["max_fit"], result["min_fail"]) == (98_304, 131_072)
+    result = peers.search_lengths(limit(10**9), 1_048_576, multiple=8192, max_len=4_194_304)
+    assert (result["max_fit"], result["min_fail"]) == (4_194_304, None)  # capped, nothing failed
+    with pytest.raises(ValueError, match="multiple of --length-multiple"):
+        peers.search_lengths(limit(1), 1000, multiple=8192, max_len=10**6)
+
+
+def test_attempt_argv_drops_the_search_options():
+    """Each attempt runs the search's own options minus the search ones, at its own length."""
+    argv = ["--system", "ring", "--max-length", "--gpus", "4", "--seq-len", "65536", "--deadline-s=500",
+            "--layers", "2", "--length-multiple", "16384", "--ballast", "auto"]
+    assert peers.attempt_argv(argv, 131072, "a1") == ["--system", "ring", "--layers", "2", "--ballast", "auto",
+                                                       "--seq-len", "131072", "--attempt-id", "a1"]
+
+
+def test_primed_adam_states_train_exactly_like_lazy_ones():
+    """AdamW's moments created before the first step give the same parameters as its own lazy initialisation."""
+    torch.manual_seed(3)
+    reference = torch.nn.Linear(8, 4)
+    primed = torch.nn.Linear(8, 4)
+    primed.load_state_dict(reference.state_dict())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (reference, primed)]
+    peers.prime_adam_states(optimizers[1])
+    state = optimizers[1].state[primed.weight]
+    assert float(state["step"]) == 0 and not state["exp_avg"].any() and state["exp_avg_sq"].shape == (4, 8)
+    for _ in range(3):
+        x = torch.randn(5, 8)
+        for model, optimizer in zip((reference, primed), optimizers):
+            model(x).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for a, b in zip(reference.parameters(), primed.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="Adam or AdamW"):
+        peers.prime_adam_states(torch.optim.SGD(primed.parameters(), lr=0.1))
+
+
+def test_expanded_kv_attention_matches_the_reference():
+    """ring's --ring-kv-heads expand: k, v repeated to the query heads give the reference GQA attention."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 24, 8, 16, dtype=torch.float64)  # (B, S, H, D)
+    k, v = torch.randn(2, 24, 2, 16, dtype=torch.float64), torch.randn(2, 24, 2, 16, dtype=torch.float64)
+    # fp64: the two differ only in where the heads are repeated, so they agree to rounding (~1e-15)
+    torch.testing.assert_close(peers.sdpa_expanded_kv(q, k, v, scale=0.3), sdpa_attention(q, k, v, scale=0.3),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_host_limit_is_the_planners_and_bounds_the_maximum():
+    """The search's host limit: the longest full-depth length whose planned pinned memory fits (4 H100s, 500 GiB:
+    442,368 tokens by lightning_fpdt.planner); when it is below the GPU's limit, the report gives it as the maximum."""
+    args = peers.parse_args(["--system", "fpdt", "--max-length", "--gpus", "4", "--check-host",
+                             "--length-multiple", "16384", "--max-seq-len", "2097152"])
+    limit = peers.host_limit(args, available_bytes=500 * GIB, gpu_memory_bytes=int(79.2 * GIB))
+    assert limit == 442_368
+    plan = peers.host_check(argparse.Namespace(**{**vars(args), "seq_len": limit + 16384}), num_gpus=4,
+                            gpus_per_node=4, resolved={}, gpu_memory_bytes=int(79.2 * GIB),
+                            available_bytes=500 * GIB)
+    assert plan["fits"] is False and plan["needed_bytes"] > 500 * GIB
+    search = {"kind": "max_length", "system": "fpdt", "model": "llama3-8b", "layers": 2, "full_layers": 32,
+              "gpus": 4, "card": H100, "ballast": "auto", "max_seq_len": limit, "max_seq_len_gpu": 1_572_864,
+              "first_failed_seq_len": 2_097_152, "host_max_seq_len": limit, "limited_by": "host (planned, full depth)",
+              "command": "python bench/peers.py --system fpdt --max-length --gpus 4 --check-host"}
+    doc = report.render_markdown([search])
+    assert ("442,368 (host: full depth planned to fit up to 442,368; GPU: 1,572,864 ran, 2,097,152 failed) [1]"
+            in doc)
+    assert "| maximum length, 4 GPUs, fpdt | ≥ 2,097,152 | NVIDIA H100 80GB HBM3 | 442,368 | **missed** |" in doc

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -28,12 +28,12 @@ class ChunkStash:
     """Keyed chunk store that keeps tensors in place; see the module docstring for the life cycle."""
 
     def __init__(self) -> None:
-        self._chunks: dict[Hashable, Tensor] = {}
+        self._entries: dict[Hashable, Any] = {}  # key -> tensor here; key -> _HostChunk in HostStash
 
     def put(self, key: Hashable, tensor: Tensor) -> None:
-        if key in self._chunks:
+        if key in self._entries:
             raise RuntimeError(f"stash: put of {key!r}, which is already stashed (free it first)")
-        self._chunks[key] = tensor
+        self._entries[key] = tensor
 
     def prefetch(self, key: Hashable) -> None:
         """Start bringing ``key`` back ahead of its ``get``; a no-op for chunks kept in place."""
@@ -41,7 +41,7 @@ class ChunkStash:
 
     def get(self, key: Hashable) -> Tensor:
         self._check(key, "get")
-        return self._chunks[key]
+        return self._entries[key]
 
     def release(self, key: Hashable) -> None:
         """The caller is done with the tensor ``get`` returned (for now); a no-op for chunks kept in place."""
@@ -49,27 +49,28 @@ class ChunkStash:
 
     def free(self, key: Hashable) -> None:
         self._check(key, "free")
-        del self._chunks[key]
+        del self._entries[key]
 
     def clear(self) -> None:
         """Drop every chunk (the end of a backward, or a forward whose graph is discarded)."""
-        for key in list(self._chunks):
+        for key in list(self._entries):
             self.free(key)
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._chunks
+        return key in self._entries
 
     def __len__(self) -> int:
-        return len(self._chunks)
+        return len(self._entries)
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the stash now."""
-        return sum(t.numel() * t.element_size() for t in self._chunks.values())
+        return sum(t.numel() * t.element_size() for t in self._entries.values())
 
-    def _check(self, key: Hashable, verb: str) -> None:
-        if key not in self._chunks:
+    def _check(self, key: Hashable, verb: str) -> Any:
+        if key not in self._entries:
             raise RuntimeError(f"stash: {verb} of {key!r}, which was never put or was already freed")
+        return self._entries[key]
 
 
 class HostBufferPool:
@@ -124,11 +125,10 @@ class HostStash(ChunkStash):
     """
 
     def __init__(self, device: torch.device, pool: HostBufferPool, streams: Optional[CopyStreams]) -> None:
-        super().__init__()
+        super().__init__()  # self._entries: key -> _HostChunk
         self.device = device
         self.pool = pool
         self.streams = streams
-        self._entries: dict[Hashable, _HostChunk] = {}
 
     def put(self, key: Hashable, tensor: Tensor) -> None:
         if key in self._entries:
@@ -150,7 +150,7 @@ class HostStash(ChunkStash):
         self._entries[key] = entry
 
     def prefetch(self, key: Hashable) -> None:
-        entry = self._entry(key, "prefetch")
+        entry = self._check(key, "prefetch")
         if entry.device_copy is not None:
             return
         if self.streams is None:
@@ -165,7 +165,7 @@ class HostStash(ChunkStash):
         entry.device_copy = device_copy
 
     def get(self, key: Hashable) -> Tensor:
-        entry = self._entry(key, "get")
+        entry = self._check(key, "get")
         self.prefetch(key)
         if self.streams is not None:
             compute = torch.cuda.current_stream(self.device)
@@ -174,23 +174,13 @@ class HostStash(ChunkStash):
         return entry.device_copy
 
     def release(self, key: Hashable) -> None:
-        self._entry(key, "release").device_copy = None
+        self._check(key, "release").device_copy = None
 
     def free(self, key: Hashable) -> None:
-        entry = self._entry(key, "free")
+        entry = self._check(key, "free")
         # the buffer's last reader: the host-to-device copy if there was one, else the device-to-host write
         self.pool.give_back(entry.buffer, entry.loaded or entry.written)
         del self._entries[key]
-
-    def clear(self) -> None:
-        for key in list(self._entries):
-            self.free(key)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
     @property
     def nbytes(self) -> int:
@@ -206,11 +196,6 @@ class HostStash(ChunkStash):
             if e.device_copy is not None
         )
 
-    def _entry(self, key: Hashable, verb: str) -> _HostChunk:
-        entry = self._entries.get(key)
-        if entry is None:
-            raise RuntimeError(f"stash: {verb} of {key!r}, which was never put or was already freed")
-        return entry
 
 
 class StashFactory:

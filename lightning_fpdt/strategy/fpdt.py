@@ -136,7 +136,7 @@ class FPDTStrategy(ModelParallelStrategy):
         self._padding_logged = False
         self.last_batch_geometry: Optional[tuple[int, int, int]] = None
         """``(batch_size, seq_len, padded_seq_len)`` of the global sequence of the last batch sharded."""
-        self._valid_tokens_local = 0
+        self._valid_tokens_local: Union[Tensor, int] = 0
         self._pending_rng_states: Optional[dict[str, Any]] = None
         self._watchdog: Optional[RankWatchdog] = None
 
@@ -343,7 +343,8 @@ class FPDTStrategy(ModelParallelStrategy):
         sharded["position_ids"] = layout.shard(layout.pad_position_ids(position_ids))
 
         self.last_batch_geometry = (batch_size, seq_len, padded)
-        self._valid_tokens_local = int((shift_labels != IGNORE_INDEX).sum())
+        # kept on the device: only a module computing its own loss needs it, and int() here would stall every step
+        self._valid_tokens_local = (shift_labels != IGNORE_INDEX).sum()
         assert self._context is not None
         self._context.attention.num_chunks = num_chunks
         self._context.attention.offload = offload

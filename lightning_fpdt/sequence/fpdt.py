@@ -86,7 +86,9 @@ def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan, stash: ChunkStash
     """The forward chunk loop; stashes what the backward needs when ``save_for_backward``.
 
     Stash keys (head-sharded, per global chunk ``i``): ``("k", i)``, ``("v", i)`` always (later q chunks read
-    them); ``("q", i)``, ``("out", i)``, ``("lse", i)`` only for the backward, which needs no recompute with them.
+    them); ``("q", i)``, ``("lse", i)`` only for the backward, which needs no recompute with them. The output is
+    not stashed: the backward rebuilds its head-sharded chunks from the returned local output (see
+    :func:`fpdt_backward`).
     While block ``(i, j)`` computes, kv chunk ``j + 1`` is on its way back (double buffer).
     """
     num_chunks = plan.layout.num_chunks
@@ -118,7 +120,6 @@ def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan, stash: ChunkStash
         out_heads = out_acc.to(q.dtype)  # (B, H/P, C, D)
         if save_for_backward:
             stash.put(("q", i), q_heads)
-            stash.put(("out", i), out_heads)
             stash.put(("lse", i), lse_acc)
         # (B, H/P, C, D) -all_to_all-> (B, c, H, D)
         (out_i,) = head_to_seq([out_heads], plan.group)
@@ -132,14 +133,16 @@ Q_SIDE = ("q", "out", "lse", "dout")
 
 
 def fpdt_backward(
-    dout: Tensor, plan: _Plan, stash: ChunkStash, dq_store: ChunkStash, q_meta: Tensor, kv_meta: Tensor
+    dout: Tensor, out: Tensor, plan: _Plan, stash: ChunkStash, dq_store: ChunkStash, q_meta: Tensor, kv_meta: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward chunk loop: outer over kv chunks ``j``, inner over q chunks ``i >= j``.
 
     ``dK_j, dV_j`` are complete after the inner loop; ``dQ_j`` after outer step ``j`` (it needs only kv chunks
     ``<= j``), so all three go back in one all-to-all per step and the stashed chunks of ``j`` are freed. The
     partial ``dQ_i`` of later chunks wait in ``dq_store`` (device memory, or host memory under a tight budget).
-    While block ``(i, j)`` computes, the q-side chunks of ``i + 1`` are on their way back.
+    While block ``(i, j)`` computes, the q-side chunks of ``i + 1`` are on their way back. ``out`` is the forward's
+    local output: its head-sharded chunks travel in the same all-to-all as ``dout``'s (the forward does not stash
+    them, which saves a quarter of the stash: the layer keeps its output anyway, for the output projection).
     """
     num_chunks = plan.layout.num_chunks
     acc = accumulation_dtype(q_meta.dtype)
@@ -148,10 +151,11 @@ def fpdt_backward(
     dk_local, dv_local = (torch.empty(kv_meta.shape, dtype=kv_meta.dtype, device=dout.device) for _ in range(2))
 
     def stash_dout(i: int) -> None:
-        # (B, c, H, D) -all_to_all-> (B, H/P, C, D), once per chunk, when the first kv step reaches it (so only a
-        # chunk or two of it is on the device at a time when the stash offloads)
-        (dout_heads,) = seq_to_head([_chunk(plan, dout, i)], plan.group)
+        # (B, c, H, D) -all_to_all-> (B, H/P, C, D) for dout and out in one collective, once per chunk, when the
+        # first kv step reaches it (so only a chunk or two of them is on the device at a time when the stash offloads)
+        dout_heads, out_heads = seq_to_head([_chunk(plan, dout, i), _chunk(plan, out, i)], plan.group)
         stash.put(("dout", i), dout_heads)
+        stash.put(("out", i), out_heads)
 
     stash_dout(0)
     for j in range(num_chunks):
@@ -205,10 +209,10 @@ class _FPDTAttentionFunction(torch.autograd.Function):
     |---|---|---|---|
     | q (in) | (B, S/P, H, D) | sequence | no: its head-sharded chunks are in the stash |
     | k, v (in) | (B, S/P, Hkv, D) | sequence | no: their head-sharded chunks are in the stash |
-    | out | (B, S/P, H, D) | sequence | no: its head-sharded chunks are in the stash |
-    | stash ("q"/"k"/"v"/"out", i) | (B, H/P, C, D) | heads | yes (host memory when offloading): the block backward needs q, k, v and the final out |
+    | out | (B, S/P, H, D) | sequence | yes (saved output, no copy: the output projection keeps it anyway): the backward all-to-alls its chunks with dout's |
+    | stash ("q"/"k"/"v", i) | (B, H/P, C, D) | heads | yes (host memory when offloading): the block backward needs q, k, v |
     | stash ("lse", i) | (B, H/P, C) fp32 | heads | yes: with out it makes the blockwise backward exact |
-    | stash ("dout", i) | (B, H/P, C, D) | heads | backward only: all-to-all'd once, read by every kv step |
+    | stash ("dout"/"out", i) | (B, H/P, C, D) | heads | backward only: all-to-all'd once, read by every kv step |
     | partial dQ ("dq", i) | (B, H/P, C, D) fp32 | heads | backward only: device or host by the memory budget |
 
     Nothing is recomputed in backward: the block backward runs on the stashed chunks.
@@ -229,12 +233,14 @@ class _FPDTAttentionFunction(torch.autograd.Function):
         # shapes and dtypes only: q, k, v themselves are not kept (their chunks are in the stash)
         ctx.q_meta = torch.empty_like(q, device="meta")
         ctx.kv_meta = torch.empty_like(k, device="meta")
+        ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
+        (out,) = ctx.saved_tensors
         dq_store = ctx.stashes.partial_dq(dout.device)
-        dq, dk, dv = fpdt_backward(dout.contiguous(), ctx.plan, ctx.stash, dq_store, ctx.q_meta, ctx.kv_meta)
+        dq, dk, dv = fpdt_backward(dout.contiguous(), out, ctx.plan, ctx.stash, dq_store, ctx.q_meta, ctx.kv_meta)
         ctx.stash = None
         return dq, dk, dv, None, None, None, None
 
@@ -319,7 +325,7 @@ class _FirstPass:
     """What a checkpointed layer's first (no-grad) forward leaves for its recompute."""
 
     plan: _Plan
-    stash: ChunkStash  # the q/k/v/out/lse chunks, as for a normal backward
+    stash: ChunkStash  # the q/k/v/lse chunks, as for a normal backward
     out: Optional[Tensor]  # the local output (B, S/P, H, D), set when the recompute takes it back
 
 

@@ -4,8 +4,8 @@ Bytes the FPDT attention holds (per rank; ``B`` batch, ``S`` global length, ``P`
 chunks, ``C = S/u`` global tokens per chunk, ``h = H/P`` query heads and ``hk = max(Hkv, P)/P`` kv heads per rank
 after the all-to-all):
 
-- between forward and backward, per layer (the stash): q and out ``2·B·(S/P)·H·D·b``, k and v
-  ``2·B·(S/P)·max(Hkv, P)·D·b``, lse ``B·(S/P)·H·4``;
+- between forward and backward, per layer (the stash): q ``B·(S/P)·H·D·b``, k and v ``2·B·(S/P)·max(Hkv, P)·D·b``,
+  lse ``B·(S/P)·H·4`` (the output is not stashed: the layer keeps it, and the backward rebuilds its chunks);
 - while one chunk computes (the working set): its q, k, v and the prefetched kv chunk ``B·C·(h + 4·hk)·D·b``, the
   fp32 running output and block output ``2·B·C·h·D·4``, the lse ``B·C·h·4·2``.
 
@@ -42,7 +42,7 @@ def stash_bytes(geometry: AttentionGeometry, *, batch_size: int, seq_len: int, s
     g = geometry
     local = batch_size * seq_len // sp_size
     kv_heads = max(g.num_kv_heads, sp_size)  # replicated up to P when P > Hkv
-    return local * (2 * g.num_heads + 2 * kv_heads) * g.head_dim * g.dtype_bytes + local * g.num_heads * 4
+    return local * (g.num_heads + 2 * kv_heads) * g.head_dim * g.dtype_bytes + local * g.num_heads * 4
 
 
 def working_set_bytes(geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, num_chunks: int) -> int:

@@ -77,16 +77,17 @@ def test_activation_and_stash_components_by_hand():
     assert plan.local_tokens == 16_384
     assert plan.component("checkpointed block inputs").gpu_bytes == 2 * 33_554_432
     assert plan.component("checkpointed block inputs").host_bytes == 2 * 33_554_432  # L = 2 layers
-    # stash_bytes: 16384 · (2·8 + 2·max(2, 4)) · 128 · 2 + 16384 · 8 · 4 = 100,663,296 + 524,288 = 101,187,584
-    assert stash_bytes(AttentionGeometry(2, 8, 2, 128), batch_size=1, seq_len=65536, sp_size=4) == 101_187_584
-    # host: 2 layers · 101,187,584 + 2 kept outputs · 16384·8·128·2 + one dout 33,554,432 = 303,038,464
+    # stash_bytes (q, k, v, lse; not out): 16384 · (8 + 2·max(2, 4)) · 128 · 2 + 16384 · 8 · 4
+    # = 67,108,864 + 524,288 = 67,633,152
+    assert stash_bytes(AttentionGeometry(2, 8, 2, 128), batch_size=1, seq_len=65536, sp_size=4) == 67_633_152
+    # host: 2 layers · 67,633,152 + 2 kept outputs · 16384·8·128·2 + one dout 33,554,432 = 235,929,600
     stash = plan.component("attention stash")
-    assert (stash.gpu_bytes, stash.host_bytes) == (0, 303_038_464)
+    assert (stash.gpu_bytes, stash.host_bytes) == (0, 235_929_600)
     on_gpu = small_plan(offload=False).component("attention stash")
-    assert (on_gpu.gpu_bytes, on_gpu.host_bytes) == (2 * 101_187_584 + 2 * 33_554_432, 0)
-    # the host total per GPU is those two: 67,108,864 + 303,038,464; a host of 4 GPUs needs four times that
-    assert plan.host_bytes_per_gpu == 370_147_328
-    assert plan.host_bytes_per_node == 4 * 370_147_328
+    assert (on_gpu.gpu_bytes, on_gpu.host_bytes) == (2 * 67_633_152 + 2 * 33_554_432, 0)
+    # the host total per GPU is those two: 67,108,864 + 235,929,600; a host of 4 GPUs needs four times that
+    assert plan.host_bytes_per_gpu == 303_038_464
+    assert plan.host_bytes_per_node == 4 * 303_038_464
 
 
 def test_attention_backward_by_hand():
@@ -288,7 +289,7 @@ def test_search_reaches_cpu_offload_for_one_gpu_8b():
 
 def test_host_bound_plan_moves_work_back_to_the_gpu():
     """When only the host binds, the search brings the block inputs back to the GPU if the GPU has room."""
-    plan = plan_memory(geometry="llama3-8b", seq_len=524288, num_gpus=8, activation_offload=True, tiled_mlp=True,
+    plan = plan_memory(geometry="llama3-8b", seq_len=786432, num_gpus=8, activation_offload=True, tiled_mlp=True,
                        tiled_loss=True, gpu_memory_gib=80, host_memory_gib=500)
     assert plan.binding_limit == "host memory" and plan.largest_component.name == "attention stash"
     assert plan.recommendation == "set activation_offload=False"

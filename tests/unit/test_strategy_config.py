@@ -166,8 +166,8 @@ def test_planner_offloads_and_chunks_by_memory():
 
     geometry = AttentionGeometry(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
     free = 70 * 2**30
-    # per layer: 262144 local tokens × (2·32 + 2·8) heads × 128 × 2 bytes + lse 262144 × 32 × 4 = 5.03 GiB
-    assert stash_bytes(geometry, batch_size=1, seq_len=1 << 20, sp_size=4) == 262144 * 80 * 256 + 262144 * 128
+    # per layer: 262144 local tokens × (32 + 2·8) heads (q, k, v) × 128 × 2 bytes + lse 262144 × 32 × 4 = 3.03 GiB
+    assert stash_bytes(geometry, batch_size=1, seq_len=1 << 20, sp_size=4) == 262144 * 48 * 256 + 262144 * 128
     assert choose_offload(geometry, batch_size=1, seq_len=1 << 20, sp_size=4, free_bytes=free)
     assert not choose_offload(geometry, batch_size=1, seq_len=1 << 14, sp_size=4, free_bytes=free)
     chunks = choose_chunks(geometry, batch_size=1, seq_len=1 << 20, sp_size=4, free_bytes=free)

@@ -41,7 +41,7 @@ Transient phases (one at a time; the largest counts)::
     layer activations  = 2 norms × (N·h·4 + 2·A) + out N·H·D·b + block output A + rope + MLP (untiled 4·N·I·b)
 
     predicted peak per GPU = Σ persistent + max(transient phases)
-    pinned host per host   = GPUs per node × (offloaded attention: L·(stash_bytes + kept out) + one layer's dout
+    pinned host per host   = GPUs per node × (offloaded attention: L·(stash_bytes + kept out) + one layer's dout and out
                              (+ fp32 partial dQ) + offloaded block inputs L·A + CPU-offloaded parameters,
                              gradients and optimizer states)
 
@@ -330,7 +330,7 @@ def attention_backward_bytes(
     finish reading it) and two kv pairs; the kernel's kv expanded to ``h`` heads (GQA), its ``dq, dk, dv`` and an
     fp32 dQ accumulator (flash attention's backward keeps one; assumed of cuDNN's too); the fp32 ``dK, dV``
     accumulators; the fp32 partial dQ of three chunks (``offload_dq``) or of the whole local sequence. Without
-    offload the chunks are in the stash (counted there) and every ``dout`` chunk joins them on the device. Against
+    offload the chunks are in the stash (counted there) and every ``dout`` and ``out`` chunk joins them on the device. Against
     bench/attention.py this is 1–4% low; without the third chunk generations it would be 20% low.
     """
     g, b = geometry, geometry.dtype_bytes
@@ -344,7 +344,7 @@ def attention_backward_bytes(
     if offload:
         chunks = min(3, num_chunks) * q_side + min(2, num_chunks) * 2 * kv_chunk * b
     else:
-        chunks = local_q * b  # dout of every chunk
+        chunks = 2 * local_q * b  # dout and out of every chunk
     partial_dq = min(3, num_chunks) * 4 * q_chunk if offload_dq else 4 * local_q
     return chunks + partial_dq + kernel + kv_acc
 
@@ -354,14 +354,14 @@ def attention_host_bytes(
     kept_out_layers: int = 0,
 ) -> int:
     """Pinned host bytes of the FPDT stash pool for one GPU: every layer's chunks (``stash_bytes``), the attention
-    outputs kept for checkpoint recomputes (``kept_out_layers`` of them), one layer's ``dout`` chunks and fp32
-    partial dQ sums (the pool reuses buffers across layers)."""
+    outputs kept for checkpoint recomputes (``kept_out_layers`` of them), one layer's ``dout`` and ``out`` chunks
+    (all-to-all'd in its backward) and fp32 partial dQ sums (the pool reuses buffers across layers)."""
     g, b = geometry, geometry.dtype_bytes
     local_q = batch_size * seq_len // sp_size * g.num_heads * g.head_dim
     host = 0
     if offload:
         host += g.num_layers * stash_bytes(g, batch_size=batch_size, seq_len=seq_len, sp_size=sp_size)
-        host += kept_out_layers * local_q * b + local_q * b  # kept outputs + one layer's dout
+        host += kept_out_layers * local_q * b + 2 * local_q * b  # kept outputs + one layer's dout and out chunks
     if offload_dq:
         host += 4 * local_q
     return host

@@ -164,8 +164,8 @@ def test_ballast_is_the_sharded_states_of_the_layers_not_run():
 
 def test_ballast_holds_what_the_missing_blocks_keep_on_the_gpu():
     """Between forward and backward a block keeps on the GPU: modelparallel its checkpointed input, S·4096·2 B; ring
-    the same for S/W tokens; fpdt nothing with offload, else its attention chunks (q, k, v, out in bf16 and the fp32
-    lse: (2·32 + 2·8)·128·2 + 32·4 B per local token) and its output (32·128·2 B per local token)."""
+    the same for S/W tokens; fpdt nothing with offload, else its attention chunks (q, k, v in bf16 and the fp32
+    lse: (32 + 2·8)·128·2 + 32·4 B per local token) and its output (32·128·2 B per local token)."""
     geometry = ModelGeometry.from_config(LlamaConfig.from_name("llama3-8b"))
 
     def kept(system, seq_len, offload=True):
@@ -176,7 +176,7 @@ def test_ballast_holds_what_the_missing_blocks_keep_on_the_gpu():
     assert kept("ring", 65_536) == 65_536 // 4 * 4096 * 2 == 134_217_728
     assert kept("fpdt", 262_144) == 0
     local = 262_144 // 4
-    assert kept("fpdt", 262_144, offload=False) == local * (80 * 128 * 2 + 32 * 4 + 32 * 128 * 2) == 1_887_436_800
+    assert kept("fpdt", 262_144, offload=False) == local * (48 * 128 * 2 + 32 * 4 + 32 * 128 * 2) == 1_350_565_888
     states = 28 * 218_112_000 * 16 // 4
     assert peers.ballast_bytes(geometry, layers_run=4, num_gpus=4, precision="bf16-mixed", cpu_offload_params=False,
                                kept_per_layer=134_217_728) == states + 28 * 134_217_728 == 28_186_640_384
@@ -280,11 +280,11 @@ def test_expanded_kv_attention_matches_the_reference():
 
 def test_host_limit_is_the_planners_and_bounds_the_maximum():
     """The search's host limit: the longest full-depth length whose planned pinned memory fits (4 H100s, 500 GiB:
-    442,368 tokens by lightning_fpdt.planner); when it is below the GPU's limit, the report gives it as the maximum."""
+    557,056 tokens by lightning_fpdt.planner); when it is below the GPU's limit, the report gives it as the maximum."""
     args = peers.parse_args(["--system", "fpdt", "--max-length", "--gpus", "4", "--check-host",
                              "--length-multiple", "16384", "--max-seq-len", "2097152"])
     limit = peers.host_limit(args, available_bytes=500 * GIB, gpu_memory_bytes=int(79.2 * GIB))
-    assert limit == 442_368
+    assert limit == 557_056
     plan = peers.host_check(argparse.Namespace(**{**vars(args), "seq_len": limit + 16384}), num_gpus=4,
                             gpus_per_node=4, resolved={}, gpu_memory_bytes=int(79.2 * GIB),
                             available_bytes=500 * GIB)
@@ -294,6 +294,6 @@ def test_host_limit_is_the_planners_and_bounds_the_maximum():
               "first_failed_seq_len": 2_097_152, "host_max_seq_len": limit, "limited_by": "host (planned, full depth)",
               "command": "python bench/peers.py --system fpdt --max-length --gpus 4 --check-host"}
     doc = report.render_markdown([search])
-    assert ("442,368 (host: full depth planned to fit up to 442,368; GPU: 1,572,864 ran, 2,097,152 failed) [1]"
+    assert ("557,056 (host: full depth planned to fit up to 557,056; GPU: 1,572,864 ran, 2,097,152 failed) [1]"
             in doc)
-    assert "| maximum length, 4 GPUs, fpdt | ≥ 2,097,152 | NVIDIA H100 80GB HBM3 | 442,368 | **missed** |" in doc
+    assert "| maximum length, 4 GPUs, fpdt | ≥ 2,097,152 | NVIDIA H100 80GB HBM3 | 557,056 | **missed** |" in doc

@@ -71,7 +71,7 @@ def test_state_components_by_hand():
 
 def test_activation_and_stash_components_by_hand():
     """Block inputs: 2 on the GPU and L on the host under ActivationOffload; the attention stash is L · planning.
-    stash_bytes plus the kept attention outputs plus one layer's dout, on the host when offloaded."""
+    stash_bytes plus the kept attention outputs plus one layer's dout and out, on the host when offloaded."""
     plan = small_plan()
     # N = 65536 / 4 = 16,384 local tokens; A = N · 1024 · 2 B = 33,554,432
     assert plan.local_tokens == 16_384
@@ -80,14 +80,15 @@ def test_activation_and_stash_components_by_hand():
     # stash_bytes (q, k, v, lse; not out): 16384 · (8 + 2·max(2, 4)) · 128 · 2 + 16384 · 8 · 4
     # = 67,108,864 + 524,288 = 67,633,152
     assert stash_bytes(AttentionGeometry(2, 8, 2, 128), batch_size=1, seq_len=65536, sp_size=4) == 67_633_152
-    # host: 2 layers · 67,633,152 + 2 kept outputs · 16384·8·128·2 + one dout 33,554,432 = 235,929,600
+    # host: 2 layers · 67,633,152 + 2 kept outputs · 16384·8·128·2 + one layer's dout and out 2 · 33,554,432
+    # = 269,484,032
     stash = plan.component("attention stash")
-    assert (stash.gpu_bytes, stash.host_bytes) == (0, 235_929_600)
+    assert (stash.gpu_bytes, stash.host_bytes) == (0, 269_484_032)
     on_gpu = small_plan(offload=False).component("attention stash")
     assert (on_gpu.gpu_bytes, on_gpu.host_bytes) == (2 * 67_633_152 + 2 * 33_554_432, 0)
-    # the host total per GPU is those two: 67,108,864 + 235,929,600; a host of 4 GPUs needs four times that
-    assert plan.host_bytes_per_gpu == 303_038_464
-    assert plan.host_bytes_per_node == 4 * 303_038_464
+    # the host total per GPU is those two: 67,108,864 + 269,484,032; a host of 4 GPUs needs four times that
+    assert plan.host_bytes_per_gpu == 336_592_896
+    assert plan.host_bytes_per_node == 4 * 336_592_896
 
 
 def test_attention_backward_by_hand():

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention
+from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention
 from lightning_fpdt.sequence.host_stash import StashFactory
 
 _WRAPPED = "_fpdt_activation_offload"
@@ -186,6 +187,6 @@ def _fpdt_attentions(model: nn.Module) -> set[FPDTAttention]:
     for module in model.modules():
         for name in ("attention_fn", "_fpdt_attention"):
             handle = getattr(module, name, None)
-            if isinstance(handle, LayerAttention):
+            if isinstance(handle, (LayerAttention, HeadGroupedAttention)):
                 found.add(handle.shared)
     return found

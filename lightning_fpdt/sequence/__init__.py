@@ -2,6 +2,7 @@
 
 from lightning_fpdt.sequence.all_to_all import all_to_all_head_to_seq, all_to_all_seq_to_head
 from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention, check_heads, fpdt_attention, merge_partial
+from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention, check_head_groups, install_head_groups
 from lightning_fpdt.sequence.host_stash import ChunkStash, HostBufferPool, HostStash, StashFactory
 from lightning_fpdt.sequence.kernels import make_kernel, supported_backends
 from lightning_fpdt.sequence.layout import IGNORE_INDEX, SequenceLayout
@@ -12,14 +13,17 @@ __all__ = [
     "ChunkStash",
     "FPDTAttention",
     "HostBufferPool",
+    "HeadGroupedAttention",
     "HostStash",
     "LayerAttention",
     "StashFactory",
     "SequenceLayout",
     "all_to_all_head_to_seq",
     "all_to_all_seq_to_head",
+    "check_head_groups",
     "check_heads",
     "fpdt_attention",
+    "install_head_groups",
     "make_kernel",
     "merge_partial",
     "supported_backends",

@@ -346,12 +346,18 @@ class FPDTAttention:
         backend: str = "auto",
         offload: bool = False,
         offload_dq: bool = False,
+        head_chunks: int = 1,
     ) -> None:
         check_backend_name(backend)
         if num_chunks < 1:
             raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+        if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+            raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
         self.group = group
         self.num_chunks = num_chunks
+        self.head_chunks = head_chunks
+        """Head groups G: the layers the strategy installs run projection, attention and output projection per group
+        of ``H/G`` query heads (``sequence/head_chunks.py``); 1 is one group of all heads."""
         self.backend = backend
         self.stashes = StashFactory(offload=offload, offload_dq=offload_dq)
         self.recording = False
@@ -381,7 +387,8 @@ class FPDTAttention:
         return LayerAttention(self)
 
     def __repr__(self) -> str:
-        return f"FPDTAttention(num_chunks={self.num_chunks}, backend={self.backend!r}, offload={self.offload})"
+        return (f"FPDTAttention(num_chunks={self.num_chunks}, backend={self.backend!r}, offload={self.offload}, "
+                f"head_chunks={self.head_chunks})")
 
 
 class LayerAttention:
@@ -398,7 +405,15 @@ class LayerAttention:
             return self._replay(query, key, value)
         if not shared.recording:
             return shared(query, key, value, causal=causal, scale=scale)
-        # a checkpoint's first forward (no grad): compute and stash as for a backward, keep the output
+        # a checkpoint's first forward (no grad)
+        return self.record(query, key, value, causal=causal, scale=scale)
+
+    def record(self, query: Tensor, key: Tensor, value: Tensor, *, causal: bool = True,
+               scale: Optional[float] = None) -> Tensor:
+        """Compute the attention now (no graph) and stash as for a backward, keeping the output: a later call
+        inside a backward takes both back instead of computing again. What a checkpoint's first forward does, and
+        what each head group of ``sequence/head_chunks.py`` does."""
+        shared = self.shared
         self.discard()
         shared.kernel_calls += 1
         plan = shared.plan(query, key, value, causal, scale)
@@ -407,6 +422,20 @@ class LayerAttention:
         self._kept_out = shared.stashes.chunks(out.device)  # host memory when offloading
         self._kept_out.put("out", out)
         self._first_pass = _FirstPass(plan=plan, stash=stash, out=None)  # out comes back from _kept_out in _replay
+        return out
+
+    @property
+    def recorded(self) -> bool:
+        """A first pass is kept and waits for its replay."""
+        return self._first_pass is not None
+
+    def kept_output(self) -> Tensor:
+        """The recorded output, resident (a head group's recomputed forward sums its output projection from it);
+        the kept copy stays for the replay."""
+        if self._first_pass is None:
+            raise RuntimeError("kept_output called without a recorded first pass (record first)")
+        out = self._kept_out.get("out")
+        self._kept_out.release("out")
         return out
 
     def _replay(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention
+from lightning_fpdt.sequence.head_chunks import install_head_groups
 from lightning_fpdt.sequence.layout import IGNORE_INDEX
 
 HF_ATTENTION_NAME = "fpdt"
@@ -93,7 +94,10 @@ def install_reference_llama(model: nn.Module, context: SequenceParallelContext) 
 
     for module in model.modules():
         if isinstance(module, LlamaAttention):
-            module.attention_fn = context.attention.for_layer()
+            if context.attention.head_chunks > 1:
+                install_head_groups(module, context.attention)  # projections and attention per head group
+            else:
+                module.attention_fn = context.attention.for_layer()
     model.labels_are_shifted = True  # the strategy shifts labels on the global sequence before sharding
     model.fpdt_reduce_loss = loss_reduction(context)
     # the local loss is looked up at call time, so a later transform (TiledLoss) can replace it
@@ -188,7 +192,10 @@ def install_hf_model(model: nn.Module, context: SequenceParallelContext) -> None
     config.use_cache = False  # a KV cache of the local shard is useless in training and costs memory
     for module in model.modules():
         if hasattr(module, "is_causal") and hasattr(module, "config"):
-            module._fpdt_attention = context.attention.for_layer()
+            if context.attention.head_chunks > 1:
+                install_head_groups(module, context.attention)  # projections and attention per head group
+            else:
+                module._fpdt_attention = context.attention.for_layer()
 
     def loss_function(logits: Tensor, labels: Optional[Tensor] = None, vocab_size: Optional[int] = None,
                       num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX,
@@ -274,6 +281,12 @@ def install(model: nn.Module, blocks: list[nn.Module], context: SequenceParallel
         raise ValueError(
             f"{type(model).__name__} has no transformer blocks to run the SDPA interception in: give "
             f"layer_classes=[...] naming the block class"
+        )
+    if context.attention.head_chunks > 1:
+        raise ValueError(
+            f"head_chunks={context.attention.head_chunks} runs the q/k/v and output projections per head group, so it "
+            f"needs an attention module the strategy knows (the reference Llama, Hugging Face Llama/Qwen2/Qwen3/"
+            f"Mistral); {type(model).__name__} calls scaled_dot_product_attention itself: set head_chunks=1"
         )
     install_sdpa_interception(blocks, context)
     return "sdpa-interception"

@@ -1,0 +1,410 @@
+"""Head-group chunking ("UPipe", issue 10): an attention layer run one group of heads at a time.
+
+With ``G`` head groups, group ``g`` projects the layer input onto its ``H/G`` query heads and ``Hkv/G`` kv heads
+(the module's own ``q_proj``/``k_proj``/``v_proj`` weights, sliced by rows), applies RoPE (and Qwen3's q/k norms),
+runs the FPDT attention on them (sequence-sharded in, head-sharded inside, as for the whole layer) and adds its share
+of the output projection, ``out_g @ Wo[:, cols_g]ᵀ``, to the layer output. So the full-width q, k, v and attention
+output of the local sequence never exist at once, in the forward or in the backward.
+
+Groups are GQA-aware: query head ``i`` reads kv head ``i // (H/Hkv)``, so the contiguous query heads
+``[g·H/G, (g+1)·H/G)`` read exactly the kv heads ``[g·Hkv/G, (g+1)·Hkv/G)``; each kv head is projected and
+all-to-all'd once, in its group. ``G`` must therefore divide ``Hkv``, and each group's heads must split over the
+``P`` ranks as a whole layer's do (:func:`check_head_groups`).
+
+The backward does not keep any group's activations: it recomputes each group's projections from the saved layer
+input (two cheap matmuls) and replays its attention from the stash of the forward (:class:`LayerAttention`'s
+``record``/replay, one handle per group), so the attention itself is never recomputed, also under ``ActivationOffload``
+(whose first, no-grad forward records every group; its recompute sums the output projection from the kept outputs).
+
+Three layers as elsewhere in ``sequence/``: the loops (:func:`head_groups_forward`, :func:`head_groups_backward`),
+a thin ``autograd.Function``, and :class:`HeadGroupedAttention` with :func:`install_head_groups`, which the
+integrations call for the reference Llama and the Hugging Face Llama/Qwen2/Qwen3/Mistral attention modules. The
+weights stay the modules' own parameters (sliced in the forward): checkpoints, FSDP2 sharding and export are unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from lightning_fpdt.sequence.all_to_all import group_size
+from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention, _in_backward, check_heads
+from lightning_fpdt.sequence.planning import AttentionGeometry
+
+
+# ---- geometry ----------------------------------------------------------------------------------------------------
+def _valid_head_chunks(num_heads: int, num_kv_heads: int, sp_size: int) -> list[int]:
+    valid = []
+    for groups in range(1, num_kv_heads + 1):
+        if num_kv_heads % groups or (num_heads // groups) % sp_size:
+            continue
+        try:
+            check_heads(num_heads // groups, num_kv_heads // groups, sp_size)
+        except ValueError:
+            continue
+        valid.append(groups)
+    return valid
+
+
+def check_head_groups(num_heads: int, num_kv_heads: int, head_chunks: int, sp_size: int) -> int:
+    """Validate ``head_chunks`` for the head geometry on ``sp_size`` ranks; returns the kv replication of each group
+    (see :func:`check_heads`, which applies per group: ``Hkv/G`` kv heads against ``P`` ranks)."""
+    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+        raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
+    check_heads(num_heads, num_kv_heads, 1)  # H a multiple of Hkv
+    valid = _valid_head_chunks(num_heads, num_kv_heads, sp_size)
+    if num_kv_heads % head_chunks:
+        raise ValueError(
+            f"head_chunks ({head_chunks}) must divide num_kv_heads ({num_kv_heads}): each head group holds whole kv "
+            f"heads together with the query heads that read them; with sequence_parallel_size {sp_size} use "
+            f"head_chunks in {valid}"
+        )
+    heads, kv_heads = num_heads // head_chunks, num_kv_heads // head_chunks
+    if heads % sp_size:
+        raise ValueError(
+            f"num_heads ({num_heads}) / head_chunks ({head_chunks}) = {heads} query heads per group is not divisible "
+            f"by sequence_parallel_size ({sp_size}): Ulysses scatters each group's heads over the ranks; use "
+            f"head_chunks in {valid} (or a smaller sequence_parallel_size)"
+        )
+    try:
+        return check_heads(heads, kv_heads, sp_size)
+    except ValueError as error:
+        raise ValueError(
+            f"with head_chunks ({head_chunks}) each group has {heads} query and {kv_heads} kv heads: {error}; use "
+            f"head_chunks in {valid}"
+        ) from None
+
+
+def grouped_geometry(geometry: AttentionGeometry, head_chunks: int) -> AttentionGeometry:
+    """The attention as the planner sees it under ``head_chunks`` groups: ``L·G`` attention calls of ``H/G`` query and
+    ``Hkv/G`` kv heads each (stash, kept outputs and host bytes add up over the calls; a working set, a partial dQ and
+    one backward's chunks are those of one group)."""
+    if head_chunks == 1:
+        return geometry
+    return dataclasses.replace(
+        geometry, num_layers=geometry.num_layers * head_chunks, num_heads=geometry.num_heads // head_chunks,
+        num_kv_heads=geometry.num_kv_heads // head_chunks,
+    )
+
+
+# ---- one attention module's weights, by role -----------------------------------------------------------------------
+Q_ROWS, KV_ROWS, O_COLUMNS, WHOLE = "q", "kv", "o", "whole"
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Head counts of one module and its group size."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_groups: int
+
+    @property
+    def group_heads(self) -> int:
+        return self.num_heads // self.num_groups
+
+    @property
+    def group_kv_heads(self) -> int:
+        return self.num_kv_heads // self.num_groups
+
+    def slice(self, tensor: Tensor, role: str, group: int) -> Tensor:
+        """Group ``group``'s part of a weight: rows of q/k/v projections, columns of the output projection."""
+        if role == Q_ROWS:
+            width = self.group_heads * self.head_dim  # (H·D, hidden) -> (H/G·D, hidden); biases alike
+            return tensor.narrow(0, group * width, width)
+        if role == KV_ROWS:
+            width = self.group_kv_heads * self.head_dim
+            return tensor.narrow(0, group * width, width)
+        if role == O_COLUMNS:
+            width = self.group_heads * self.head_dim  # (hidden, H·D) -> (hidden, H/G·D)
+            return tensor.narrow(1, group * width, width)
+        return tensor
+
+
+class _Family:
+    """How one kind of attention module projects, normalises and rotates (reads the module; holds no tensors)."""
+
+    def __init__(self, module: nn.Module, rope: Callable[[Tensor, Tensor, Sequence[Tensor]], tuple[Tensor, Tensor]],
+                 scale: float) -> None:
+        self.rope = rope
+        self.scale = scale
+        roles = [("q_proj.weight", Q_ROWS), ("q_proj.bias", Q_ROWS), ("k_proj.weight", KV_ROWS),
+                 ("k_proj.bias", KV_ROWS), ("v_proj.weight", KV_ROWS), ("v_proj.bias", KV_ROWS),
+                 ("o_proj.weight", O_COLUMNS)]
+        self.norms = [name for name in ("q_norm", "k_norm") if isinstance(getattr(module, name, None), nn.Module)]
+        for norm in self.norms:  # Qwen3: RMSNorm over the head dim, the same weights for every head
+            roles += [(f"{norm}.{name}", WHOLE) for name, _ in getattr(module, norm).named_parameters()]
+        self.roles = [(name, role) for name, role in roles if operator.attrgetter(name)(module) is not None]
+
+    def parameters(self, module: nn.Module) -> list[Tensor]:
+        """Read at call time: under FSDP2 these are the unsharded parameters of the current forward."""
+        return [operator.attrgetter(name)(module) for name, _ in self.roles]
+
+
+# ---- the loops -----------------------------------------------------------------------------------------------------
+class HeadGroupedAttention:
+    """One attention module run in ``G`` head groups, each with its own :class:`LayerAttention` handle.
+
+    Installed as ``module._fpdt_attention`` by :func:`install_head_groups`; ``ActivationOffload`` and the strategy's
+    planner find the shared :class:`FPDTAttention` through ``shared``.
+    """
+
+    def __init__(self, shared: FPDTAttention, layout: _Layout, family: _Family) -> None:
+        self.shared = shared
+        self.layout = layout
+        self.family = family
+        self.handles = [shared.for_layer() for _ in range(layout.num_groups)]
+
+    def group_params(self, params: Sequence[Tensor], group: int) -> dict[str, Tensor]:
+        return {name: self.layout.slice(p, role, group) for (name, role), p in zip(self.family.roles, params)}
+
+    def project(self, module: nn.Module, x: Tensor, aux: Sequence[Tensor], p: dict[str, Tensor]
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        """Group q, k, v from the layer input: ``(B, S/P, hidden) -> (B, S/P, H/G, D), 2 × (B, S/P, Hkv/G, D)``."""
+        lay = self.layout
+        b, s, _ = x.shape
+        q = F.linear(x, p["q_proj.weight"], p.get("q_proj.bias")).view(b, s, lay.group_heads, lay.head_dim)
+        k = F.linear(x, p["k_proj.weight"], p.get("k_proj.bias")).view(b, s, lay.group_kv_heads, lay.head_dim)
+        v = F.linear(x, p["v_proj.weight"], p.get("v_proj.bias")).view(b, s, lay.group_kv_heads, lay.head_dim)
+        normed = {"q_norm": q, "k_norm": k}
+        for norm in self.family.norms:  # the module's own norm, run with this call's (leaf) weights
+            weights = {name[len(norm) + 1:]: t for name, t in p.items() if name.startswith(norm + ".")}
+            normed[norm] = functional_call(getattr(module, norm), weights, (normed[norm],))
+        q, k = self.family.rope(normed["q_norm"], normed["k_norm"], aux)
+        return q, k, v
+
+    @staticmethod
+    def output(out: Tensor, p: dict[str, Tensor], into: Optional[Tensor] = None) -> Tensor:
+        """This group's share of the output projection, ``(B, S/P, H/G, D) @ Wo[:, cols_g]ᵀ``, added ``into`` the sum
+        of the earlier groups' (in place: only under no grad)."""
+        flat = out.flatten(2)  # (B, S/P, H/G·D)
+        weight = p["o_proj.weight"]  # (hidden, H/G·D), a column block of Wo
+        if into is None:
+            return F.linear(flat, weight)
+        into.view(-1, into.shape[-1]).addmm_(flat.reshape(-1, flat.shape[-1]), weight.t())
+        return into
+
+    @property
+    def recorded(self) -> bool:
+        return all(handle.recorded for handle in self.handles)
+
+    def __call__(self, module: nn.Module, x: Tensor, aux: Sequence[Tensor]) -> Tensor:
+        """The layer's attention output before the output projection's bias: ``(B, S/P, hidden)``."""
+        params = self.family.parameters(module)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *aux, *params)):
+            return _HeadGroupedFunction.apply(self, module, x, len(aux), *aux, *params)
+        # no graph: evaluation, or a checkpoint's first forward (which records every group for the recompute)
+        return head_groups_forward(self, module, x, aux, params, mode="record" if self.shared.recording else "compute")
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        return (f"HeadGroupedAttention({lay.num_groups} groups of {lay.group_heads} query / {lay.group_kv_heads} kv "
+                f"heads, {self.shared!r})")
+
+
+def head_groups_forward(layer: HeadGroupedAttention, module: nn.Module, x: Tensor, aux: Sequence[Tensor],
+                        params: Sequence[Tensor], mode: str) -> Tensor:
+    """The group loop of the forward, under no grad. ``mode``: ``"record"`` runs each group's attention and keeps it
+    for the backward's replay; ``"kept"`` (a checkpoint's recompute) only sums the output projection of the recorded
+    outputs; ``"compute"`` (evaluation) keeps nothing."""
+    y = None  # (B, S/P, hidden): the running sum of the groups' output projections
+    for group, handle in enumerate(layer.handles):
+        p = layer.group_params(params, group)
+        if mode == "kept":
+            out = handle.kept_output()  # (B, S/P, H/G, D)
+        else:
+            q, k, v = layer.project(module, x, aux, p)  # (B, S/P, H/G, D), (B, S/P, Hkv/G, D) x 2
+            scale = layer.family.scale
+            if mode == "record":
+                out = handle.record(q, k, v, causal=True, scale=scale)
+            else:
+                out = layer.shared(q, k, v, causal=True, scale=scale)
+            del q, k, v  # freed before the next group projects
+        y = layer.output(out, p, into=y)
+        del out
+    return y
+
+
+def head_groups_backward(layer: HeadGroupedAttention, module: nn.Module, grad_y: Tensor, x: Tensor,
+                         aux: Sequence[Tensor], params: Sequence[Tensor], needs_grad: Sequence[bool]
+                         ) -> tuple[Optional[Tensor], list[Optional[Tensor]], list[Optional[Tensor]]]:
+    """The group loop of the backward: per group, recompute q, k, v from ``x`` (with a graph), take the attention
+    output back from the recorded first pass (its backward runs on the stashed chunks: no attention recompute), redo
+    the group's output projection and backpropagate ``grad_y`` through that group alone. Returns the gradients of
+    ``x``, of the ``aux`` tensors (RoPE inputs) and of ``params``; ``needs_grad`` flags ``(x, *aux, *params)``."""
+    needs_x, needs_aux, needs_params = needs_grad[0], needs_grad[1:1 + len(aux)], needs_grad[1 + len(aux):]
+    x_leaf = x.detach().requires_grad_(needs_x)
+    aux_leaves = [a.detach().requires_grad_(n) for a, n in zip(aux, needs_aux)]
+    grad_x: Optional[Tensor] = None
+    grad_aux: list[Optional[Tensor]] = [None] * len(aux)
+    # full-size parameter gradients (weight-sized, small next to activations); each group writes its rows/columns
+    grad_params = [torch.zeros_like(p) if n else None for p, n in zip(params, needs_params)]
+    roles = [role for _, role in layer.family.roles]
+    for group, handle in enumerate(layer.handles):
+        leaves = {name: p.detach().requires_grad_(n)
+                  for (name, p), n in zip(layer.group_params(params, group).items(), needs_params)}
+        with torch.enable_grad():
+            q, k, v = layer.project(module, x_leaf, aux_leaves, leaves)
+            out = handle(q, k, v, causal=True, scale=layer.family.scale)  # the replay (inside a backward)
+            y = layer.output(out, leaves)
+        del q, k, v, out
+        inputs = [t for t in (x_leaf, *aux_leaves, *leaves.values()) if t.requires_grad]
+        grads = iter(torch.autograd.grad(y, inputs, grad_y))
+        del y  # the group's graph goes with it
+        if needs_x:
+            g = next(grads)
+            grad_x = g if grad_x is None else grad_x.add_(g)
+        for i, n in enumerate(needs_aux):
+            if n:
+                g = next(grads)
+                grad_aux[i] = g if grad_aux[i] is None else grad_aux[i].add_(g)
+        for i, (n, role) in enumerate(zip(needs_params, roles)):
+            if n:
+                layer.layout.slice(grad_params[i], role, group).add_(next(grads))
+    return grad_x, grad_aux, grad_params
+
+
+class _HeadGroupedFunction(torch.autograd.Function):
+    """An attention module's projections, attention and output projection, head group by head group.
+
+    ``h`` = hidden size, ``G`` groups, ``H/G`` query and ``Hkv/G`` kv heads per group:
+
+    | tensor | shape | sharded dim | kept for backward |
+    |---|---|---|---|
+    | x (in) | (B, S/P, h) | sequence | yes: each group's q, k, v are recomputed from it (cheap matmuls) |
+    | RoPE inputs (in) | position ids (B, S/P) or cos, sin (B, S/P, D) | sequence | yes: small |
+    | q/k/v/o weights (in) | the module's own | — | yes (references): sliced per group, gradients written per slice |
+    | q_g, k_g, v_g | (B, S/P, H/G, D), (B, S/P, Hkv/G, D) | sequence | no: recomputed per group in backward |
+    | group chunks | (B, H/(G·P), C, D) per chunk | heads | in the group's :class:`LayerAttention` stash (host memory when offloading) |
+    | out_g | (B, S/P, H/G, D) | sequence | kept by the group's handle (host memory when offloading) for its replay |
+    | y (out) | (B, S/P, h) | sequence | no: the sum over groups of ``out_g @ Wo[:, cols_g]ᵀ`` |
+
+    So besides ``x`` and the stash, the device holds one group's q, k, v, out (and in backward their gradients) at a
+    time: ``1/G`` of the full-width buffers. The attention runs once per group per step: the backward replays it.
+    """
+
+    @staticmethod
+    def forward(ctx, layer: HeadGroupedAttention, module: nn.Module, x: Tensor, num_aux: int, *tensors: Tensor
+                ) -> Tensor:
+        aux, params = tensors[:num_aux], tensors[num_aux:]
+        # a checkpoint's recompute (in a backward, every group recorded by its first forward): no attention here
+        mode = "kept" if _in_backward() and layer.recorded else "record"
+        y = head_groups_forward(layer, module, x, aux, params, mode=mode)
+        ctx.layer, ctx.module, ctx.num_aux = layer, module, num_aux
+        ctx.save_for_backward(x, *tensors)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        x, *tensors = ctx.saved_tensors
+        aux, params = tensors[:ctx.num_aux], tensors[ctx.num_aux:]
+        needs = (ctx.needs_input_grad[2], *ctx.needs_input_grad[4:])
+        grad_x, grad_aux, grad_params = head_groups_backward(ctx.layer, ctx.module, grad_y.contiguous(), x, aux,
+                                                             params, needs)
+        return None, None, grad_x, None, *grad_aux, *grad_params
+
+
+# ---- installing it in attention modules ----------------------------------------------------------------------------
+def _rope_reference_llama(module: nn.Module) -> Callable:
+    rotate = sys.modules[type(module).__module__].apply_rotary  # lightning_fpdt.models.llama, not imported here
+
+    def rope(q: Tensor, k: Tensor, aux: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        (position_ids,) = aux
+        return rotate(q, position_ids, module.rope_theta), rotate(k, position_ids, module.rope_theta)
+
+    return rope
+
+
+def _rope_hf(module: nn.Module) -> Callable:
+    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb  # the family's own
+
+    def rope(q: Tensor, k: Tensor, aux: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        cos, sin = aux  # (B, S/P, D) each
+        return rotate(q, k, cos, sin, unsqueeze_dim=2)  # (B, S/P, heads, D)
+
+    return rope
+
+
+def _is_reference_llama_attention(module: nn.Module) -> bool:
+    return type(module).__module__ == "lightning_fpdt.models.llama" and type(module).__name__ == "LlamaAttention"
+
+
+def _sliding_window(module: nn.Module) -> Optional[int]:
+    # Qwen2/Qwen3 keep it per layer on the module (None for full-attention layers); Mistral passes its config's
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    return getattr(getattr(module, "config", None), "sliding_window", None)
+
+
+def install_head_groups(module: nn.Module, attention: FPDTAttention) -> HeadGroupedAttention:
+    """Run ``module`` (a reference Llama or Hugging Face Llama/Qwen2/Qwen3/Mistral attention) in
+    ``attention.head_chunks`` head groups: replaces its ``forward``, keeps its parameters. ``ValueError`` for a module
+    without separate ``q_proj``/``k_proj``/``v_proj``/``o_proj`` or heads that do not split (names the valid values)."""
+    projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    head_dim = getattr(module, "head_dim", None)
+    if not all(isinstance(p, nn.Linear) for p in projections) or not isinstance(head_dim, int):
+        raise ValueError(
+            f"head_chunks={attention.head_chunks} needs an attention module with q_proj, k_proj, v_proj, o_proj "
+            f"(nn.Linear) and head_dim, as Llama, Qwen2, Qwen3 and Mistral have; {type(module).__name__} has not: "
+            f"set head_chunks=1"
+        )
+    q_proj, k_proj = projections[:2]
+    layout = _Layout(num_heads=q_proj.out_features // head_dim, num_kv_heads=k_proj.out_features // head_dim,
+                     head_dim=head_dim, num_groups=attention.head_chunks)
+    check_head_groups(layout.num_heads, layout.num_kv_heads, layout.num_groups, group_size(attention.group))
+    if _is_reference_llama_attention(module):
+        family = _Family(module, _rope_reference_llama(module), scale=head_dim**-0.5)
+        forward = functools.partial(_reference_llama_forward, module)
+    else:
+        family = _Family(module, _rope_hf(module), scale=getattr(module, "scaling", head_dim**-0.5))
+        forward = functools.partial(_hf_forward, module)
+    grouped = HeadGroupedAttention(attention, layout, family)
+    module._fpdt_attention = grouped
+    module.forward = forward
+    return grouped
+
+
+def _output_bias(module: nn.Module, y: Tensor) -> Tensor:
+    bias = module.o_proj.bias  # added once, not per group
+    return y if bias is None else y + bias
+
+
+def _reference_llama_forward(module: nn.Module, x: Tensor, position_ids: Tensor) -> Tensor:
+    """``LlamaAttention.forward`` of ``lightning_fpdt.models.llama``, in head groups."""
+    return _output_bias(module, module._fpdt_attention(module, x, (position_ids,)))
+
+
+def _hf_forward(module: nn.Module, hidden_states: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]] = None,
+                attention_mask: Optional[Tensor] = None, cache: Any = None, **kwargs: Any) -> tuple[Tensor, None]:
+    """A transformers ``*Attention.forward`` (Llama, Qwen2, Qwen3, Mistral) in head groups; refuses what the fpdt
+    attention cannot compute exactly, as ``integrations._hf_attention`` does."""
+    if attention_mask is not None:
+        raise ValueError(
+            "the fpdt attention is causal over the whole sequence and takes no attention mask: drop padding "
+            "(right-pad and set the padded labels to -100) instead of passing an attention_mask with zeros"
+        )
+    if cache is not None or kwargs.get("past_key_values") is not None:
+        raise ValueError("head_chunks > 1 runs without a KV cache: call the model with use_cache=False")
+    if module.training and getattr(module, "attention_dropout", 0.0):
+        raise ValueError(f"attention dropout ({module.attention_dropout}) is not supported by the fpdt attention: "
+                         f"set it to 0")
+    if _sliding_window(module):
+        raise ValueError(
+            "sliding-window attention is not supported by the fpdt attention: disable it in the model config "
+            "(e.g. use_sliding_window=False, or sliding_window=None for Mistral) for full causal attention"
+        )
+    if position_embeddings is None:
+        raise ValueError(f"{type(module).__name__} was called without position_embeddings (cos, sin)")
+    y = module._fpdt_attention(module, hidden_states, tuple(position_embeddings))
+    return _output_bias(module, y), None

@@ -1,0 +1,209 @@
+"""Head-group chunking (issue 10, UPipe) in one process: equal to the whole-layer attention, attention run once per
+group, no full-width activation kept for the backward, misconfigurations named (sequence/head_chunks.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import lightning_fpdt.sequence.fpdt as fpdt_module
+from lightning_fpdt.callbacks.activation_offload import ActivationOffload
+from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
+from lightning_fpdt.sequence import FPDTAttention, check_head_groups
+from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention, grouped_geometry
+from lightning_fpdt.sequence.integrations import SequenceParallelContext, install, install_hf_model, install_reference_llama
+from lightning_fpdt.sequence.planning import AttentionGeometry
+from lightning_fpdt.strategy.parallelize import find_blocks
+
+# fp64 throughout: grouping changes only the summation order of the output projection (G partial products instead
+# of one) and of the input gradient (G contributions), ~1e-16 relative each; 1e-10 catches any wrong head, row or
+# column (those are O(1) errors) with a wide margin.
+TOL = dict(rtol=1e-10, atol=1e-10)
+VOCAB = 64
+
+
+def _reference_llama(seed: int, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    # H·D = 64 differs from hidden = 48, so a slice along the wrong dimension cannot go unnoticed
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_layers=2, num_heads=8,
+                         num_kv_heads=4, head_dim=8, **overrides)
+    return LlamaForCausalLM(config).double()
+
+
+def _hf_model(family: str, seed: int):
+    import transformers
+
+    torch.manual_seed(seed)
+    sizes = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=8, max_position_embeddings=256, attn_implementation="sdpa")
+    if family == "llama":
+        config = transformers.LlamaConfig(**sizes, attention_bias=True)  # biases on q, k, v and o
+        cls = transformers.LlamaForCausalLM
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**sizes)  # q, k, v biases, none on o
+        cls = transformers.Qwen2ForCausalLM
+    elif family == "qwen3":
+        config = transformers.Qwen3Config(**sizes)  # q/k RMSNorm over the head dim
+        cls = transformers.Qwen3ForCausalLM
+    elif family == "mistral":
+        config = transformers.MistralConfig(**sizes, sliding_window=None)
+        cls = transformers.MistralForCausalLM
+    else:
+        raise ValueError(family)
+    model = cls(config).double()
+    # random norm weights and biases (their inits are ones / zeros, which would hide a wrong slice)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def _logits_and_grads(model, input_ids: torch.Tensor, weight: torch.Tensor, steps: int = 1):
+    """Logits and every parameter's gradient of a random linear function of them (fresh inputs, no loss shift)."""
+    model.zero_grad(set_to_none=True)
+    for _ in range(steps):
+        logits = model(input_ids=input_ids)
+        logits = logits if isinstance(logits, torch.Tensor) else logits.logits
+        (logits * weight).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _inputs(seed: int, seq_len: int = 12, batch: int = 2):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, seq_len), generator=gen)
+    weight = torch.randn(batch, seq_len, VOCAB, generator=gen, dtype=torch.float64)
+    return ids, weight
+
+
+def _compare(reference, grouped, ids, weight, steps: int = 1):
+    ref_logits, ref_grads = _logits_and_grads(reference, ids, weight, steps)
+    logits, grads = _logits_and_grads(grouped, ids, weight, steps)
+    torch.testing.assert_close(logits, ref_logits, **TOL)
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("head_chunks", [2, 4])
+@pytest.mark.parametrize("num_chunks,offload", [(1, False), (2, True)])
+def test_reference_llama_groups_equal_plain_attention(head_chunks, num_chunks, offload):
+    """Reference Llama, G = 2, 4 (8 query / 4 kv heads): logits and every parameter gradient equal SDPA's."""
+    reference = _reference_llama(seed=head_chunks)
+    grouped = copy.deepcopy(reference)
+    attention = FPDTAttention(num_chunks=num_chunks, backend="math", offload=offload, head_chunks=head_chunks)
+    install_reference_llama(grouped, SequenceParallelContext(group=None, attention=attention))
+    assert all(isinstance(layer.self_attn._fpdt_attention, HeadGroupedAttention) for layer in grouped.model.layers)
+    _compare(reference, grouped, *_inputs(seed=num_chunks))
+    assert attention.kernel_calls == head_chunks * 2  # once per group and layer: the backward replays
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("head_chunks", [2, 4])
+def test_hf_families_groups_equal_sdpa_attention(family, head_chunks):
+    """HF Llama (all biases), Qwen2 (q/k/v biases), Qwen3 (q/k norms), Mistral: grouped = SDPA attention."""
+    reference = _hf_model(family, seed=head_chunks)
+    grouped = copy.deepcopy(reference)
+    attention = FPDTAttention(num_chunks=2, backend="math", offload=head_chunks == 4, head_chunks=head_chunks)
+    install_hf_model(grouped, SequenceParallelContext(group=None, attention=attention))
+    _compare(reference, grouped, *_inputs(seed=7))
+    # the weights are still the modules' own parameters: same names, same shapes
+    assert [(n, p.shape) for n, p in grouped.named_parameters()] == [(n, p.shape) for n, p in reference.named_parameters()]
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_activation_offload_runs_each_group_once(offload):
+    """Under ActivationOffload (block recompute) each group's attention runs once per step; gradients exact."""
+    reference = _reference_llama(seed=3)
+    grouped = copy.deepcopy(reference)
+    attention = FPDTAttention(num_chunks=2, backend="math", offload=offload, head_chunks=2)
+    install_reference_llama(grouped, SequenceParallelContext(group=None, attention=attention))
+    callback = ActivationOffload(offload=offload)
+    callback.fpdt_transform(grouped, find_blocks(grouped))
+    assert callback._owner.attentions == [attention]  # found through the grouped layers
+    _compare(reference, grouped, *_inputs(seed=4), steps=2)
+    assert attention.kernel_calls == 2 * 2 * 2  # groups x layers x steps
+
+
+def test_torch_checkpoint_does_not_recompute_grouped_attention():
+    """Under torch's own non-reentrant checkpoint the recompute sums the kept outputs: no attention runs again."""
+    reference = _reference_llama(seed=5)
+    grouped = copy.deepcopy(reference)
+    attention = FPDTAttention(num_chunks=2, backend="math", head_chunks=4)
+    install_reference_llama(grouped, SequenceParallelContext(group=None, attention=attention))
+    for block in grouped.model.layers:
+        forward = block.forward
+        block.forward = lambda *a, __f=forward, **k: torch.utils.checkpoint.checkpoint(__f, *a, use_reentrant=False, **k)
+    _compare(reference, grouped, *_inputs(seed=6))
+    assert attention.kernel_calls == 4 * 2
+
+
+def test_no_full_width_activation_is_kept_or_attended(monkeypatch):
+    """G = 4: the FPDT attention sees H/G query heads, and nothing (B, S, H·D)-sized is saved for the backward."""
+    seen_heads = []
+    original = fpdt_module.fpdt_forward
+
+    def recording_forward(q, k, v, *args, **kwargs):
+        seen_heads.append((q.shape[2], k.shape[2]))
+        return original(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(fpdt_module, "fpdt_forward", recording_forward)
+    ids, _ = _inputs(seed=8, seq_len=16)
+    widest = {}
+    for head_chunks in (1, 4):
+        model = _reference_llama(seed=9)
+        install_reference_llama(model, SequenceParallelContext(
+            group=None, attention=FPDTAttention(num_chunks=2, backend="math", offload=True, head_chunks=head_chunks)))
+        saved = []
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def pack(t):
+            if t.dtype == torch.float64 and t.untyped_storage().data_ptr() not in weights:  # activations only
+                saved.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            hidden = model.model(ids, torch.arange(16).expand(2, 16))  # (B, S, hidden): the decoder stack alone
+        hidden.sum().backward()
+        widest[head_chunks] = max(saved)
+    assert set(seen_heads) == {(8, 4), (2, 1)}  # whole layer (G = 1) and one group of 8/4 query and 4/4 kv heads
+    b, s, hidden, width = 2, 16, 48, 8 * 8
+    assert widest[1] == b * s * width  # ungrouped: the attention output, saved by o_proj
+    assert widest[4] == b * s * hidden  # grouped: the layer input and the MLP's hidden-sized activations only
+
+
+def test_head_group_validation_names_the_fix():
+    """G must divide Hkv, H/G must split over P, and check_heads applies per group; messages list valid values."""
+    assert check_head_groups(32, 8, 4, 2) == 1
+    assert check_head_groups(32, 8, 8, 4) == 4  # one kv head per group, replicated over 4 ranks
+    with pytest.raises(ValueError, match=r"head_chunks \(3\) must divide num_kv_heads \(8\).*head_chunks in \[1, 2, 4, 8\]"):
+        check_head_groups(32, 8, 3, 1)
+    with pytest.raises(ValueError, match=r"32\) / head_chunks \(8\) = 4 query heads per group is not divisible by "
+                                         r"sequence_parallel_size \(8\).*head_chunks in \[1, 2, 4\]"):
+        check_head_groups(32, 8, 8, 8)
+    with pytest.raises(ValueError, match=r"each group has 6 query and 2 kv heads: num_kv_heads \(2\) and "
+                                         r"sequence_parallel_size \(3\) must divide one another"):
+        check_head_groups(12, 4, 2, 3)
+    with pytest.raises(ValueError, match="head_chunks must be a positive int, got 0"):
+        FPDTAttention(head_chunks=0)
+    model = _reference_llama(seed=0)
+    with pytest.raises(ValueError, match=r"head_chunks \(8\) must divide num_kv_heads \(4\)"):
+        install_reference_llama(model, SequenceParallelContext(group=None, attention=FPDTAttention(head_chunks=8)))
+
+
+def test_plain_sdpa_module_is_refused_with_head_chunks():
+    """A module calling SDPA itself cannot be head-grouped: ValueError naming head_chunks=1."""
+    from tests.dist.training import PlainLM
+
+    model = PlainLM()
+    with pytest.raises(ValueError, match="calls scaled_dot_product_attention itself: set head_chunks=1"):
+        install(model, find_blocks(model), SequenceParallelContext(group=None, attention=FPDTAttention(head_chunks=2)))
+
+
+def test_grouped_geometry_for_the_planner():
+    """The planner sees L·G attention calls of H/G query and Hkv/G kv heads."""
+    geometry = AttentionGeometry(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
+    assert grouped_geometry(geometry, 1) is geometry
+    assert grouped_geometry(geometry, 4) == AttentionGeometry(num_layers=128, num_heads=8, num_kv_heads=2, head_dim=128)

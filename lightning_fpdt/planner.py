@@ -25,16 +25,20 @@ Persistent (held through the backward)::
     checkpoints   = 2·A (ActivationOffload: current + prefetched; L·A on the host) | L·A (checkpointing on the GPU)
                     | L·(A + layer activations) (no checkpointing)
     attention     = L·(stash_bytes + kept out) on the GPU, or on the host when offloaded  (planning.stash_bytes;
-                    "kept out" = N·H·D·b per layer under checkpointing: the attention is not recomputed)
+                    "kept out" = N·H·D·b per layer under checkpointing or head_chunks > 1: the attention is not
+                    recomputed)
     lm_head grad  = V·h·b                                     unsharded, from the loss until the root's reduce-scatter
 
 Transient phases (one at a time; the largest counts)::
 
     attention forward  = norm + q, k, v, out + planning.working_set_bytes
+                         head_chunks G > 1: norm + A (the output sum) + (q, k, v, out)/G + one group's working set
     MLP backward       = layer activations + 2·A + MLP work    (untiled 2·N·I·b more; tiled 6·n·I·b)
     attention backward = norm + rope + A + N·H·D·b + N·(H + 2·Hkv)·D·b + attention_backward_bytes
                                                            (grads of the residual and of the attention output,
                                                            dq, dk, dv, the FPDT backward's chunks)
+                         G > 1: 2·A (output grad, input-grad sum) + (out, its grad, dq, dk, dv)/G + one group's
+                         backward chunks; the groups' outputs count as kept outputs, and no layer saves out or RoPE
     loss               = final norm + tiled: A + V·h·4 + 6·n·V  |  untiled: 12·N·V (fp32 logits, log-softmax, grad)
     end of backward    = V·h·b (embedding grad) + Θ_rest·reduce·(1 + 1/W)   (the root unit's reduce-scatter)
 
@@ -65,6 +69,7 @@ from typing import Any, Literal, Optional, Union
 
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.models.llama import NAMED_CONFIGS, LlamaConfig
+from lightning_fpdt.sequence.head_chunks import check_head_groups, grouped_geometry
 from lightning_fpdt.sequence.planning import (
     AttentionGeometry,
     choose_chunks,
@@ -168,6 +173,8 @@ class PlanOptions:
     """``"bf16-mixed"``, ``"bf16-true"`` or ``"32-true"``."""
     optimizer: str
     """``"adamw"``, ``"adam"`` or ``"sgd"``."""
+    head_chunks: int = 1
+    """Head groups ``G``: the attention's projections and FPDT calls run on ``H/G`` query heads at a time."""
 
     def __post_init__(self) -> None:
         if self.activation_offload and not self.activation_checkpointing:
@@ -183,6 +190,7 @@ class PlanOptions:
             f"offload={on(self.offload)} (dq {on(self.offload_dq)}) tiled_mlp={on(self.tiled_mlp)} "
             f"tiled_loss={on(self.tiled_loss)} checkpointing={checkpointing} "
             f"cpu_offload_params={on(self.cpu_offload_params)} {self.precision} {self.optimizer}"
+            + (f" head_chunks={self.head_chunks}" if self.head_chunks > 1 else "")
         )
 
 
@@ -417,13 +425,18 @@ def _resolve_options(
     sequence_parallel_size: Union[str, int], chunks: Union[str, int], offload: Union[str, bool],
     offload_dq: Union[str, bool], activation_offload: bool, activation_checkpointing: Optional[bool], tiled_mlp: bool,
     tiled_loss: bool, precision: str, optimizer: str, cpu_offload_params: bool, gpu_memory_bytes: int,
+    head_chunks: int = 1,
 ) -> PlanOptions:
     from lightning_fpdt.strategy.mesh import resolve_sizes  # here: the strategy package imports Lightning
 
+    heads = (geometry.num_heads, geometry.num_kv_heads)
+    if head_chunks > 1:  # each head group splits over the ranks (as the strategy resolves it)
+        explicit = sequence_parallel_size if isinstance(sequence_parallel_size, int) else 1
+        check_head_groups(*heads, head_chunks, explicit)
+        heads = (heads[0] // head_chunks, heads[1] // head_chunks)
     dp, sp = resolve_sizes(world_size=num_gpus, devices_per_node=gpus_per_node, data_parallel_size="auto",
-                           sequence_parallel_size=sequence_parallel_size,
-                           heads=(geometry.num_heads, geometry.num_kv_heads))
-    attention = attention_geometry(geometry, PRECISIONS[precision]["act"])
+                           sequence_parallel_size=sequence_parallel_size, heads=heads)
+    attention = grouped_geometry(attention_geometry(geometry, PRECISIONS[precision]["act"]), head_chunks)
     free = _free_for_auto(geometry, precision=precision, cpu_offload_params=cpu_offload_params, num_gpus=num_gpus,
                           gpu_memory_bytes=gpu_memory_bytes)
     size = dict(batch_size=batch_size, seq_len=seq_len, sp_size=sp)
@@ -438,7 +451,7 @@ def _resolve_options(
         activation_offload=activation_offload,
         activation_checkpointing=activation_offload or bool(activation_checkpointing),
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, cpu_offload_params=cpu_offload_params, precision=precision,
-        optimizer=optimizer,
+        optimizer=optimizer, head_chunks=head_chunks,
     )
 
 
@@ -454,7 +467,8 @@ def _components(
     block, rest = parameter_counts(g)
     total = total_parameters(g)
     offloaded_states = o.cpu_offload_params
-    attention = attention_geometry(g, b)
+    G = o.head_chunks
+    attention = grouped_geometry(attention_geometry(g, b), G)  # G > 1: L·G calls of one head group each
     size = dict(batch_size=batch_size, seq_len=seq_len, sp_size=P)
 
     def on(nbytes: int, host: bool) -> tuple[int, int]:  # (gpu, host)
@@ -480,7 +494,8 @@ def _components(
     norm = N * h * 4 * (b < 4) + 2 * A  # RMSNorm: fp32 copy of its input, normalised input, output
     rope = ROPE_TABLES * N * g.head_dim * 4
     mlp_saved = 0 if o.tiled_mlp else 4 * N * g.intermediate_size * b
-    layer = 2 * norm + N * attn_width * b + A + rope + mlp_saved  # what one layer's backward needs
+    # what one layer's backward needs; head groups keep their outputs in the stash ("kept out") and recompute RoPE
+    layer = 2 * norm + (N * attn_width * b + rope if G == 1 else 0) + A + mlp_saved
     if o.activation_offload:
         add("checkpointed block inputs", 2 * A, L * A, formula="2 on GPU (current, prefetched), L on host")
     elif o.activation_checkpointing:
@@ -488,19 +503,24 @@ def _components(
     else:
         add("activations (no checkpointing)", L * (A + layer), formula="L x (block input + layer activations)")
 
-    kept_out = L * N * attn_width * b if o.activation_checkpointing else 0
-    stash = L * stash_bytes(attention, **size)
+    keeps_out = o.activation_checkpointing or G > 1  # head groups keep each group's output for their backward
+    kept_out = L * N * attn_width * b if keeps_out else 0
+    stash = attention.num_layers * stash_bytes(attention, **size)
     host_attention = attention_host_bytes(attention, offload=o.offload, offload_dq=o.offload_dq,
-                                          kept_out_layers=L if o.activation_checkpointing else 0, **size)
+                                          kept_out_layers=attention.num_layers if keeps_out else 0, **size)
     add("attention stash", 0 if o.offload else stash + kept_out, host_attention,
         formula="L x planning.stash_bytes (+ kept outputs)" + (", offloaded" if o.offload else ""))
     add("lm_head gradient", V * h * b, formula="V·hidden, unsharded until the root's reduce-scatter")
 
     # ---- transient phases
     recompute = layer if o.activation_checkpointing else 0  # without checkpointing it is in "activations" already
-    add("attention forward", norm + N * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * b + N * attn_width * b
-        + working_set_bytes(attention, num_chunks=o.chunks, **size), phase="attention forward",
-        formula="norm + q, k, v, out + planning.working_set_bytes")
+    qkv_out = N * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * b + N * attn_width * b  # full width
+    if G == 1:
+        add("attention forward", norm + qkv_out + working_set_bytes(attention, num_chunks=o.chunks, **size),
+            phase="attention forward", formula="norm + q, k, v, out + planning.working_set_bytes")
+    else:
+        add("attention forward", norm + A + qkv_out // G + working_set_bytes(attention, num_chunks=o.chunks, **size),
+            phase="attention forward", formula="norm + output sum + one group's q, k, v, out and working set")
     mlp_rows = mlp_tile_tokens(N, g.intermediate_size, b) if o.tiled_mlp else N
     mlp_work = MLP_BACKWARD_BUFFERS * mlp_rows * g.intermediate_size * b - mlp_saved
     add("layer activations (recompute)", recompute, phase="MLP backward", formula="norms, attention out, rope, MLP")
@@ -508,9 +528,15 @@ def _components(
         formula=f"grads in/out + {'one tile' if o.tiled_mlp else 'all tokens'} x {MLP_BACKWARD_BUFFERS} x I")
     add("layer activations (at attention)", (norm + rope) if o.activation_checkpointing else 0,
         phase="attention backward", formula="first norm, rope")
-    add("attention backward", A + N * attn_width * b + N * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * b
-        + attention_backward_bytes(attention, num_chunks=o.chunks, offload=o.offload, offload_dq=o.offload_dq, **size),
-        phase="attention backward", formula="grads + dq, dk, dv + FPDT backward chunks")
+    backward_chunks = attention_backward_bytes(attention, num_chunks=o.chunks, offload=o.offload,
+                                               offload_dq=o.offload_dq, **size)
+    if G == 1:
+        add("attention backward", A + N * attn_width * b + N * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * b
+            + backward_chunks, phase="attention backward", formula="grads + dq, dk, dv + FPDT backward chunks")
+    else:
+        add("attention backward", 2 * A + (N * attn_width * b + qkv_out) // G + backward_chunks,
+            phase="attention backward",
+            formula="output grad + input grad sum + one group's out, grads, dq, dk, dv + its FPDT backward chunks")
     if o.tiled_loss:
         loss = A + V * h * 4 + LOSS_TILE_BYTES_PER_LOGIT * loss_tile_tokens(N, V) * V
         formula = "hidden grad + fp32 lm_head grad + one tile"
@@ -550,7 +576,8 @@ def _recommend(plan: MemoryPlan, offload_dq: Union[str, bool]) -> tuple[Optional
         implied = {"activation_checkpointing": True} if changes.get("activation_offload") else {}
         options = dataclasses.replace(plan.options, **changes, **implied)  # ActivationOffload checkpoints the blocks
         if offload_dq == "auto":  # re-resolved: it depends on the attention offload
-            attention = attention_geometry(plan.geometry, PRECISIONS[options.precision]["act"])
+            attention = grouped_geometry(attention_geometry(plan.geometry, PRECISIONS[options.precision]["act"]),
+                                         options.head_chunks)
             free = _free_for_auto(plan.geometry, precision=options.precision, num_gpus=plan.num_gpus,
                                   cpu_offload_params=options.cpu_offload_params, gpu_memory_bytes=plan.gpu_memory_bytes)
             dq = options.offload and choose_offload_dq(attention, batch_size=plan.batch_size, seq_len=plan.seq_len,
@@ -627,6 +654,7 @@ def plan_memory(
     cpu_offload_params: bool = False,
     gpu_memory_gib: float = 80.0,
     host_memory_gib: Optional[float] = None,
+    head_chunks: int = 1,
 ) -> MemoryPlan:
     """Predict the memory of one training step under ``strategy="fpdt"``, per GPU and per host, and recommend options.
 
@@ -648,6 +676,8 @@ def plan_memory(
         optimizer: ``"adamw"``, ``"adam"`` (two moments) or ``"sgd"`` (none).
         gpu_memory_gib: memory of one GPU in GiB (about 79 for an H100 80GB, 139 for an H200).
         host_memory_gib: memory one host can pin; ``None``: not checked.
+        head_chunks: head groups ``G`` (``FPDTStrategy(head_chunks=...)``): the attention phases hold one group's
+            q/k/v/out (``1/G`` of the full-width buffers) and its FPDT working set, plus a hidden-sized output sum.
 
     Returns:
         A :class:`MemoryPlan`: components, ``peak_gpu_bytes = Σ persistent + max(transient phases)``, pinned host
@@ -671,6 +701,8 @@ def plan_memory(
     for name, value in (("offload", offload), ("offload_dq", offload_dq)):
         if value not in ("auto", True, False):
             raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
+    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+        raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
     if gpu_memory_gib <= 0 or (host_memory_gib is not None and host_memory_gib <= 0):
         raise ValueError(f"gpu_memory_gib ({gpu_memory_gib}) and host_memory_gib ({host_memory_gib}) must be positive")
     gpu_bytes = int(gpu_memory_gib * GIB)
@@ -680,7 +712,7 @@ def plan_memory(
         sequence_parallel_size=sequence_parallel_size, chunks=chunks, offload=offload, offload_dq=offload_dq,
         activation_offload=activation_offload, activation_checkpointing=activation_checkpointing,
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, precision=precision, optimizer=optimizer,
-        cpu_offload_params=cpu_offload_params, gpu_memory_bytes=gpu_bytes,
+        cpu_offload_params=cpu_offload_params, gpu_memory_bytes=gpu_bytes, head_chunks=head_chunks,
     )
     plan = _plan(geometry, model, seq_len=seq_len, batch_size=batch_size, num_gpus=num_gpus,
                  gpus_per_node=gpus_per_node, options=options, gpu_memory_bytes=gpu_bytes, host_memory_bytes=host_bytes)
@@ -820,6 +852,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per host (default: all)")
     parser.add_argument("--sp", type=_auto_or_int, default="auto", help="sequence_parallel_size")
     parser.add_argument("--chunks", type=_auto_or_int, default="auto", help="FPDT chunks per rank")
+    parser.add_argument("--head-chunks", type=int, default=1,
+                        help="head groups G: attention projections and FPDT calls per group of H/G query heads")
     parser.add_argument("--offload", type=_switch, default="auto", help="attention chunk offload: auto, on, off")
     parser.add_argument("--offload-dq", type=_switch, default="auto", help="partial dQ offload: auto, on, off")
     parser.add_argument("--callbacks", type=_callbacks, default=_callbacks("all"),
@@ -844,7 +878,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             activation_offload="offload" in args.callbacks, activation_checkpointing="checkpoint" in args.callbacks,
             tiled_mlp="mlp" in args.callbacks, tiled_loss="loss" in args.callbacks, precision=args.precision,
             optimizer=args.optimizer, cpu_offload_params=args.cpu_offload_params, gpu_memory_gib=args.gpu_memory_gib,
-            host_memory_gib=host,
+            host_memory_gib=host, head_chunks=args.head_chunks,
         )
     except ValueError as error:
         print(f"lightning-fpdt plan: {error}", file=sys.stderr)

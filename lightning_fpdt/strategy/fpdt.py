@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention
+from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention, check_head_groups, grouped_geometry
 from lightning_fpdt.sequence.integrations import SequenceParallelContext, sequence_parallel_loss
 from lightning_fpdt.sequence.kernels import check_backend_name
 from lightning_fpdt.sequence.layout import IGNORE_INDEX, SequenceLayout
@@ -71,6 +72,10 @@ class FPDTStrategy(ModelParallelStrategy):
         offload_dq: keep the backward's partial dQ sums (fp32, twice q's size) in host memory too; ``"auto"``:
             when the chunks are offloaded and those sums would take more than an eighth of the free GPU memory.
         attention_backend: block attention kernel: ``"auto"``, ``"cudnn"``, ``"flash"`` or ``"math"``.
+        head_chunks: head groups ``G`` (UPipe): each attention layer projects, attends and output-projects ``H/G``
+            query heads (and their ``Hkv/G`` kv heads) at a time, so the full-width q/k/v/out of the local sequence
+            never exist at once (``lightning_fpdt.sequence.head_chunks``). ``G`` must divide the kv heads, and the
+            query heads of a group must split over the sequence-parallel ranks. ``1``: all heads at once.
         layer_classes: class names of the transformer blocks (FSDP2 units); ``None``: the largest ``ModuleList``.
         cpu_offload_params: keep sharded parameters, gradients and optimizer state in host memory (FSDP2
             ``CPUOffloadPolicy``), for models whose states do not fit the GPUs.
@@ -95,6 +100,7 @@ class FPDTStrategy(ModelParallelStrategy):
         offload: Union[Literal["auto"], bool] = "auto",
         offload_dq: Union[Literal["auto"], bool] = "auto",
         attention_backend: str = "auto",
+        head_chunks: int = 1,
         layer_classes: Optional[list[str]] = None,
         cpu_offload_params: bool = False,
         pad_to_multiple: bool = True,
@@ -122,6 +128,9 @@ class FPDTStrategy(ModelParallelStrategy):
         self._free_bytes: Optional[int] = None  # free GPU memory at the first batch, what "auto" plans with
         self._plans_logged: set[tuple[int, int, bool]] = set()
         check_backend_name(attention_backend)
+        if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+            raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
+        self._head_chunks = head_chunks
         self._sequence_parallel_size = sequence_parallel_size
         self._chunks = chunks
         self._attention_backend = attention_backend
@@ -172,6 +181,11 @@ class FPDTStrategy(ModelParallelStrategy):
         self._watchdog.start()
         assert self.lightning_module is not None
         heads = attention_heads(self.lightning_module)
+        if heads is not None and self._head_chunks > 1:
+            # Ulysses splits each head group over the ranks: "auto" picks, and check_heads checks, per group
+            sp = self._sequence_parallel_size
+            check_head_groups(*heads, self._head_chunks, sp if isinstance(sp, int) else 1)
+            heads = (heads[0] // self._head_chunks, heads[1] // self._head_chunks)
         dp, sp = resolve_sizes(
             world_size=self.world_size,
             devices_per_node=self.num_processes,
@@ -199,7 +213,7 @@ class FPDTStrategy(ModelParallelStrategy):
                 group=self.sequence_parallel_group,
                 attention=FPDTAttention(
                     group=self.sequence_parallel_group, num_chunks=1, backend=self._attention_backend,
-                    offload=self._offload is True, offload_dq=self._offload_dq is True,
+                    offload=self._offload is True, offload_dq=self._offload_dq is True, head_chunks=self._head_chunks,
                 ),
             )
         self.model = self.precision_plugin.convert_module(self.model)
@@ -419,6 +433,7 @@ class FPDTStrategy(ModelParallelStrategy):
             tiled_mlp=any(isinstance(cb, TiledMLP) for cb in callbacks),
             tiled_loss=any(isinstance(cb, TiledLoss) for cb in callbacks),
             precision=self.precision_plugin.precision, cpu_offload_params=self._cpu_offload_params,
+            head_chunks=self._head_chunks,
             gpu_memory_gib=torch.cuda.get_device_properties(self.root_device).total_memory / 2**30,
         )
         try:
@@ -549,12 +564,14 @@ def attention_geometry(model: torch.nn.Module, precision: str) -> Optional[Atten
         return None
     hidden = getattr(config, "hidden_size", None)
     head_dim = getattr(config, "head_dim", None) or (hidden // heads[0] if hidden else None)
-    layers = sum(isinstance(getattr(m, name, None), LayerAttention) for m in model.modules()
-                 for name in ("attention_fn", "_fpdt_attention"))
+    handles = [getattr(m, name, None) for m in model.modules() for name in ("attention_fn", "_fpdt_attention")]
+    layers = sum(isinstance(h, (LayerAttention, HeadGroupedAttention)) for h in handles)
+    head_chunks = max((h.layout.num_groups for h in handles if isinstance(h, HeadGroupedAttention)), default=1)
     if not head_dim or not layers:
         return None
-    return AttentionGeometry(num_layers=layers, num_heads=heads[0], num_kv_heads=heads[1], head_dim=int(head_dim),
-                             dtype_bytes=4 if precision == "32-true" else 2)
+    geometry = AttentionGeometry(num_layers=layers, num_heads=heads[0], num_kv_heads=heads[1], head_dim=int(head_dim),
+                                 dtype_bytes=4 if precision == "32-true" else 2)
+    return grouped_geometry(geometry, head_chunks)  # what chunks/offload "auto" size: one group's attention calls
 
 
 def memory_transforms(trainer: "pl.Trainer") -> list:

@@ -72,6 +72,8 @@ def build_model(kind: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig.from_name("tiny", vocab_size=VOCAB, num_heads=4, num_kv_heads=2))
+    if kind == "llama-gqa8":  # 8 query / 4 kv heads: head groups at sequence_parallel_size 4
+        return LlamaForCausalLM(LlamaConfig.from_name("tiny", vocab_size=VOCAB, num_heads=8, num_kv_heads=4))
     if kind == "llama-mha":
         return LlamaForCausalLM(LlamaConfig.from_name("tiny", vocab_size=VOCAB, num_heads=4, num_kv_heads=4))
     if kind == "hf":

@@ -207,3 +207,59 @@ def test_grouped_geometry_for_the_planner():
     geometry = AttentionGeometry(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
     assert grouped_geometry(geometry, 1) is geometry
     assert grouped_geometry(geometry, 4) == AttentionGeometry(num_layers=128, num_heads=8, num_kv_heads=2, head_dim=128)
+
+
+# ---- planner, strategy option, command lines -------------------------------------------------------------------------
+def _plan(**overrides):
+    from lightning_fpdt.flops import ModelGeometry
+    from lightning_fpdt.planner import plan_memory
+
+    geometry = ModelGeometry(num_layers=2, hidden_size=1024, num_heads=8, num_kv_heads=2, head_dim=128,
+                             intermediate_size=4096, vocab_size=32000)
+    options = dict(geometry=geometry, seq_len=65536, num_gpus=1, chunks=2, offload=True, offload_dq=False,
+                   activation_offload=True, tiled_mlp=True, tiled_loss=True)
+    return plan_memory(**{**options, **overrides})
+
+
+def test_planner_counts_one_head_group_by_hand():
+    """G = 2: the attention forward holds one group's q, k, v, out and working set plus the hidden-sized output sum."""
+    whole, grouped = _plan(), _plan(head_chunks=2)
+    # N = 65536 local tokens, A = N·1024·2 = 134,217,728; norm = N·1024·4 + 2A = 536,870,912
+    # one group's q, k, v, out: N·(8 + 2·2 + 8)·128·2 / 2 = 167,772,160
+    # one group's working set (4 query, 1 kv head, chunks of 32768): 32768·(4 + 4·1)·128·2 + 32768·4·(2·128 + 2)·4
+    #   = 67,108,864 + 135,266,304 = 202,375,168
+    assert grouped.component("attention forward").gpu_bytes == 536_870_912 + 134_217_728 + 167_772_160 + 202_375_168
+    assert grouped.phase_bytes["attention forward"] < whole.phase_bytes["attention forward"]
+    assert grouped.phase_bytes["attention backward"] < whole.phase_bytes["attention backward"]
+    # the same chunks and kept outputs wait on the host; one group's dout (half of N·8·128·2) instead of a layer's
+    assert whole.host_bytes_per_gpu - grouped.host_bytes_per_gpu == 65536 * 8 * 128 * 2 // 2
+    assert "head_chunks=2" in grouped.options.describe()
+
+
+def test_planner_and_strategy_refuse_bad_head_chunks(capsys):
+    """plan_memory, `lightning-fpdt plan --head-chunks` and FPDTStrategy name the valid values."""
+    from lightning_fpdt.planner import main
+    from lightning_fpdt.strategy.fpdt import FPDTStrategy
+
+    with pytest.raises(ValueError, match=r"head_chunks \(4\) must divide num_kv_heads \(2\)"):
+        _plan(head_chunks=4)
+    assert main(["--seq-len", "65536", "--head-chunks", "3"]) == 2  # llama3-8b: 8 kv heads
+    assert "head_chunks (3) must divide num_kv_heads (8)" in capsys.readouterr().err
+    assert main(["--seq-len", "65536", "--gpus", "4", "--head-chunks", "4", "--chunks", "2"]) in (0, 1)
+    assert "head_chunks=4" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="head_chunks must be a positive int, got 0"):
+        FPDTStrategy(head_chunks=0)
+
+
+def test_head_chunks_from_yaml(tmp_path, monkeypatch):
+    """trainer.strategy init_args head_chunks reaches the strategy (LightningCLI reads the type hint)."""
+    from pathlib import Path
+
+    from lightning_fpdt.cli import FPDTCLI
+    from lightning_fpdt.strategy.fpdt import FPDTStrategy
+
+    monkeypatch.setattr("sys.argv", ["lightning-fpdt"])
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "demo_cpu.yaml"
+    cli = FPDTCLI(args=["--config", str(config), "--trainer.devices", "1", "--trainer.logger", "false",
+                        "--trainer.strategy.init_args.head_chunks", "2"], run=False)
+    assert isinstance(cli.trainer.strategy, FPDTStrategy) and cli.trainer.strategy._head_chunks == 2

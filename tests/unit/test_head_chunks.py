@@ -263,3 +263,23 @@ def test_head_chunks_from_yaml(tmp_path, monkeypatch):
     cli = FPDTCLI(args=["--config", str(config), "--trainer.devices", "1", "--trainer.logger", "false",
                         "--trainer.strategy.init_args.head_chunks", "2"], run=False)
     assert isinstance(cli.trainer.strategy, FPDTStrategy) and cli.trainer.strategy._head_chunks == 2
+
+
+def test_bench_script_runs_on_cpu(tmp_path):
+    """bench/head_chunks.py --device cpu --tiny: a row per case and G, one attention call per group and step (the
+    checkpointed layer included), and the JSON record."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "head_chunks.py"
+    spec = importlib.util.spec_from_file_location("bench_head_chunks", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "head_chunks.json"
+    record = bench.main(["--device", "cpu", "--tiny", "--seq-len", "32", "--chunks", "2", "--head-chunks", "1,8",
+                         "--repeats", "1", "--out", str(out)])
+    rows = {(r["case"], r["head_chunks"]): r for r in json.loads(out.read_text())["rows"]}
+    assert rows.keys() == {("attention", 1), ("layer", 1), ("attention", 8), ("layer", 8)}
+    assert all(r["status"] == "ok" and r["attention_calls_per_step"] == r["head_chunks"] for r in rows.values())
+    assert record["rows"][0]["planner_gib"]["attention forward"] > record["rows"][2]["planner_gib"]["attention forward"]

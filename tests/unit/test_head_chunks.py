@@ -231,8 +231,9 @@ def test_planner_counts_one_head_group_by_hand():
     assert grouped.component("attention forward").gpu_bytes == 536_870_912 + 134_217_728 + 167_772_160 + 202_375_168
     assert grouped.phase_bytes["attention forward"] < whole.phase_bytes["attention forward"]
     assert grouped.phase_bytes["attention backward"] < whole.phase_bytes["attention backward"]
-    # the same chunks and kept outputs wait on the host; one group's dout (half of N·8·128·2) instead of a layer's
-    assert whole.host_bytes_per_gpu - grouped.host_bytes_per_gpu == 65536 * 8 * 128 * 2 // 2
+    # the same chunks and kept outputs wait on the host; the backward's dout and out chunks are one group's (half of
+    # N·8·128·2 each) instead of a layer's
+    assert whole.host_bytes_per_gpu - grouped.host_bytes_per_gpu == 2 * (65536 * 8 * 128 * 2 // 2)
     assert "head_chunks=2" in grouped.options.describe()
 
 

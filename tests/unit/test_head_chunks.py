@@ -113,6 +113,20 @@ def test_hf_families_groups_equal_sdpa_attention(family, head_chunks):
     assert [(n, p.shape) for n, p in grouped.named_parameters()] == [(n, p.shape) for n, p in reference.named_parameters()]
 
 
+def test_evaluation_without_grad_keeps_nothing():
+    """Under no_grad (validation) the groups compute and keep nothing for a backward; logits equal SDPA's."""
+    reference = _hf_model("qwen3", seed=11)
+    grouped = copy.deepcopy(reference)
+    attention = FPDTAttention(num_chunks=2, backend="math", offload=True, head_chunks=4)
+    install_hf_model(grouped, SequenceParallelContext(group=None, attention=attention))
+    ids, _ = _inputs(seed=12)
+    with torch.no_grad():
+        torch.testing.assert_close(grouped(input_ids=ids).logits, reference(input_ids=ids).logits, **TOL)
+    layers = [m._fpdt_attention for m in grouped.modules() if isinstance(getattr(m, "_fpdt_attention", None),
+                                                                          HeadGroupedAttention)]
+    assert len(layers) == 2 and not any(handle.recorded for layer in layers for handle in layer.handles)
+
+
 @pytest.mark.parametrize("offload", [False, True])
 def test_activation_offload_runs_each_group_once(offload):
     """Under ActivationOffload (block recompute) each group's attention runs once per step; gradients exact."""

@@ -134,10 +134,10 @@ def test_head_groups_match_single_process(dist_pool, sp_size):
 def run_training(cases: list[dict]) -> None:
     for case in cases:
         activation_offload = case.pop("activation_offload", True)
-        module = parity.train_and_compare(**case, callbacks=[ActivationOffload()] if activation_offload else [])
-        grouped = [m._fpdt_attention for m in module.modules()
+        trainer = parity.train_and_compare(**case, callbacks=[ActivationOffload()] if activation_offload else [])
+        grouped = [m._fpdt_attention for m in trainer.lightning_module.modules()
                    if isinstance(getattr(m, "_fpdt_attention", None), HeadGroupedAttention)]
-        head_chunks = case["strategy_kwargs"]["head_chunks"]
+        head_chunks = case["head_chunks"]
         assert len(grouped) == 2 and all(g.layout.num_groups == head_chunks for g in grouped)  # both layers
         # each group's attention ran once per layer and micro-batch (3 steps): never again in a recompute
         assert grouped[0].shared.kernel_calls == head_chunks * 2 * 3 * case["accumulate"]
@@ -147,11 +147,11 @@ def test_training_parity_head_chunks_two_processes(dist_pool):
     """1×2, head_chunks 2 and 4 (one kv head per group, replicated), ActivationOffload, attention offload, padding."""
     dist_pool(2).run(run_training, cases=[
         dict(kind="llama", dp=1, sp=2, chunks=2, accumulate=2, seq_len=15,
-             strategy_kwargs=dict(head_chunks=2, offload=True)),
-        dict(kind="llama-gqa8", dp=1, sp=2, chunks=1, accumulate=1, seq_len=16, strategy_kwargs=dict(head_chunks=4)),
+             head_chunks=2, offload=True),
+        dict(kind="llama-gqa8", dp=1, sp=2, chunks=1, accumulate=1, seq_len=16, head_chunks=4),
         dict(kind="hf", dp=1, sp=2, chunks=2, accumulate=1, seq_len=16,
-             strategy_kwargs=dict(head_chunks=2, offload=True)),
-        dict(kind="llama", dp=1, sp=2, chunks=2, accumulate=1, seq_len=16, strategy_kwargs=dict(head_chunks=2),
+             head_chunks=2, offload=True),
+        dict(kind="llama", dp=1, sp=2, chunks=2, accumulate=1, seq_len=16, head_chunks=2,
              activation_offload=False),
     ])
 
@@ -160,6 +160,6 @@ def test_training_parity_head_chunks_four_processes(dist_pool):
     """1×4 (G = 2, kv replicated) and 2×2 (data parallel, HF Llama), ActivationOffload, attention offload."""
     dist_pool(4).run(run_training, cases=[
         dict(kind="llama-gqa8", dp=1, sp=4, chunks=2, accumulate=1, seq_len=24,
-             strategy_kwargs=dict(head_chunks=2, offload=True)),
-        dict(kind="hf", dp=2, sp=2, chunks=2, accumulate=1, seq_len=16, strategy_kwargs=dict(head_chunks=2)),
+             head_chunks=2, offload=True),
+        dict(kind="hf", dp=2, sp=2, chunks=2, accumulate=1, seq_len=16, head_chunks=2),
     ])

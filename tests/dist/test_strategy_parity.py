@@ -20,12 +20,12 @@ TOL = dict(rtol=1e-4, atol=2e-5)
 
 def train_and_compare(kind: str, dp: int, sp: int, chunks: int, accumulate: int, seq_len: int, steps: int = 3,
                       batch_size: int = 2, strategy_name: bool = False, callbacks: list | None = None,
-                      strategy_kwargs: dict | None = None) -> L.LightningModule:
+                      **strategy_options) -> L.Trainer:
     world = dist.get_world_size()
     seed, lr = 1234, 0.5
     dataset = TokenDataset(num_samples=dp * batch_size * steps * accumulate, seq_len=seq_len, seed=7)
     strategy = "fpdt" if strategy_name else FPDTStrategy(sequence_parallel_size=sp, data_parallel_size=dp, chunks=chunks,
-                                                         **(strategy_kwargs or {}))
+                                                         **strategy_options)
     trainer = L.Trainer(strategy=strategy, devices=world, max_steps=steps, accumulate_grad_batches=accumulate,
                         callbacks=callbacks or [], **trainer_kwargs())
     module = LitLM(kind, seed, lr)
@@ -35,13 +35,13 @@ def train_and_compare(kind: str, dp: int, sp: int, chunks: int, accumulate: int,
     ref_params, ref_losses = reference_training(kind, seed=seed, lr=lr, steps=steps, accumulate=accumulate, dp=dp,
                                                 dataset=dataset, batch_size=batch_size)
     dp_rank = trainer.strategy.device_mesh["data_parallel"].get_local_rank()
-    case = f"{kind} dp={dp} sp={sp} chunks={chunks} accumulate={accumulate} S={seq_len} {strategy_kwargs or ''}"
+    case = f"{kind} dp={dp} sp={sp} chunks={chunks} accumulate={accumulate} S={seq_len}"
     torch.testing.assert_close(torch.tensor(module.losses), torch.tensor(ref_losses[dp_rank]), **TOL,
                                msg=lambda m: f"{case} losses {module.losses} vs {ref_losses[dp_rank]}: {m}")
     params = full_state(module)
     for name, ref in ref_params.items():
         torch.testing.assert_close(params["model." + name], ref, **TOL, msg=lambda m: f"{case} {name}: {m}")
-    return module
+    return trainer
 
 
 def run_cases(cases: list[dict]) -> None:

@@ -181,18 +181,18 @@ class FPDTStrategy(ModelParallelStrategy):
         self._watchdog.start()
         assert self.lightning_module is not None
         heads = attention_heads(self.lightning_module)
-        split_heads = heads  # what Ulysses splits over the ranks: all heads, or one head group's
         if heads is not None and self._head_chunks > 1:
             # each head group is split over the ranks: "auto" picks, and check_heads checks, per group
             sp = self._sequence_parallel_size
             check_head_groups(*heads, self._head_chunks, sp if isinstance(sp, int) else 1)
-            split_heads = (heads[0] // self._head_chunks, heads[1] // self._head_chunks)
+            rank_zero_info(f"fpdt: {heads[0]} query / {heads[1]} kv heads in {self._head_chunks} head groups")
+            heads = (heads[0] // self._head_chunks, heads[1] // self._head_chunks)
         dp, sp = resolve_sizes(
             world_size=self.world_size,
             devices_per_node=self.num_processes,
             data_parallel_size=self._data_parallel_size,
             sequence_parallel_size=self._sequence_parallel_size,
-            heads=split_heads,
+            heads=heads,
         )
         self._data_parallel_size, self._sequence_parallel_size = dp, sp
         warn_if_sequence_groups_span_hosts(
@@ -200,8 +200,7 @@ class FPDTStrategy(ModelParallelStrategy):
         )
         self._device_mesh = build_mesh(self.root_device.type, dp, sp)
         self.lightning_module._device_mesh = self._device_mesh
-        rank_zero_info(f"fpdt: mesh {dict(zip(MESH_AXES, (dp, sp)))}, heads {heads}"
-                       + (f" in {self._head_chunks} head groups" if self._head_chunks > 1 else ""))
+        rank_zero_info(f"fpdt: mesh {dict(zip(MESH_AXES, (dp, sp)))}, heads {heads}")
 
     # ---- model ----------------------------------------------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -215,7 +214,8 @@ class FPDTStrategy(ModelParallelStrategy):
                 group=self.sequence_parallel_group,
                 attention=FPDTAttention(
                     group=self.sequence_parallel_group, num_chunks=1, backend=self._attention_backend,
-                    offload=self._offload is True, offload_dq=self._offload_dq is True, head_chunks=self._head_chunks,
+                    offload=self._offload is True, offload_dq=self._offload_dq is True,
+                    head_chunks=self._head_chunks,
                 ),
             )
         self.model = self.precision_plugin.convert_module(self.model)

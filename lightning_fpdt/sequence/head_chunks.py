@@ -359,6 +359,9 @@ def install_head_groups(module: nn.Module, attention: FPDTAttention) -> HeadGrou
             f"(nn.Linear) and head_dim, as Llama, Qwen2, Qwen3 and Mistral have; {type(module).__name__} has not: "
             f"set head_chunks=1"
         )
+    if isinstance(attention.group, tuple):  # (ulysses_group, ring_group): the ring hybrid of sequence/ring.py
+        raise ValueError(f"head_chunks={attention.head_chunks} is not composed with a ring (ring_size > 1) yet: "
+                         f"set head_chunks=1 or ring_size=1")
     q_proj, k_proj = projections[:2]
     layout = _Layout(num_heads=q_proj.out_features // head_dim, num_kv_heads=k_proj.out_features // head_dim,
                      head_dim=head_dim, num_groups=attention.head_chunks)

@@ -207,6 +207,27 @@ def test_head_group_validation_names_the_fix():
         install_reference_llama(model, SequenceParallelContext(group=None, attention=FPDTAttention(head_chunks=8)))
 
 
+def test_hf_grouped_forward_refuses_what_it_cannot_compute():
+    """A mask, a sliding window (Mistral's config) and attention dropout in training are refused by name."""
+    import transformers
+
+    model = _hf_model("mistral", seed=13)
+    install_hf_model(model, SequenceParallelContext(group=None, attention=FPDTAttention(head_chunks=2)))
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(1, 4, 48, dtype=torch.float64)
+    cos_sin = model.model.rotary_emb(x, torch.arange(4).unsqueeze(0))
+    with pytest.raises(ValueError, match="takes no attention mask"):
+        attn(hidden_states=x, position_embeddings=cos_sin, attention_mask=torch.zeros(1, 1, 4, 4))
+    attn.config.sliding_window = 4096
+    with pytest.raises(ValueError, match="sliding-window attention is not supported"):
+        attn(hidden_states=x, position_embeddings=cos_sin, attention_mask=None)
+    attn.config.sliding_window = None
+    attn.attention_dropout = 0.1
+    with pytest.raises(ValueError, match=r"attention dropout \(0.1\) is not supported"):
+        attn.train()(hidden_states=x, position_embeddings=cos_sin, attention_mask=None)
+    assert isinstance(attn, transformers.models.mistral.modeling_mistral.MistralAttention)
+
+
 def test_plain_sdpa_module_is_refused_with_head_chunks():
     """A module calling SDPA itself cannot be head-grouped: ValueError naming head_chunks=1."""
     from tests.dist.training import PlainLM

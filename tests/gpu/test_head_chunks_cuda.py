@@ -31,7 +31,8 @@ def _step(layer, x, grad_out, position_ids, attention_only: bool):
     layer.zero_grad(set_to_none=True)
     y = layer.self_attn(layer.input_layernorm(x), position_ids) if attention_only else layer(x, position_ids)
     y.backward(grad_out)
-    return y.detach().float(), x.grad.float(), {n: p.grad.float() for n, p in layer.named_parameters()}
+    return y.detach().float(), x.grad.float(), {n: p.grad.float() for n, p in layer.named_parameters()
+                                                if p.grad is not None}
 
 
 @pytest.mark.parametrize("checkpoint", [False, True])

@@ -22,12 +22,12 @@ TOL = dict(rtol=1e-10, atol=1e-10)
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 24, 8, 4, 4  # H·D = 32 != hidden: a slice along the wrong dimension fails
 
 
-def _module(family: str, seed: int) -> tuple[torch.nn.Module, object]:
-    """A fp64 attention module with random weights (biases and norms too) and a ``rope(positions)`` for its call."""
+def _module(family: str, seed: int, heads: tuple[int, int] = (HEADS, KV_HEADS)) -> tuple[torch.nn.Module, object]:
+    """A fp64 attention module with random weights (biases and norms too) and its rotary embedding (HF), if any."""
     torch.manual_seed(seed)
     if family == "reference":
-        config = LlamaConfig(vocab_size=8, hidden_size=HIDDEN, intermediate_size=8, num_layers=1, num_heads=HEADS,
-                             num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+        config = LlamaConfig(vocab_size=8, hidden_size=HIDDEN, intermediate_size=8, num_layers=1, num_heads=heads[0],
+                             num_kv_heads=heads[1], head_dim=HEAD_DIM)
         return LlamaAttention(config).double(), None
     import transformers
 
@@ -58,10 +58,11 @@ def _call(family: str, module: torch.nn.Module, rotary, x: torch.Tensor, positio
     return module(hidden_states=x, position_embeddings=cos_sin, attention_mask=None)[0]
 
 
-def _check_layer(family: str, seq_len: int, num_chunks: int, head_chunks: int, offload: bool, seed: int) -> None:
+def _check_layer(family: str, seq_len: int, num_chunks: int, head_chunks: int, offload: bool, seed: int,
+                 heads: tuple[int, int] = (HEADS, KV_HEADS)) -> None:
     """Every rank: the reference on the whole sequence, the grouped module on its shard; compare y and all grads."""
     sp_size, rank = group_size(None), group_rank(None)
-    reference, rotary = _module(family, seed)
+    reference, rotary = _module(family, seed, heads)
     grouped = copy.deepcopy(reference)
     install_head_groups(grouped, FPDTAttention(group=None, num_chunks=num_chunks, backend="math", offload=offload,
                                                head_chunks=head_chunks))
@@ -85,7 +86,7 @@ def _check_layer(family: str, seq_len: int, num_chunks: int, head_chunks: int, o
     params = list(grouped.parameters())
     grads = torch.autograd.grad(y_local, [x_local, *params], grad_local)
 
-    case = f"{family} S={seq_len} P={sp_size} u={num_chunks} G={head_chunks} offload={offload}"
+    case = f"{family} heads={heads} S={seq_len} P={sp_size} u={num_chunks} G={head_chunks} offload={offload}"
     y_full = layout.gather(y_local.detach(), None)
     assert y_full.shape[1] == padded
     torch.testing.assert_close(y_full[:, :seq_len], y_ref.detach(), **TOL, msg=lambda m: f"{case} y: {m}")
@@ -128,6 +129,15 @@ def test_head_groups_single_process():
 def test_head_groups_match_single_process(dist_pool, sp_size):
     """P = 2 (G = 1, 2, 4) and 4 (G = 1, 2; kv replicated), u = 1, 2, offload, reference and HF Llama/Qwen3."""
     dist_pool(sp_size).run(run_layer_cases, cases=_layer_cases(sp_size))
+
+
+def test_head_groups_three_processes(dist_pool):
+    """P = 3 (12 query / 6 kv heads, G = 2: 6 query and 3 kv heads per group, scattered), u = 1, 2, padded length:
+    catches layout slips that powers of two hide."""
+    dist_pool(3).run(run_layer_cases, cases=[
+        dict(family="reference", seq_len=3 * num_chunks * 3 + 1, num_chunks=num_chunks, head_chunks=2, offload=True,
+             seed=60 + num_chunks, heads=(12, 6)) for num_chunks in (1, 2)
+    ])
 
 
 # ---- training through the strategy ---------------------------------------------------------------------------------

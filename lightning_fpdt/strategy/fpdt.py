@@ -416,6 +416,7 @@ class FPDTStrategy(ModelParallelStrategy):
             offload_dq=self.offload_dq_for(seq_len, batch_size, offload),
             activation_offload=any(cb.stashes.offload for cb in checkpoints),
             activation_checkpointing=bool(checkpoints),
+            recompute_attention=any(cb.recompute_attention for cb in checkpoints),
             tiled_mlp=any(isinstance(cb, TiledMLP) for cb in callbacks),
             tiled_loss=any(isinstance(cb, TiledLoss) for cb in callbacks),
             precision=self.precision_plugin.precision, cpu_offload_params=self._cpu_offload_params,

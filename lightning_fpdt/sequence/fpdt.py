@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fpdt.sequence.all_to_all import group_rank, group_size, head_to_seq, seq_to_head
+from lightning_fpdt.sequence.documents import BlockPlan, DocumentBoundaries, Segment
 from lightning_fpdt.sequence.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.kernels import BlockKernel, accumulation_dtype, check_backend_name, make_kernel
 from lightning_fpdt.sequence.layout import SequenceLayout
@@ -76,6 +77,81 @@ class _Plan:
     kernel: BlockKernel
     scale: float
     kv_repeat: int  # replication of each kv head before the all-to-all (GQA with P > Hkv)
+    documents: Optional[DocumentBoundaries] = None  # packed documents: per-document causal masking
+
+
+def _block_plans(plan: _Plan, q_chunk: int, kv_chunk: int, chunk_len: int) -> Optional[list[BlockPlan]]:
+    """The per-document kernel calls of block ``(q_chunk, kv_chunk)``; ``None``: one plain call (no documents, or
+    one document covering the whole block for every batch item); ``[]``: skip the block."""
+    if plan.documents is None:
+        return None
+    q_range = (q_chunk * chunk_len, (q_chunk + 1) * chunk_len)
+    kv_range = (kv_chunk * chunk_len, (kv_chunk + 1) * chunk_len)
+    block_plans = plan.documents.block_plans(q_range, kv_range)
+    whole_block = (Segment(0, chunk_len, 0, chunk_len, causal=q_chunk == kv_chunk),)
+    if block_plans == [BlockPlan(0, plan.documents.batch_size, whole_block)]:
+        return None  # the whole block lies in one document for every item
+    return block_plans
+
+
+def _block_forward(
+    plan: _Plan, q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
+    out: Optional[Tensor], lse: Optional[Tensor],
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """Attend q chunk ``q_chunk`` (B, H/P, C, D) to kv chunk ``kv_chunk`` and merge into the running ``(out, lse)``.
+
+    One kernel call, or (packed documents) one per document segment merged into its q rows; rows a block gives no
+    key keep ``lse = -inf``, ``out = 0`` until a later block does (every row has its own diagonal block).
+    """
+    causal = q_chunk == kv_chunk
+    block_plans = _block_plans(plan, q_chunk, kv_chunk, q.shape[2])
+    if block_plans is None:
+        block_out, block_lse = plan.kernel.forward(q, k, v, causal=causal, scale=plan.scale)
+        return merge_partial(out, lse, block_out, block_lse)
+    if out is None and block_plans:
+        acc = accumulation_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H/P, C, D)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)  # (B, H/P, C)
+    for items in block_plans:
+        b = slice(items.batch_start, items.batch_end)
+        for seg in items.segments:
+            rows, keys = slice(seg.q_start, seg.q_end), slice(seg.k_start, seg.k_end)
+            seg_out, seg_lse = plan.kernel.forward(
+                q[b, :, rows], k[b, :, keys], v[b, :, keys], causal=seg.causal, scale=plan.scale
+            )
+            out[b, :, rows], lse[b, :, rows] = merge_partial(out[b, :, rows], lse[b, :, rows], seg_out, seg_lse)
+    return out, lse
+
+
+def _block_backward(
+    plan: _Plan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
+) -> Optional[tuple[Tensor, Tensor, Tensor]]:
+    """``(dq, dk, dv)`` of block ``(q_chunk, kv_chunk)`` given the final ``out, lse``; ``None`` for a skipped block.
+
+    Packed documents: each segment's gradients go to its q rows and key rows (fp32 sums; a key row can serve
+    several segments only within one document, never across).
+    """
+    causal = q_chunk == kv_chunk
+    block_plans = _block_plans(plan, q_chunk, kv_chunk, q.shape[2])
+    if block_plans is None:
+        return plan.kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=plan.scale)
+    if not block_plans:
+        return None
+    acc = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H/P, C, D)
+    dk, dv = (torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2))  # (B, Hkv/P, C, D)
+    for items in block_plans:
+        b = slice(items.batch_start, items.batch_end)
+        for seg in items.segments:
+            rows, keys = slice(seg.q_start, seg.q_end), slice(seg.k_start, seg.k_end)
+            seg_dq, seg_dk, seg_dv = plan.kernel.backward(
+                dout[b, :, rows], q[b, :, rows], k[b, :, keys], v[b, :, keys], out[b, :, rows], lse[b, :, rows],
+                causal=seg.causal, scale=plan.scale,
+            )
+            dq[b, :, rows] += seg_dq
+            dk[b, :, keys] += seg_dk
+            dv[b, :, keys] += seg_dv
+    return dq, dk, dv
 
 
 def _chunk(plan: _Plan, x: Tensor, index: int) -> Tensor:
@@ -112,8 +188,7 @@ def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan, stash: ChunkStash
                 stash.prefetch(("v", j + 1))
             k_j = k_heads if j == i else stash.get(("k", j))
             v_j = v_heads if j == i else stash.get(("v", j))
-            block_out, block_lse = plan.kernel.forward(q_heads, k_j, v_j, causal=(j == i), scale=plan.scale)
-            out_acc, lse_acc = merge_partial(out_acc, lse_acc, block_out, block_lse)
+            out_acc, lse_acc = _block_forward(plan, q_heads, k_j, v_j, i, j, out_acc, lse_acc)
             if j < i:
                 stash.release(("k", j))
                 stash.release(("v", j))
@@ -174,9 +249,14 @@ def fpdt_backward(
                 if ("dq", i + 1) in dq_store:
                     dq_store.prefetch(("dq", i + 1))
             q_i, out_i, lse_i, dout_i = (stash.get((name, i)) for name in Q_SIDE)
-            dq, dk, dv = plan.kernel.backward(dout_i, q_i, k_j, v_j, out_i, lse_i, causal=(i == j), scale=plan.scale)
+            grads = _block_backward(plan, dout_i, q_i, k_j, v_j, out_i, lse_i, i, j)
             for name in Q_SIDE:
                 stash.release((name, i))
+            if grads is None:  # packed documents: no query of chunk i reads kv chunk j
+                if ("dq", i) in dq_store:
+                    dq_store.release(("dq", i))  # undo the prefetch
+                continue
+            dq, dk, dv = grads
             if ("dq", i) in dq_store:
                 dq = dq_store.get(("dq", i)).add_(dq)
                 dq_store.release(("dq", i))
@@ -256,6 +336,7 @@ def fpdt_attention(
     num_chunks: int = 1,
     backend: str = "auto",
     stashes: Optional[StashFactory] = None,
+    documents: Optional[DocumentBoundaries] = None,
 ) -> Tensor:
     """Exact causal attention of a sequence-sharded batch over the sequence-parallel ``group``.
 
@@ -268,11 +349,14 @@ def fpdt_attention(
         num_chunks: FPDT chunks per rank ``u``; ``1`` is Ulysses.
         backend: block kernel, one of ``"auto"``, ``"math"``, ``"flash"``, ``"cudnn"``.
         stashes: where chunks wait for the backward (:class:`StashFactory`; default: device memory).
+        documents: packed documents of the *global* (padded) sequences (:class:`DocumentBoundaries`): a token
+            attends only to earlier tokens of its own document; ``None``: one document per sequence.
 
     Returns:
         ``(B, S/P, H, D)``, this rank's tokens of the attention output.
     """
-    plan = _make_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks, backend=backend)
+    plan = _make_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
+                      backend=backend, documents=documents)
     # decided here: inside Function.forward grad mode is always off
     save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
     return _FPDTAttentionFunction.apply(query, key, value, plan, stashes or StashFactory(), save)
@@ -280,7 +364,7 @@ def fpdt_attention(
 
 def _make_plan(
     query: Tensor, key: Tensor, value: Tensor, *, causal: bool, scale: Optional[float],
-    group: Optional[dist.ProcessGroup], num_chunks: int, backend: str,
+    group: Optional[dist.ProcessGroup], num_chunks: int, backend: str, documents: Optional[DocumentBoundaries] = None,
 ) -> _Plan:
     """Validate the call (ValueErrors name the fix) and fix what the loops need."""
     if not causal:
@@ -306,12 +390,20 @@ def _make_plan(
             f"local sequence length {query.shape[1]} is not divisible by num_chunks ({num_chunks}): pad the global "
             f"sequence to a multiple of sequence_parallel_size * num_chunks = {layout.num_pieces}"
         )
+    if documents is not None and (documents.batch_size, documents.seq_len) != (query.shape[0], query.shape[1] * sp_size):
+        raise ValueError(
+            f"documents describe {documents.batch_size} sequences of {documents.seq_len} tokens, but the attention "
+            f"got {query.shape[0]} sequences of {query.shape[1]} local tokens × {sp_size} ranks = "
+            f"{query.shape[1] * sp_size}: build them from the global batch padded like it "
+            f"(DocumentBoundaries.from_document_ids(ids).padded(layout.padded_length(S)))"
+        )
     return _Plan(
         group=group,
         layout=layout,
         kernel=make_kernel(backend, query.device, query.dtype),
         scale=query.shape[-1] ** -0.5 if scale is None else scale,
         kv_repeat=kv_repeat,
+        documents=documents,
     )
 
 
@@ -358,6 +450,8 @@ class FPDTAttention:
         """Set by a checkpoint around a block's first forward: keep what the recompute will need."""
         self.kernel_calls = 0
         """Attention computations run (a recompute served from the first forward does not count)."""
+        self.documents: Optional[DocumentBoundaries] = None
+        """Packed documents of the current batch (set per batch by the strategy); ``None``: plain causal."""
 
     @property
     def offload(self) -> bool:
@@ -369,7 +463,7 @@ class FPDTAttention:
 
     def plan(self, query: Tensor, key: Tensor, value: Tensor, causal: bool, scale: Optional[float]) -> _Plan:
         return _make_plan(query, key, value, causal=causal, scale=scale, group=self.group,
-                          num_chunks=self.num_chunks, backend=self.backend)
+                          num_chunks=self.num_chunks, backend=self.backend, documents=self.documents)
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, causal: bool = True, scale: Optional[float] = None) -> Tensor:
         self.kernel_calls += 1
@@ -392,8 +486,16 @@ class LayerAttention:
         self._first_pass: Optional[_FirstPass] = None
         self._kept_out: Optional[ChunkStash] = None  # the first pass's output, on the host when offloading
 
-    def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, causal: bool = True, scale: Optional[float] = None) -> Tensor:
+    def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, causal: bool = True, scale: Optional[float] = None,
+                 document_ids: Optional[Tensor] = None) -> Tensor:
         shared = self.shared
+        if document_ids is not None and shared.documents is None:
+            # the model masks documents single-process; here the boundaries must come from the global batch
+            raise ValueError(
+                "the model passes document_ids to its attention, but the fpdt strategy found neither 'document_ids' "
+                "nor position_ids restarting at 0 in the batch: put them in the dict the dataloader returns (e.g. "
+                "PackedTokenDataset(document_ids=True)), so the strategy sees every document of the global sequence"
+            )
         if self._first_pass is not None and _in_backward():
             return self._replay(query, key, value)
         if not shared.recording:

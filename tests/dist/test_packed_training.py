@@ -10,6 +10,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import lightning_fpdt  # noqa: F401  (registers "fpdt")
 from lightning_fpdt import FPDTStrategy
+from lightning_fpdt.callbacks.activation_offload import ActivationOffload
+from lightning_fpdt.callbacks.tiled_loss import TiledLoss
+from lightning_fpdt.callbacks.tiled_mlp import TiledMLP
 from tests.dist.training import VOCAB, build_model, full_state, trainer_kwargs
 
 # fp32, as in test_strategy_parity: the parallel run sums the same products in another order (~1e-7 relative per
@@ -100,19 +103,24 @@ def separate_documents_training(kind: str, dataset: PackedDataset, *, seed: int,
 
 
 def train_packed_and_compare(kind: str, sp: int, chunks: int, seq_len: int, fields: tuple[str, ...],
-                             steps: int = 2, batch_size: int = 2, mask_starts: bool = True) -> None:
+                             steps: int = 2, batch_size: int = 2, mask_starts: bool = True,
+                             memory_callbacks: bool = False) -> None:
     seed, lr = 4321, 0.5
     dataset = PackedDataset(num_samples=batch_size * steps, seq_len=seq_len, seed=11, fields=fields,
                             mask_starts=mask_starts)
     strategy = FPDTStrategy(sequence_parallel_size=sp, data_parallel_size=1, chunks=chunks)
-    trainer = L.Trainer(strategy=strategy, devices=dist.get_world_size(), max_steps=steps, **trainer_kwargs())
+    # ActivationOffload's first pass keeps the attention's plan (documents included) for the recompute
+    callbacks = [ActivationOffload(), TiledLoss(num_tiles=3), TiledMLP(num_tiles=3)] if memory_callbacks else []
+    trainer = L.Trainer(strategy=strategy, devices=dist.get_world_size(), max_steps=steps, callbacks=callbacks,
+                        **trainer_kwargs())
     module = LitPacked(kind, seed, lr)
     trainer.fit(module, DataLoader(dataset, batch_size=batch_size, shuffle=False))
     assert trainer.strategy._context.attention.documents is not None, "the packed batch did not turn masking on"
 
     ref_params, ref_losses = separate_documents_training(kind, dataset, seed=seed, lr=lr, steps=steps,
                                                          batch_size=batch_size)
-    case = f"{kind} sp={sp} chunks={chunks} S={seq_len} fields={fields} mask_starts={mask_starts}"
+    case = f"{kind} sp={sp} chunks={chunks} S={seq_len} fields={fields} mask_starts={mask_starts} " \
+           f"memory_callbacks={memory_callbacks}"
     torch.testing.assert_close(torch.tensor(module.losses), torch.tensor(ref_losses), **TOL,
                                msg=lambda m: f"{case} losses {module.losses} vs {ref_losses}: {m}")
     params = full_state(module)
@@ -136,7 +144,9 @@ def test_packed_training_two_processes(dist_pool):
 
 
 def test_packed_training_four_processes(dist_pool):
-    """sp=4 (kv heads replicated), chunks 2: documents crossing rank and chunk edges, both id sources."""
+    """sp=4 (kv heads replicated), chunks 2: documents crossing rank and chunk edges, both id sources; with
+    ActivationOffload + TiledMLP + TiledLoss (no attention recompute: the recompute reuses the packed result)."""
     dist_pool(4).run(run_cases, cases=[
         dict(kind="llama", sp=4, chunks=2, seq_len=22, fields=("document_ids", "position_ids")),
+        dict(kind="llama", sp=4, chunks=2, seq_len=22, fields=("document_ids",), memory_callbacks=True),
     ])

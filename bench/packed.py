@@ -82,7 +82,7 @@ def run_case(seq_len: int, doc_len: int, args, rank: int, world: int) -> dict:
     flops = 3.5 * 2 * args.heads * sum(n * n / 2 for n in lengths) * args.head_dim  # useful causal flops
     return dict(card=torch.cuda.get_device_name(), gpus=world, seq_len=seq_len, chunks=num_chunks,
                 doc_len=doc_len, documents=len(lengths), backend=args.backend, step_s=step,
-                kernel_calls=kernels[-1].calls // 1, useful_tflops_per_gpu=flops / step / world / 1e12)
+                kernel_calls=kernels[-1].calls, useful_tflops_per_gpu=flops / step / world / 1e12)
 
 
 def main() -> None:

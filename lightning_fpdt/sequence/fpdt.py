@@ -5,6 +5,9 @@ all-to-all'd into the contiguous global range ``[i·C, (i+1)·C)`` for ``H/P`` h
 ``j <= i`` block by block and merged with the log-sum-exp, then all-to-all'd back. Only the chunks of one step are
 materialised at full precision at once; the rest sits in a :class:`ChunkStash`. ``u = 1`` is Ulysses.
 
+Packed documents (:class:`~lightning_fpdt.sequence.documents.DocumentBoundaries`): each block is skipped, computed
+whole, or cut into per-document segments (:func:`_block_forward`, :func:`_block_backward`); the loops are unchanged.
+
 Three layers, as in the rest of ``sequence/``: the loops (:func:`fpdt_forward`, :func:`fpdt_backward`), a thin
 ``autograd.Function`` that only handles ``ctx``, and the public :func:`fpdt_attention` / :class:`FPDTAttention`.
 """
@@ -295,7 +298,8 @@ class _FPDTAttentionFunction(torch.autograd.Function):
     | stash ("dout"/"out", i) | (B, H/P, C, D) | heads | backward only: all-to-all'd once, read by every kv step |
     | partial dQ ("dq", i) | (B, H/P, C, D) fp32 | heads | backward only: device or host by the memory budget |
 
-    Nothing is recomputed in backward: the block backward runs on the stashed chunks.
+    Nothing is recomputed in backward: the block backward runs on the stashed chunks (with packed documents, on the
+    same per-document segments as the forward; the plan holds the boundaries).
     """
 
     @staticmethod

@@ -3,6 +3,7 @@ sequence as one document, and the block kernel calls each makes.
 
 One GPU:   python bench/packed.py --seq-lens 32768,131072 --doc-lens 2048,8192 --chunk-tokens 32768
 Several:   torchrun --nproc_per_node 4 bench/packed.py --seq-lens 262144 --doc-lens 8192 --chunk-tokens 65536
+Per-segment calls instead of one varlen flash call per block: add --no-varlen.
 
 Geometry defaults to Llama-3-8B attention (32 heads, 8 kv heads, head dim 128), bf16. Documents have random lengths,
 uniform in [1, 2·doc_len) (mean doc_len), the same on every rank. "useful" TFLOP/s counts only the attention the
@@ -61,9 +62,11 @@ def run_case(seq_len: int, doc_len: int, args, rank: int, world: int) -> dict:
     dout = torch.randn(shape_q, device=device, dtype=torch.bfloat16, generator=gen)
     group = dist.group.WORLD if world > 1 else None
     documents = random_documents(seq_len, doc_len, seed=0) if doc_len else None
-    kernels = []
-    original = fpdt_module.make_kernel
+    kernels, varlens = [], []
+    original, original_varlen = fpdt_module.make_kernel, fpdt_module.varlen_kernel_for
     fpdt_module.make_kernel = lambda *a: kernels.append(counting(original(*a))) or kernels[-1]
+    fpdt_module.varlen_kernel_for = lambda *a: varlens.append(
+        None if original_varlen(*a) is None else counting(original_varlen(*a))) or varlens[-1]
     times = []
     try:
         for _ in range(args.repeats + 1):  # the first is a warm-up
@@ -75,14 +78,14 @@ def run_case(seq_len: int, doc_len: int, args, rank: int, world: int) -> dict:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
     finally:
-        fpdt_module.make_kernel = original
+        fpdt_module.make_kernel, fpdt_module.varlen_kernel_for = original, original_varlen
     step = sorted(times[1:])[len(times[1:]) // 2]
     lengths = ([b - a for a, b in zip(documents.starts[0], documents.starts[0][1:] + (seq_len,))]
                if documents else [seq_len])
     flops = 3.5 * 2 * args.heads * sum(n * n / 2 for n in lengths) * args.head_dim  # useful causal flops
     return dict(card=torch.cuda.get_device_name(), gpus=world, seq_len=seq_len, chunks=num_chunks,
-                doc_len=doc_len, documents=len(lengths), backend=args.backend, step_s=step,
-                kernel_calls=kernels[-1].calls, useful_tflops_per_gpu=flops / step / world / 1e12)
+                doc_len=doc_len, documents=len(lengths), backend=args.backend, varlen=not args.no_varlen, step_s=step,
+                kernel_calls=kernels[-1].calls + (varlens[-1].calls if varlens and varlens[-1] else 0), useful_tflops_per_gpu=flops / step / world / 1e12)
 
 
 def main() -> None:
@@ -95,8 +98,11 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-varlen", action="store_true", help="one kernel call per document segment")
     parser.add_argument("--out", default="packed.jsonl")
     args = parser.parse_args()
+    if args.no_varlen:
+        fpdt_module.varlen_kernel_for = lambda *a: None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("nccl")

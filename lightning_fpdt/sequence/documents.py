@@ -19,7 +19,7 @@ the layout appends is a document of its own, so no real token ever attends a pad
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -91,6 +91,31 @@ def has_position_resets(position_ids: Tensor) -> bool:
 
 
 @dataclass(frozen=True)
+class PackedRows:
+    """A block's segments as one packed (varlen) call: which ``(batch item, row)`` each packed q and key token is,
+    and the cumulative segment lengths. Tensors on the attention's device."""
+
+    q_items: Tensor  # (Nq,) batch item of each packed query
+    q_rows: Tensor  # (Nq,) its row in the q chunk
+    k_items: Tensor  # (Nk,)
+    k_rows: Tensor  # (Nk,)
+    cum_q: Tensor  # (num_segments + 1,) int32
+    cum_k: Tensor  # (num_segments + 1,) int32
+    max_q: int
+    max_k: int
+    causal: bool
+
+
+def _packed_indices(items: list[int], starts: list[int], lengths: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    # segment s covers rows starts[s] … starts[s] + lengths[s] - 1 of batch item items[s], packed back to back
+    lengths_t = torch.tensor(lengths)
+    offsets = torch.cumsum(lengths_t, 0) - lengths_t  # where each segment begins in the packed order
+    rows = torch.arange(int(lengths_t.sum())) + (torch.tensor(starts) - offsets).repeat_interleave(lengths_t)
+    cum = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(lengths_t, 0).to(torch.int32)])
+    return torch.tensor(items).repeat_interleave(lengths_t), rows, cum
+
+
+@dataclass(frozen=True)
 class DocumentBoundaries:
     """Document start offsets of every sequence of a batch, in global token offsets of the (padded) sequence.
 
@@ -102,6 +127,8 @@ class DocumentBoundaries:
     """Per sequence of the batch: ascending start offsets, the first 0."""
     seq_len: int
     """The global sequence length these offsets describe."""
+    _packed_rows: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    """Cache of :meth:`packed_rows` (every layer of a batch asks for the same blocks)."""
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or not self.starts:
@@ -183,6 +210,25 @@ class DocumentBoundaries:
             else:
                 plans.append(BlockPlan(b, b + 1, segments))
         return [plan for plan in plans if plan.segments]
+
+    def packed_rows(self, q_range: tuple[int, int], kv_range: tuple[int, int], device: torch.device) -> PackedRows:
+        """The segments of :meth:`block_plans` as one varlen call over the whole batch (built once per block)."""
+        key = (q_range, kv_range, str(device))
+        if key not in self._packed_rows:
+            q_items, q_starts, q_lengths, k_items, k_starts, k_lengths = [], [], [], [], [], []
+            for plan in self.block_plans(q_range, kv_range):
+                for b in range(plan.batch_start, plan.batch_end):
+                    for seg in plan.segments:
+                        q_items.append(b), q_starts.append(seg.q_start), q_lengths.append(seg.q_end - seg.q_start)
+                        k_items.append(b), k_starts.append(seg.k_start), k_lengths.append(seg.k_end - seg.k_start)
+            assert q_items, "a skipped block has no packed rows"
+            q_b, q_r, cum_q = _packed_indices(q_items, q_starts, q_lengths)
+            k_b, k_r, cum_k = _packed_indices(k_items, k_starts, k_lengths)
+            self._packed_rows[key] = PackedRows(
+                *(x.to(device) for x in (q_b, q_r, k_b, k_r, cum_q, cum_k)), max(q_lengths), max(k_lengths),
+                causal=q_range == kv_range,
+            )
+        return self._packed_rows[key]
 
     def __repr__(self) -> str:
         shown = [row if len(row) <= 8 else row[:8] + ("…",) for row in self.starts[:4]]

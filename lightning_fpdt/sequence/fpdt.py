@@ -24,7 +24,13 @@ from torch import Tensor
 from lightning_fpdt.sequence.all_to_all import group_rank, group_size, head_to_seq, seq_to_head
 from lightning_fpdt.sequence.documents import BlockPlan, DocumentBoundaries, Segment
 from lightning_fpdt.sequence.host_stash import ChunkStash, StashFactory
-from lightning_fpdt.sequence.kernels import BlockKernel, accumulation_dtype, check_backend_name, make_kernel
+from lightning_fpdt.sequence.kernels import (
+    BlockKernel,
+    VarlenFlashKernel,
+    accumulation_dtype,
+    check_backend_name,
+    make_kernel,
+)
 from lightning_fpdt.sequence.layout import SequenceLayout
 
 
@@ -81,6 +87,7 @@ class _Plan:
     scale: float
     kv_repeat: int  # replication of each kv head before the all-to-all (GQA with P > Hkv)
     documents: Optional[DocumentBoundaries] = None  # packed documents: per-document causal masking
+    varlen: Optional[VarlenFlashKernel] = None  # packed documents on CUDA: a block's segments in one call
 
 
 def _block_plans(plan: _Plan, q_chunk: int, kv_chunk: int, chunk_len: int) -> Optional[list[BlockPlan]]:
@@ -111,6 +118,8 @@ def _block_forward(
     if block_plans is None:
         block_out, block_lse = plan.kernel.forward(q, k, v, causal=causal, scale=plan.scale)
         return merge_partial(out, lse, block_out, block_lse)
+    if block_plans and plan.varlen is not None:
+        return _varlen_block_forward(plan, q, k, v, q_chunk, kv_chunk, out, lse)
     if out is None and block_plans:
         acc = accumulation_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H/P, C, D)
@@ -140,6 +149,8 @@ def _block_backward(
         return plan.kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=plan.scale)
     if not block_plans:
         return None
+    if plan.varlen is not None:
+        return _varlen_block_backward(plan, dout, q, k, v, out, lse, q_chunk, kv_chunk)
     acc = accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H/P, C, D)
     dk, dv = (torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2))  # (B, Hkv/P, C, D)
@@ -159,6 +170,52 @@ def _block_backward(
 
 def _chunk(plan: _Plan, x: Tensor, index: int) -> Tensor:
     return plan.layout.local_chunk(x, index, dim=1)
+
+
+def _packed_rows(plan: _Plan, q: Tensor, q_chunk: int, kv_chunk: int):
+    chunk_len = q.shape[2]
+    return plan.documents.packed_rows((q_chunk * chunk_len, (q_chunk + 1) * chunk_len),
+                                      (kv_chunk * chunk_len, (kv_chunk + 1) * chunk_len), q.device)
+
+
+def _varlen_block_forward(
+    plan: _Plan, q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
+    out: Optional[Tensor], lse: Optional[Tensor],
+) -> tuple[Tensor, Tensor]:
+    """All segments of a block, over the whole batch, in one varlen call; rows without a segment get no key."""
+    rows = _packed_rows(plan, q, q_chunk, kv_chunk)
+    # (B, h, C, D) -transpose-> (B, C, h, D) -gather segments' tokens-> (N, h, D)
+    q_packed = q.transpose(1, 2)[rows.q_items, rows.q_rows]
+    k_packed, v_packed = (x.transpose(1, 2)[rows.k_items, rows.k_rows] for x in (k, v))
+    seg_out, seg_lse = plan.varlen.forward(q_packed, k_packed, v_packed, rows.cum_q, rows.cum_k, rows.max_q,
+                                           rows.max_k, causal=rows.causal, scale=plan.scale)  # (N, h, D), (h, N)
+    block_out = torch.zeros_like(q)  # (B, h, C, D)
+    block_lse = torch.full(q.shape[:3], float("-inf"), dtype=seg_lse.dtype, device=q.device)  # (B, h, C)
+    block_out.transpose(1, 2)[rows.q_items, rows.q_rows] = seg_out  # written through the view
+    block_lse.transpose(1, 2)[rows.q_items, rows.q_rows] = seg_lse.t()
+    return merge_partial(out, lse, block_out, block_lse)
+
+
+def _varlen_block_backward(
+    plan: _Plan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of :func:`_varlen_block_forward` with the final ``out, lse``; zero where no segment reaches."""
+    rows = _packed_rows(plan, q, q_chunk, kv_chunk)
+    q_side = [x.transpose(1, 2)[rows.q_items, rows.q_rows] for x in (dout, q, out)]  # (N, h, D) each
+    lse_packed = lse.transpose(1, 2)[rows.q_items, rows.q_rows].t().contiguous()  # (B, h, C) -> (h, N)
+    k_packed, v_packed = (x.transpose(1, 2)[rows.k_items, rows.k_rows] for x in (k, v))
+    dq_packed, dk_packed, dv_packed = plan.varlen.backward(
+        q_side[0], q_side[1], k_packed, v_packed, q_side[2], lse_packed, rows.cum_q, rows.cum_k, rows.max_q,
+        rows.max_k, causal=rows.causal, scale=plan.scale,
+    )
+    acc = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, h, C, D)
+    dk, dv = (torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2))
+    # a block's segments are distinct documents: no token appears twice, plain writes suffice
+    dq.transpose(1, 2)[rows.q_items, rows.q_rows] = dq_packed.to(acc)
+    dk.transpose(1, 2)[rows.k_items, rows.k_rows] = dk_packed.to(acc)
+    dv.transpose(1, 2)[rows.k_items, rows.k_rows] = dv_packed.to(acc)
+    return dq, dk, dv
 
 
 def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan, stash: ChunkStash, save_for_backward: bool) -> Tensor:
@@ -408,7 +465,13 @@ def _make_plan(
         scale=query.shape[-1] ** -0.5 if scale is None else scale,
         kv_repeat=kv_repeat,
         documents=documents,
+        varlen=varlen_kernel_for(backend, query.device, query.dtype) if documents is not None else None,
     )
+
+
+def varlen_kernel_for(backend: str, device: torch.device, dtype: torch.dtype) -> Optional[VarlenFlashKernel]:
+    """The varlen kernel packed documents use on CUDA in fp16/bf16 (not under ``backend="math"``, the reference)."""
+    return VarlenFlashKernel() if backend != "math" and VarlenFlashKernel.usable(device, dtype) else None
 
 
 def _in_backward() -> bool:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from lightning_fpdt.sequence import fpdt as fpdt_module
 from lightning_fpdt.sequence import fpdt_attention
 from lightning_fpdt.sequence.documents import DocumentBoundaries
 from lightning_fpdt.sequence.kernels import supported_backends
@@ -15,13 +16,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.mark.parametrize("varlen", [True, False])
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
 @pytest.mark.parametrize("num_chunks", [1, 4])
-def test_packed_bf16_matches_documents_separately(backend, num_chunks):
-    """Per-document segments through the cuDNN / flash ops (odd offsets, length-1 documents, documents spanning
-    chunks, B = 2 with different boundaries) are within bf16 precision of each document alone in fp64."""
+def test_packed_bf16_matches_documents_separately(monkeypatch, backend, num_chunks, varlen):
+    """Packed documents on CUDA, one varlen flash call per block or one cuDNN / flash call per segment (odd offsets,
+    length-1 documents, documents spanning chunks, B = 2 with different boundaries, GQA): within bf16 precision of
+    each document alone in fp64."""
     if backend not in supported_backends(torch.device("cuda"), torch.bfloat16):
         pytest.skip(f"{backend} not available")
+    made = []
+    original = fpdt_module.varlen_kernel_for
+    monkeypatch.setattr(fpdt_module, "varlen_kernel_for",
+                        lambda *a: made.append(original(*a) if varlen else None) or made[-1])
     seq_len = 2048
     starts = [[0, 1, 300, 301, 777, 1024, 1025, 1999], [0, 511, 1536, 2047]]
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -35,6 +42,7 @@ def test_packed_bf16_matches_documents_separately(backend, num_chunks):
     documents = DocumentBoundaries(tuple(tuple(row) for row in starts), seq_len)
     out = fpdt_attention(*inputs, num_chunks=num_chunks, backend=backend, documents=documents)
     grads = torch.autograd.grad(out, inputs, dout.bfloat16())
+    assert (made[-1] is not None) == varlen
     assert _rel(out, ref) < 1e-2  # bf16 operands: ~3e-3 relative
     for g, rg in zip(grads, ref_grads):
         assert _rel(g, rg) < 2e-2

@@ -275,7 +275,8 @@ class FPDTStrategy(ModelParallelStrategy):
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Move the batch, then shard its sequence with :class:`SequenceLayout` (adds ``position_ids`` and the
-        globally shifted ``labels``/``shift_labels``)."""
+        globally shifted ``labels``/``shift_labels``). A packed batch (``document_ids``, or ``position_ids`` restarting
+        at 0) turns on per-document attention masking for this batch (docs/packing.md)."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), Tensor):
             raise ValueError(

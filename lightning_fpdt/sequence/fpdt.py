@@ -104,10 +104,21 @@ def _block_plans(plan: _Plan, q_chunk: int, kv_chunk: int, chunk_len: int) -> Op
     return block_plans
 
 
+def _kv_chunks_read(plan: _Plan, q_chunk: int, chunk_len: int) -> list[int]:
+    """The kv chunks ``j <= q_chunk`` that q chunk ``q_chunk`` reads: all of them, or (packed documents) those sharing
+    a document with it; the diagonal always. Skipped chunks are neither computed nor fetched from the stash."""
+    return [j for j in range(q_chunk + 1) if _block_plans(plan, q_chunk, j, chunk_len) != []]
+
+
+def _q_chunks_reading(plan: _Plan, kv_chunk: int, chunk_len: int) -> list[int]:
+    """The q chunks ``i >= kv_chunk`` that read kv chunk ``kv_chunk`` (see :func:`_kv_chunks_read`)."""
+    return [i for i in range(kv_chunk, plan.layout.num_chunks) if _block_plans(plan, i, kv_chunk, chunk_len) != []]
+
+
 def _block_forward(
     plan: _Plan, q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
     out: Optional[Tensor], lse: Optional[Tensor],
-) -> tuple[Optional[Tensor], Optional[Tensor]]:
+) -> tuple[Tensor, Tensor]:
     """Attend q chunk ``q_chunk`` (B, H/P, C, D) to kv chunk ``kv_chunk`` and merge into the running ``(out, lse)``.
 
     One kernel call, or (packed documents) one per document segment merged into its q rows; rows a block gives no
@@ -118,9 +129,10 @@ def _block_forward(
     if block_plans is None:
         block_out, block_lse = plan.kernel.forward(q, k, v, causal=causal, scale=plan.scale)
         return merge_partial(out, lse, block_out, block_lse)
-    if block_plans and plan.varlen is not None:
+    assert block_plans, "skipped blocks are not computed"
+    if plan.varlen is not None:
         return _varlen_block_forward(plan, q, k, v, q_chunk, kv_chunk, out, lse)
-    if out is None and block_plans:
+    if out is None:
         acc = accumulation_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H/P, C, D)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)  # (B, H/P, C)
@@ -137,8 +149,8 @@ def _block_forward(
 
 def _block_backward(
     plan: _Plan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
-) -> Optional[tuple[Tensor, Tensor, Tensor]]:
-    """``(dq, dk, dv)`` of block ``(q_chunk, kv_chunk)`` given the final ``out, lse``; ``None`` for a skipped block.
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of block ``(q_chunk, kv_chunk)`` given the final ``out, lse`` (never a skipped block).
 
     Packed documents: each segment's gradients go to its q rows and key rows (fp32 sums; a key row can serve
     several segments only within one document, never across).
@@ -147,8 +159,7 @@ def _block_backward(
     block_plans = _block_plans(plan, q_chunk, kv_chunk, q.shape[2])
     if block_plans is None:
         return plan.kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=plan.scale)
-    if not block_plans:
-        return None
+    assert block_plans, "skipped blocks are not computed"
     if plan.varlen is not None:
         return _varlen_block_backward(plan, dout, q, k, v, out, lse, q_chunk, kv_chunk)
     acc = accumulation_dtype(q.dtype)
@@ -225,14 +236,16 @@ def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan, stash: ChunkStash
     them); ``("q", i)``, ``("lse", i)`` only for the backward, which needs no recompute with them. The output is
     not stashed: the backward rebuilds its head-sharded chunks from the returned local output (see
     :func:`fpdt_backward`).
-    While block ``(i, j)`` computes, kv chunk ``j + 1`` is on its way back (double buffer).
+    While block ``(i, j)`` computes, kv chunk ``j + 1`` (the next one read) is on its way back (double buffer).
     """
     num_chunks = plan.layout.num_chunks
+    chunk_len = q.shape[1] // num_chunks * plan.layout.sp_size  # C: global tokens per chunk
     out_local = torch.empty_like(q)  # (B, S/P, H, D)
     for i in range(num_chunks):
-        if i > 0:
-            stash.prefetch(("k", 0))  # overlaps the all-to-all below
-            stash.prefetch(("v", 0))
+        kv_chunks = _kv_chunks_read(plan, i, chunk_len)  # 0 … i, less the blocks packed documents skip
+        if kv_chunks[0] < i:
+            stash.prefetch(("k", kv_chunks[0]))  # overlaps the all-to-all below
+            stash.prefetch(("v", kv_chunks[0]))
         q_i, k_i, v_i = _chunk(plan, q, i), _chunk(plan, k, i), _chunk(plan, v, i)  # (B, c, H|Hkv, D)
         if plan.kv_repeat > 1:
             # (B, c, Hkv, D) -> (B, c, P, D): rank p receives kv head p // kv_repeat, the one its q heads read
@@ -242,10 +255,10 @@ def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan, stash: ChunkStash
         stash.put(("k", i), k_heads)
         stash.put(("v", i), v_heads)
         out_acc = lse_acc = None
-        for j in range(i + 1):
-            if j + 1 < i:
-                stash.prefetch(("k", j + 1))
-                stash.prefetch(("v", j + 1))
+        for n, j in enumerate(kv_chunks):
+            if n + 1 < len(kv_chunks) and kv_chunks[n + 1] < i:
+                stash.prefetch(("k", kv_chunks[n + 1]))
+                stash.prefetch(("v", kv_chunks[n + 1]))
             k_j = k_heads if j == i else stash.get(("k", j))
             v_j = v_heads if j == i else stash.get(("v", j))
             out_acc, lse_acc = _block_forward(plan, q_heads, k_j, v_j, i, j, out_acc, lse_acc)
@@ -292,6 +305,7 @@ def fpdt_backward(
         stash.put(("dout", i), dout_heads)
         stash.put(("out", i), out_heads)
 
+    chunk_len = q_meta.shape[1] // num_chunks * plan.layout.sp_size  # C: global tokens per chunk
     stash_dout(0)
     for j in range(num_chunks):
         k_j, v_j = stash.get(("k", j)), stash.get(("v", j))
@@ -300,23 +314,21 @@ def fpdt_backward(
             stash.prefetch(("v", j + 1))
         dk_acc = torch.zeros(k_j.shape, dtype=acc, device=k_j.device)
         dv_acc = torch.zeros(v_j.shape, dtype=acc, device=v_j.device)
-        for i in range(j, num_chunks):
-            if i + 1 < num_chunks:
-                if j == 0:
-                    stash_dout(i + 1)
+        q_chunks = _q_chunks_reading(plan, j, chunk_len)  # j … u - 1, less the blocks packed documents skip
+        for n, i in enumerate(q_chunks):
+            next_i = q_chunks[n + 1] if n + 1 < len(q_chunks) else None
+            if j == 0:  # every chunk's dout, also of q chunks this step skips: later steps read them
+                for later in range(i + 1, num_chunks if next_i is None else next_i + 1):
+                    stash_dout(later)
+            if next_i is not None:
                 for name in Q_SIDE:
-                    stash.prefetch((name, i + 1))
-                if ("dq", i + 1) in dq_store:
-                    dq_store.prefetch(("dq", i + 1))
+                    stash.prefetch((name, next_i))
+                if ("dq", next_i) in dq_store:
+                    dq_store.prefetch(("dq", next_i))
             q_i, out_i, lse_i, dout_i = (stash.get((name, i)) for name in Q_SIDE)
-            grads = _block_backward(plan, dout_i, q_i, k_j, v_j, out_i, lse_i, i, j)
+            dq, dk, dv = _block_backward(plan, dout_i, q_i, k_j, v_j, out_i, lse_i, i, j)
             for name in Q_SIDE:
                 stash.release((name, i))
-            if grads is None:  # packed documents: no query of chunk i reads kv chunk j
-                if ("dq", i) in dq_store:
-                    dq_store.release(("dq", i))  # undo the prefetch
-                continue
-            dq, dk, dv = grads
             if ("dq", i) in dq_store:
                 dq = dq_store.get(("dq", i)).add_(dq)
                 dq_store.release(("dq", i))

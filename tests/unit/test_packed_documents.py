@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM, sdpa_attention
-from lightning_fpdt.sequence import FPDTAttention, fpdt_attention
+from lightning_fpdt.sequence import ChunkStash, FPDTAttention, fpdt_attention
 from lightning_fpdt.sequence import fpdt as fpdt_module
 from lightning_fpdt.sequence.documents import (
     BlockPlan,
@@ -61,9 +61,12 @@ class CountingKernel(MathKernel):
         return super().backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
 
 
-def _count_calls(monkeypatch, documents, seq_len=16, num_chunks=4) -> list:
+def _count_calls(monkeypatch, documents, seq_len=16, num_chunks=4, stash_gets: list | None = None) -> list:
     calls = []
     monkeypatch.setattr(fpdt_module, "make_kernel", lambda *args: CountingKernel(calls))
+    if stash_gets is not None:
+        get = ChunkStash.get
+        monkeypatch.setattr(ChunkStash, "get", lambda self, key: stash_gets.append(key) or get(self, key))
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, seq_len, 2, 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "qkv")
     out = fpdt_attention(q, k, v, num_chunks=num_chunks, backend="math", documents=documents)
@@ -75,8 +78,10 @@ def _count_calls(monkeypatch, documents, seq_len=16, num_chunks=4) -> list:
 
 
 def test_blocks_without_shared_documents_are_skipped(monkeypatch):
-    """S = 16, 4 chunks of 4, documents [0,5) [5,6) [6,13) [13,16): the kernel runs exactly the segments listed."""
-    calls = _count_calls(monkeypatch, DocumentBoundaries(((0, 5, 6, 13),), 16))
+    """S = 16, 4 chunks of 4, documents [0,5) [5,6) [6,13) [13,16): the kernel runs exactly the segments listed,
+    and the chunks of skipped blocks are never fetched from the stash."""
+    stash_gets = []
+    calls = _count_calls(monkeypatch, DocumentBoundaries(((0, 5, 6, 13),), 16), stash_gets=stash_gets)
     forward = [c[1:] for c in calls if c[0] == "fwd"]
     assert forward == [
         (True, 4, 4),  # (0, 0): one document, the plain diagonal block
@@ -88,6 +93,10 @@ def test_blocks_without_shared_documents_are_skipped(monkeypatch):
     ]
     backward = sorted(c[1:] for c in calls if c[0] == "bwd")
     assert backward == sorted(forward)  # the backward runs the same segments, no more
+    # forward: kv chunk j < i fetched for the blocks (1, 0), (2, 1), (3, 1), (3, 2) only
+    assert [j for name, j in stash_gets if name == "k"][:4] == [0, 1, 1, 2]
+    # backward: per kv chunk j, the q chunks i >= j that read it: j=0: 0, 1; j=1: 1, 2, 3; j=2: 2, 3; j=3: 3
+    assert [i for name, i in stash_gets if name == "q"] == [0, 1, 1, 2, 3, 2, 3, 3]
 
 
 def test_one_document_per_sequence_runs_the_plain_blocks(monkeypatch):

@@ -7,7 +7,8 @@ Per-segment calls instead of one varlen flash call per block: add --no-varlen.
 
 Geometry defaults to Llama-3-8B attention (32 heads, 8 kv heads, head dim 128), bf16. Documents have random lengths,
 uniform in [1, 2·doc_len) (mean doc_len), the same on every rank. "useful" TFLOP/s counts only the attention the
-documents need: causal forward 2·B·H·Σ L_d²·D, forward + backward 3.5 × forward (bench/attention.py's convention).
+documents need: causal forward 2·B·H·Σ L_d²·D, forward + backward 3.5 × forward (bench/attention.py's
+convention).
 Prints one row per case and writes JSON lines to ``--out``.
 """
 
@@ -24,7 +25,6 @@ import torch.distributed as dist
 from lightning_fpdt.sequence import fpdt_attention
 from lightning_fpdt.sequence import fpdt as fpdt_module
 from lightning_fpdt.sequence.documents import DocumentBoundaries
-from lightning_fpdt.sequence.kernels import make_kernel
 
 
 def random_documents(seq_len: int, doc_len: int, seed: int) -> DocumentBoundaries:
@@ -85,7 +85,8 @@ def run_case(seq_len: int, doc_len: int, args, rank: int, world: int) -> dict:
     flops = 3.5 * 2 * args.heads * sum(n * n / 2 for n in lengths) * args.head_dim  # useful causal flops
     return dict(card=torch.cuda.get_device_name(), gpus=world, seq_len=seq_len, chunks=num_chunks,
                 doc_len=doc_len, documents=len(lengths), backend=args.backend, varlen=not args.no_varlen, step_s=step,
-                kernel_calls=kernels[-1].calls + (varlens[-1].calls if varlens and varlens[-1] else 0), useful_tflops_per_gpu=flops / step / world / 1e12)
+                kernel_calls=kernels[-1].calls + (varlens[-1].calls if varlens and varlens[-1] else 0),
+                useful_tflops_per_gpu=flops / step / world / 1e12)
 
 
 def main() -> None:

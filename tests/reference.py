@@ -18,7 +18,9 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None
     return torch.einsum("bhst,bthd->bshd", scores.softmax(-1), v)
 
 
-def documents_separately(q: Tensor, k: Tensor, v: Tensor, starts: list[list[int]], scale: float | None = None) -> Tensor:
+def documents_separately(
+    q: Tensor, k: Tensor, v: Tensor, starts: list[list[int]], scale: float | None = None
+) -> Tensor:
     """Each document of each sequence through :func:`causal_attention` on its own, concatenated back.
 
     ``starts[b]``: ascending document start offsets of sequence ``b`` (the first 0); a document ends where the next

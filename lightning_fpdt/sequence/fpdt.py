@@ -463,7 +463,8 @@ def _make_plan(
             f"local sequence length {query.shape[1]} is not divisible by num_chunks ({num_chunks}): pad the global "
             f"sequence to a multiple of sequence_parallel_size * num_chunks = {layout.num_pieces}"
         )
-    if documents is not None and (documents.batch_size, documents.seq_len) != (query.shape[0], query.shape[1] * sp_size):
+    global_shape = (query.shape[0], query.shape[1] * sp_size)  # (B, S)
+    if documents is not None and (documents.batch_size, documents.seq_len) != global_shape:
         raise ValueError(
             f"documents describe {documents.batch_size} sequences of {documents.seq_len} tokens, but the attention "
             f"got {query.shape[0]} sequences of {query.shape[1]} local tokens × {sp_size} ranks = "

@@ -7,10 +7,8 @@ import pytest
 import torch
 
 from lightning_fpdt.sequence import SequenceLayout, StashFactory, fpdt_attention
-from lightning_fpdt.sequence import fpdt as fpdt_module
 from lightning_fpdt.sequence.all_to_all import group_rank, group_size
 from lightning_fpdt.sequence.documents import DocumentBoundaries
-from lightning_fpdt.sequence.kernels import MathKernel
 from tests.reference import documents_separately
 
 # fp64: parallel and reference differ only in summation order (blockwise merge, per-segment sums), ~1e-15 relative;
@@ -54,7 +52,8 @@ def check_packed(seq_len: int, num_chunks: int, heads: tuple[int, int], starts: 
     tol = TOLERANCE[dtype]
     case = f"S={seq_len} P={sp_size} u={num_chunks} heads={heads} starts={starts} {dtype} {backend}"
     full_out = layout.gather(out.detach(), None)
-    torch.testing.assert_close(full_out[:, :seq_len].double(), ref_out.detach(), **tol, msg=lambda m: f"{case} out: {m}")
+    torch.testing.assert_close(full_out[:, :seq_len].double(), ref_out.detach(), **tol,
+                               msg=lambda m: f"{case} out: {m}")
     for name, grad, ref_grad in zip("qkv", grads, ref_grads):
         full = layout.gather(grad, None)
         torch.testing.assert_close(full[:, :seq_len].double(), ref_grad, **tol, msg=lambda m: f"{case} d{name}: {m}")

@@ -237,6 +237,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # A strategy that shifts labels itself (before sharding the sequence) sets this to True.
         self.labels_are_shifted = False
+        # Packed documents from position-id resets (a host sync per forward on a GPU); the fpdt strategy turns it off:
+        # it finds the documents on the global batch and hands them to its attention itself.
+        self.documents_from_positions = True
         self.reset_parameters()
 
     def tie_weights(self) -> None:
@@ -295,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)  # (B, S)
-        if document_ids is None and has_position_resets(position_ids):
+        if document_ids is None and self.documents_from_positions and has_position_resets(position_ids):
             document_ids = document_ids_from_positions(position_ids)
         if document_ids is not None and document_ids.shape != input_ids.shape:
             raise ValueError(

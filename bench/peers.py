@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="auto: hold the sharded states of the layers not run on each GPU")
     parser.add_argument("--check-host", action="store_true",
                         help="plan the pinned host memory of the full depth and compare it with the host's")
+    parser.add_argument("--recompute-attention", action="store_true",
+                        help="fpdt: ActivationOffload(recompute_attention=True), one layer's attention stash instead "
+                             "of every layer's (for lengths where the full depth's stashes exceed host memory)")
     parser.add_argument("--cpu-offload-params", action="store_true",
                         help="FSDP2 CPUOffloadPolicy in every system (Llama-3-8B's states do not fit one 80 GB GPU)")
     parser.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
@@ -225,20 +228,21 @@ def state_bytes_per_parameter(precision: str, optimizer: str = "adamw") -> int:
 
 
 def kept_bytes_per_layer(system: str, geometry: ModelGeometry, *, seq_len: int, num_gpus: int, precision: str,
-                         attention_offload: bool) -> int:
+                         attention_offload: bool, recompute_attention: bool = False) -> int:
     """GPU bytes one block keeps from its forward to its backward (batch 1): what the ballast must also stand in for,
     for each block not run.
 
     ``modelparallel``: its checkpointed input, ``S·h·b`` (every GPU holds the whole sequence); ``ring``: the same for
     its ``S/W`` tokens; ``fpdt``: nothing when the attention offloads (ActivationOffload keeps the block inputs in host
     memory, the attention its chunks), else the layer's attention chunks (``planning.stash_bytes``) and its output
-    kept for the recompute, ``S/P·H·D·b``, as ``lightning_fpdt.planner`` counts them (``P`` = all GPUs, one node)."""
+    kept for the recompute, ``S/P·H·D·b``, as ``lightning_fpdt.planner`` counts them (``P`` = all GPUs, one node);
+    nothing either when the recompute runs the attention again (only the layer in backward holds chunks)."""
     act = PRECISIONS[precision]["act"]
     if system == "modelparallel":
         return seq_len * geometry.hidden_size * act
     if system == "ring":
         return seq_len // num_gpus * geometry.hidden_size * act
-    if attention_offload:
+    if attention_offload or recompute_attention:
         return 0
     attention = attention_geometry(geometry, act)
     kept_out = seq_len // num_gpus * geometry.num_heads * geometry.head_dim * act
@@ -282,6 +286,7 @@ def host_check(
         precision=args.precision, cpu_offload_params=args.cpu_offload_params,
         gpu_memory_gib=(gpu_memory_bytes or 80 * GIB) / GIB,
         host_memory_gib=None if available_bytes is None else available_bytes / GIB,
+        recompute_attention=fpdt and args.recompute_attention,
     )
     return {
         "layers": plan.geometry.num_layers,
@@ -452,7 +457,8 @@ def train_lightning(args: argparse.Namespace, *, device: torch.device, world_siz
         strategy = FPDTStrategy(chunks=args.chunks, offload={"on": True, "off": False, "auto": "auto"}[args.offload],
                                 attention_backend=args.attention_backend,
                                 cpu_offload_params=args.cpu_offload_params)
-        callbacks: list[L.Callback] = [ActivationOffload(), TiledMLP(), TiledLoss()]
+        callbacks: list[L.Callback] = [ActivationOffload(recompute_attention=args.recompute_attention), TiledMLP(),
+                                       TiledLoss()]
         precision = args.precision  # FPDTPrecision: FSDP2 MixedPrecisionPolicy, no autocast
     else:
         module = ModelParallelLlamaLM(args.model, precision=args.precision, cpu_offload_params=args.cpu_offload_params,
@@ -660,7 +666,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = state_ballast = 0
     if args.ballast == "auto":
         kept = kept_bytes_per_layer(args.system, full_geometry, seq_len=args.seq_len, num_gpus=world_size,
-                                    precision=args.precision, attention_offload=args.offload == "on")
+                                    precision=args.precision, attention_offload=args.offload == "on",
+                                    recompute_attention=args.system == "fpdt" and args.recompute_attention)
         common = dict(layers_run=layers_run(args), num_gpus=world_size, precision=args.precision,
                       cpu_offload_params=args.cpu_offload_params)
         nbytes = ballast_bytes(full_geometry, kept_per_layer=kept, **common)
@@ -700,7 +707,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "precision": args.precision, "cpu_offload_params": args.cpu_offload_params,
             "attention_backend": args.attention_backend, "ballast": args.ballast,
             **({"offload": info.get("offload", args.offload), "offload_dq": info.get("offload_dq"),
-                "callbacks": ["ActivationOffload", "TiledMLP", "TiledLoss", "MFUMonitor"]}
+                "callbacks": ["ActivationOffload", "TiledMLP", "TiledLoss", "MFUMonitor"],
+                "recompute_attention": args.recompute_attention}
                if args.system == "fpdt" else {"activation_checkpointing": "checkpoint_wrapper (non-reentrant)",
                                               "loss": "untiled"}),
             **({"rotate_method": args.rotate_method, "kv_heads": args.ring_kv_heads, "load_balance": "head-tail"}

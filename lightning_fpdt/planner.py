@@ -173,12 +173,17 @@ class PlanOptions:
     """``"bf16-mixed"``, ``"bf16-true"`` or ``"32-true"``."""
     optimizer: str
     """``"adamw"``, ``"adam"`` or ``"sgd"``."""
+    recompute_attention: bool = False
+    """``ActivationOffload(recompute_attention=True)``: the checkpoint recomputes the attention in backward, so only
+    the layer in backward holds a stash (instead of every layer) at the price of a second attention forward."""
     head_chunks: int = 1
     """Head groups ``G``: the attention's projections and FPDT calls run on ``H/G`` query heads at a time."""
 
     def __post_init__(self) -> None:
         if self.activation_offload and not self.activation_checkpointing:
             raise ValueError("activation_offload checkpoints the blocks: set activation_checkpointing=True with it")
+        if self.recompute_attention and not self.activation_checkpointing:
+            raise ValueError("recompute_attention needs checkpointed blocks: set activation_checkpointing=True with it")
 
     def describe(self) -> str:
         def on(flag: bool) -> str:
@@ -188,7 +193,8 @@ class PlanOptions:
         return (
             f"sp={self.sequence_parallel_size} dp={self.data_parallel_size} chunks={self.chunks} "
             f"offload={on(self.offload)} (dq {on(self.offload_dq)}) tiled_mlp={on(self.tiled_mlp)} "
-            f"tiled_loss={on(self.tiled_loss)} checkpointing={checkpointing} "
+            f"tiled_loss={on(self.tiled_loss)} checkpointing={checkpointing}"
+            f"{' (attention recomputed)' if self.recompute_attention else ''} "
             f"cpu_offload_params={on(self.cpu_offload_params)} {self.precision} {self.optimizer}"
             + (f" head_chunks={self.head_chunks}" if self.head_chunks > 1 else "")
         )
@@ -425,6 +431,7 @@ def _resolve_options(
     sequence_parallel_size: Union[str, int], chunks: Union[str, int], offload: Union[str, bool],
     offload_dq: Union[str, bool], activation_offload: bool, activation_checkpointing: Optional[bool], tiled_mlp: bool,
     tiled_loss: bool, precision: str, optimizer: str, cpu_offload_params: bool, gpu_memory_bytes: int,
+    recompute_attention: bool = False,
     head_chunks: int = 1,
 ) -> PlanOptions:
     from lightning_fpdt.strategy.mesh import resolve_sizes  # here: the strategy package imports Lightning
@@ -451,7 +458,7 @@ def _resolve_options(
         activation_offload=activation_offload,
         activation_checkpointing=activation_offload or bool(activation_checkpointing),
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, cpu_offload_params=cpu_offload_params, precision=precision,
-        optimizer=optimizer, head_chunks=head_chunks,
+        optimizer=optimizer, recompute_attention=recompute_attention, head_chunks=head_chunks,
     )
 
 
@@ -503,13 +510,21 @@ def _components(
     else:
         add("activations (no checkpointing)", L * (A + layer), formula="L x (block input + layer activations)")
 
-    keeps_out = o.activation_checkpointing or G > 1  # head groups keep each group's output for their backward
-    kept_out = L * N * attn_width * b if keeps_out else 0
-    stash = attention.num_layers * stash_bytes(attention, **size)
-    host_attention = attention_host_bytes(attention, offload=o.offload, offload_dq=o.offload_dq,
-                                          kept_out_layers=attention.num_layers if keeps_out else 0, **size)
+    # attention calls holding a stash between forward and backward: every layer's, or under attention recompute only
+    # the layer in backward; with head groups, each of its G groups
+    layers_stashed = 1 if o.recompute_attention else L
+    stashed = layers_stashed * G
+    if G > 1:  # head groups keep each group's output for their backward (the layer in backward's, under recompute)
+        kept = layers_stashed
+    else:
+        kept = L if o.activation_checkpointing and not o.recompute_attention else 0  # first-pass outputs kept
+    kept_out = kept * N * attn_width * b
+    stash = stashed * stash_bytes(attention, **size)
+    host_attention = attention_host_bytes(dataclasses.replace(attention, num_layers=stashed), offload=o.offload,
+                                          offload_dq=o.offload_dq, kept_out_layers=kept * G, **size)
     add("attention stash", 0 if o.offload else stash + kept_out, host_attention,
-        formula="L x planning.stash_bytes (+ kept outputs)" + (", offloaded" if o.offload else ""))
+        formula=("1 layer (attention recomputed)" if o.recompute_attention else "L")
+        + " x planning.stash_bytes (+ kept outputs)" + (", offloaded" if o.offload else ""))
     add("lm_head gradient", V * h * b, formula="V·hidden, unsharded until the root's reduce-scatter")
 
     # ---- transient phases
@@ -593,11 +608,13 @@ def _recommend(plan: MemoryPlan, offload_dq: Union[str, bool]) -> tuple[Optional
     changes: dict[str, Any] = {}
     current = plan
     if plan.fits_gpu:  # host memory binds
-        for name in ("cpu_offload_params", "activation_offload", "offload"):
-            if getattr(current.options, name):
-                trial = replan({**changes, name: False})
+        # free changes first (room on the GPU), then recomputing the attention (one layer's stash instead of L)
+        for name, value in (("cpu_offload_params", False), ("activation_offload", False),
+                            ("recompute_attention", True), ("offload", False)):
+            if getattr(current.options, name) != value and current.options.activation_checkpointing:
+                trial = replan({**changes, name: value})
                 if trial.fits_gpu:
-                    current, changes = trial, {**changes, name: False}
+                    current, changes = trial, {**changes, name: value}
                     if current.fits:
                         return current, said(changes)
         return None, (
@@ -654,6 +671,7 @@ def plan_memory(
     cpu_offload_params: bool = False,
     gpu_memory_gib: float = 80.0,
     host_memory_gib: Optional[float] = None,
+    recompute_attention: bool = False,
     head_chunks: int = 1,
 ) -> MemoryPlan:
     """Predict the memory of one training step under ``strategy="fpdt"``, per GPU and per host, and recommend options.
@@ -672,6 +690,8 @@ def plan_memory(
             callbacks are on.
         activation_checkpointing: blocks checkpointed with their inputs on the GPU (``ActivationOffload(offload=
             False)``); ``None``: only when ``activation_offload``.
+        recompute_attention: ``ActivationOffload(recompute_attention=True)``: one layer's stash instead of every
+            layer's, the attention forward run twice.
         precision: ``"bf16-mixed"``, ``"bf16-true"`` or ``"32-true"``.
         optimizer: ``"adamw"``, ``"adam"`` (two moments) or ``"sgd"`` (none).
         gpu_memory_gib: memory of one GPU in GiB (about 79 for an H100 80GB, 139 for an H200).
@@ -712,7 +732,8 @@ def plan_memory(
         sequence_parallel_size=sequence_parallel_size, chunks=chunks, offload=offload, offload_dq=offload_dq,
         activation_offload=activation_offload, activation_checkpointing=activation_checkpointing,
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, precision=precision, optimizer=optimizer,
-        cpu_offload_params=cpu_offload_params, gpu_memory_bytes=gpu_bytes, head_chunks=head_chunks,
+        cpu_offload_params=cpu_offload_params, gpu_memory_bytes=gpu_bytes, recompute_attention=recompute_attention,
+        head_chunks=head_chunks,
     )
     plan = _plan(geometry, model, seq_len=seq_len, batch_size=batch_size, num_gpus=num_gpus,
                  gpus_per_node=gpus_per_node, options=options, gpu_memory_bytes=gpu_bytes, host_memory_bytes=host_bytes)
@@ -861,6 +882,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS))
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     parser.add_argument("--cpu-offload-params", action="store_true", help="FSDP2 CPUOffloadPolicy")
+    parser.add_argument("--recompute-attention", action="store_true",
+                        help="ActivationOffload(recompute_attention=True): one layer's attention stash instead of all")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
                         help="GiB of one GPU (an H100 80GB reports ~79, an H200 ~139)")
     parser.add_argument("--host-memory-gib", type=_host_memory, default=None,
@@ -878,7 +901,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             activation_offload="offload" in args.callbacks, activation_checkpointing="checkpoint" in args.callbacks,
             tiled_mlp="mlp" in args.callbacks, tiled_loss="loss" in args.callbacks, precision=args.precision,
             optimizer=args.optimizer, cpu_offload_params=args.cpu_offload_params, gpu_memory_gib=args.gpu_memory_gib,
-            host_memory_gib=host, head_chunks=args.head_chunks,
+            host_memory_gib=host, recompute_attention=args.recompute_attention, head_chunks=args.head_chunks,
         )
     except ValueError as error:
         print(f"lightning-fpdt plan: {error}", file=sys.stderr)

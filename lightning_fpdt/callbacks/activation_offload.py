@@ -7,7 +7,9 @@ after it is still computing its gradients.
 
 The FPDT attention is not run again in the recomputed forward: its first forward's output is kept (on the host when
 the attention offloads) and handed back to the recompute, and its backward uses the chunks stashed by that first
-forward (DESIGN.md §4).
+forward (DESIGN.md §4). That keeps every layer's stash until its backward; ``recompute_attention=True`` trades it for
+a second attention forward: the first forward stashes nothing, and only the layer in backward holds a stash, which is
+what lets a full-depth model reach lengths where the stashes of all layers exceed the host's memory.
 """
 
 from __future__ import annotations
@@ -128,6 +130,9 @@ class ActivationOffload(Callback):
         pin_memory: pin the host buffers (CUDA only; pageable copies are synchronous and ~3× slower).
         prefetch: how many blocks ahead their inputs come back during the backward.
         offload: ``False`` keeps the block inputs on the GPU (plain checkpointing without recomputing attention).
+        recompute_attention: run the FPDT attention again in the recompute instead of keeping every layer's chunks
+            and output until its backward: host (or GPU) memory of one layer's stash instead of all layers', for
+            about +30% attention compute (a second forward beside the backward's 2.5 forwards' worth).
 
     With ``strategy="fpdt"`` the strategy applies it before FSDP2; with another strategy it wraps the blocks of the
     LightningModule's model at ``setup`` (checkpointing and offload work; the attention is recomputed there).
@@ -141,11 +146,13 @@ class ActivationOffload(Callback):
         pin_memory: bool = True,
         prefetch: int = 1,
         offload: bool = True,
+        recompute_attention: bool = False,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 blocks, got {prefetch}")
         self.layer_classes = layer_classes
         self.prefetch = prefetch
+        self.recompute_attention = recompute_attention
         self.stashes = StashFactory(offload=offload, pin_memory=pin_memory)
         self._owner: Optional[_BlockCheckpoints] = None
 
@@ -167,7 +174,8 @@ class ActivationOffload(Callback):
         self._owner = _BlockCheckpoints(self.stashes, self.prefetch)
         for key, block in enumerate(blocks):
             _wrap_block(block, self._owner, key)
-        self._owner.attentions = sorted(_fpdt_attentions(model), key=id)
+        # attentions told to record their first pass (and not run again); none when the recompute runs them
+        self._owner.attentions = [] if self.recompute_attention else sorted(_fpdt_attentions(model), key=id)
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         from lightning_fpdt.strategy.fpdt import FPDTStrategy

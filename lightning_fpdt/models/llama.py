@@ -4,6 +4,11 @@ Every ``LlamaAttention`` calls ``self.attention_fn(q, k, v, causal=True, scale=.
 sequence-major tensors ``(B, S, H, D)``. A sequence-parallel strategy replaces that attribute
 with a distributed implementation of the same function; it then receives the local shard of
 the sequence, with RoPE already applied from global ``position_ids``.
+
+Packed documents: given ``document_ids (B, S)``, or ``position_ids`` that restart at 0 where a document starts,
+a token attends only to earlier tokens of its own document, and the last token of a document is no target; the
+attention function then also gets ``document_ids=`` (the strategy's attention takes the boundaries of the global
+batch instead).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from lightning_fpdt.sequence.documents import document_ids_from_positions, has_position_resets
 
 IGNORE_INDEX = -100
 
@@ -135,10 +142,24 @@ def apply_rotary(x: Tensor, position_ids: Tensor, theta: float) -> Tensor:
     return (x_c * angles.cos() + rotated_half * angles.sin()).to(x.dtype)
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, scale: Optional[float] = None) -> Tensor:
-    """Single-device attention: ``q (B, S, H, D)``, ``k, v (B, S, Hkv, D)`` -> ``(B, S, H, D)``."""
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, scale: Optional[float] = None,
+    document_ids: Optional[Tensor] = None,
+) -> Tensor:
+    """Single-device attention: ``q (B, S, H, D)``, ``k, v (B, S, Hkv, D)`` -> ``(B, S, H, D)``.
+
+    With ``document_ids (B, S)`` a token attends only to (earlier, if causal) tokens of its own document: an
+    ``S × S`` mask, fine for a single device, not for long sequences (the fpdt strategy never builds it).
+    """
+    mask = None
+    if document_ids is not None:
+        mask = (document_ids[:, :, None] == document_ids[:, None, :])[:, None]  # (B, 1, S, S)
+        if causal:
+            s = q.shape[1]
+            mask = mask & torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale, enable_gqa=True
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        is_causal=causal and mask is None, scale=scale, enable_gqa=True,
     )  # (B, H, S, D)
     return out.transpose(1, 2)
 
@@ -156,14 +177,16 @@ class LlamaAttention(nn.Module):
         # The hook a sequence-parallel strategy replaces; see the module docstring.
         self.attention_fn: Callable[..., Tensor] = sdpa_attention
 
-    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Tensor, document_ids: Optional[Tensor] = None) -> Tensor:
         b, s, _ = x.shape  # (B, S, hidden)
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)  # (B, S, H, D)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)  # (B, S, Hkv, D)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)  # (B, S, Hkv, D)
         q = apply_rotary(q, position_ids, self.rope_theta)
         k = apply_rotary(k, position_ids, self.rope_theta)
-        out = self.attention_fn(q, k, v, causal=True, scale=self.head_dim**-0.5)  # (B, S, H, D)
+        # document_ids only when packed: an attention_fn without that argument keeps working for plain batches
+        packed = {} if document_ids is None else {"document_ids": document_ids}
+        out = self.attention_fn(q, k, v, causal=True, scale=self.head_dim**-0.5, **packed)  # (B, S, H, D)
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
 
 
@@ -186,8 +209,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), position_ids)
+    def forward(self, x: Tensor, position_ids: Tensor, document_ids: Optional[Tensor] = None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), position_ids, document_ids)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -198,11 +221,11 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, position_ids: Tensor, document_ids: Optional[Tensor] = None) -> Tensor:
         """Final-normed hidden states ``(B, S, hidden)``."""
         x = self.embed_tokens(input_ids)  # (B, S, hidden)
         for layer in self.layers:
-            x = layer(x, position_ids)
+            x = layer(x, position_ids, document_ids)
         return self.norm(x)
 
 
@@ -214,6 +237,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # A strategy that shifts labels itself (before sharding the sequence) sets this to True.
         self.labels_are_shifted = False
+        # Packed documents from position-id resets (a host sync per forward on a GPU); the fpdt strategy turns it off:
+        # it finds the documents on the global batch and hands them to its attention itself.
+        self.documents_from_positions = True
         self.reset_parameters()
 
     def tie_weights(self) -> None:
@@ -257,12 +283,14 @@ class LlamaForCausalLM(nn.Module):
         position_ids: Optional[Tensor] = None,
         labels: Optional[Tensor] = None,
         shift_labels: Optional[Tensor] = None,
+        document_ids: Optional[Tensor] = None,
         **ignored_kwargs: Any,
     ) -> Tensor:
         """Logits ``(B, S, V)`` without labels, else the scalar loss.
 
         ``shift_labels`` are per-token targets used as is; ``labels`` are shifted left by one unless
-        ``self.labels_are_shifted``.
+        ``self.labels_are_shifted`` (then the last token of every document gets no target).
+        ``document_ids (B, S)``, or ``position_ids`` restarting at 0: packed documents (see the module docstring).
         """
         ignored = sorted(name for name, value in ignored_kwargs.items() if value is not None)
         if ignored:
@@ -270,7 +298,13 @@ class LlamaForCausalLM(nn.Module):
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)  # (B, S)
-        hidden = self.model(input_ids, position_ids)  # (B, S, hidden)
+        if document_ids is None and self.documents_from_positions and has_position_resets(position_ids):
+            document_ids = document_ids_from_positions(position_ids)
+        if document_ids is not None and document_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"document_ids must be shaped like input_ids {tuple(input_ids.shape)}, got {tuple(document_ids.shape)}"
+            )
+        hidden = self.model(input_ids, position_ids, document_ids)  # (B, S, hidden)
         if shift_labels is not None:
             targets = shift_labels
         elif labels is not None:
@@ -280,6 +314,8 @@ class LlamaForCausalLM(nn.Module):
                 # Token t predicts token t + 1; the last token has nothing to predict.
                 targets = torch.full_like(labels, IGNORE_INDEX)
                 targets[:, :-1] = labels[:, 1:]
+                if document_ids is not None:  # nothing follows a document's last token in its document
+                    targets[:, :-1].masked_fill_(document_ids[:, 1:] != document_ids[:, :-1], IGNORE_INDEX)
         else:
             return F.linear(hidden, self.output_weight)  # (B, S, V)
         return self.loss(hidden, targets)

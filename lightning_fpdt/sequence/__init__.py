@@ -1,6 +1,7 @@
 """The sequence-parallel core: plain PyTorch, no Lightning imports (DESIGN.md §2)."""
 
 from lightning_fpdt.sequence.all_to_all import all_to_all_head_to_seq, all_to_all_seq_to_head
+from lightning_fpdt.sequence.documents import DocumentBoundaries
 from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention, check_heads, fpdt_attention, merge_partial
 from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention, check_head_groups, install_head_groups
 from lightning_fpdt.sequence.host_stash import ChunkStash, HostBufferPool, HostStash, StashFactory
@@ -11,6 +12,7 @@ from lightning_fpdt.sequence.ulysses import ulysses_attention
 __all__ = [
     "IGNORE_INDEX",
     "ChunkStash",
+    "DocumentBoundaries",
     "FPDTAttention",
     "HeadGroupedAttention",
     "HostBufferPool",

@@ -5,6 +5,9 @@ all-to-all'd into the contiguous global range ``[i·C, (i+1)·C)`` for ``H/P`` h
 ``j <= i`` block by block and merged with the log-sum-exp, then all-to-all'd back. Only the chunks of one step are
 materialised at full precision at once; the rest sits in a :class:`ChunkStash`. ``u = 1`` is Ulysses.
 
+Packed documents (:class:`~lightning_fpdt.sequence.documents.DocumentBoundaries`): each block is skipped, computed
+whole, or cut into per-document segments (:func:`_block_forward`, :func:`_block_backward`); the loops are unchanged.
+
 Three layers, as in the rest of ``sequence/``: the loops (:func:`fpdt_forward`, :func:`fpdt_backward`), a thin
 ``autograd.Function`` that only handles ``ctx``, and the public :func:`fpdt_attention` / :class:`FPDTAttention`.
 """
@@ -19,8 +22,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fpdt.sequence.all_to_all import group_rank, group_size, head_to_seq, seq_to_head
+from lightning_fpdt.sequence.documents import BlockPlan, DocumentBoundaries, Segment
 from lightning_fpdt.sequence.host_stash import ChunkStash, StashFactory
-from lightning_fpdt.sequence.kernels import BlockKernel, accumulation_dtype, check_backend_name, make_kernel
+from lightning_fpdt.sequence.kernels import (
+    BlockKernel,
+    VarlenFlashKernel,
+    accumulation_dtype,
+    check_backend_name,
+    make_kernel,
+)
 from lightning_fpdt.sequence.layout import SequenceLayout
 
 
@@ -76,10 +86,147 @@ class _Plan:
     kernel: BlockKernel
     scale: float
     kv_repeat: int  # replication of each kv head before the all-to-all (GQA with P > Hkv)
+    documents: Optional[DocumentBoundaries] = None  # packed documents: per-document causal masking
+    varlen: Optional[VarlenFlashKernel] = None  # packed documents on CUDA: a block's segments in one call
+
+
+def _block_plans(plan: _Plan, q_chunk: int, kv_chunk: int, chunk_len: int) -> Optional[list[BlockPlan]]:
+    """The per-document kernel calls of block ``(q_chunk, kv_chunk)``; ``None``: one plain call (no documents, or
+    one document covering the whole block for every batch item); ``[]``: skip the block."""
+    if plan.documents is None:
+        return None
+    q_range = (q_chunk * chunk_len, (q_chunk + 1) * chunk_len)
+    kv_range = (kv_chunk * chunk_len, (kv_chunk + 1) * chunk_len)
+    block_plans = plan.documents.block_plans(q_range, kv_range)
+    whole_block = (Segment(0, chunk_len, 0, chunk_len, causal=q_chunk == kv_chunk),)
+    if block_plans == [BlockPlan(0, plan.documents.batch_size, whole_block)]:
+        return None  # the whole block lies in one document for every item
+    return block_plans
+
+
+def _kv_chunks_read(plan: _Plan, q_chunk: int, chunk_len: int) -> list[int]:
+    """The kv chunks ``j <= q_chunk`` that q chunk ``q_chunk`` reads: all of them, or (packed documents) those sharing
+    a document with it; the diagonal always. Skipped chunks are neither computed nor fetched from the stash."""
+    return [j for j in range(q_chunk + 1) if _block_plans(plan, q_chunk, j, chunk_len) != []]
+
+
+def _q_chunks_reading(plan: _Plan, kv_chunk: int, chunk_len: int) -> list[int]:
+    """The q chunks ``i >= kv_chunk`` that read kv chunk ``kv_chunk`` (see :func:`_kv_chunks_read`)."""
+    return [i for i in range(kv_chunk, plan.layout.num_chunks) if _block_plans(plan, i, kv_chunk, chunk_len) != []]
+
+
+def _block_forward(
+    plan: _Plan, q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
+    out: Optional[Tensor], lse: Optional[Tensor],
+) -> tuple[Tensor, Tensor]:
+    """Attend q chunk ``q_chunk`` (B, H/P, C, D) to kv chunk ``kv_chunk`` and merge into the running ``(out, lse)``.
+
+    One kernel call, or (packed documents) one per document segment merged into its q rows; rows a block gives no
+    key keep ``lse = -inf``, ``out = 0`` until a later block does (every row has its own diagonal block).
+    """
+    causal = q_chunk == kv_chunk
+    block_plans = _block_plans(plan, q_chunk, kv_chunk, q.shape[2])
+    if block_plans is None:
+        block_out, block_lse = plan.kernel.forward(q, k, v, causal=causal, scale=plan.scale)
+        return merge_partial(out, lse, block_out, block_lse)
+    assert block_plans, "skipped blocks are not computed"
+    if plan.varlen is not None:
+        return _varlen_block_forward(plan, q, k, v, q_chunk, kv_chunk, out, lse)
+    if out is None:
+        acc = accumulation_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H/P, C, D)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)  # (B, H/P, C)
+    for items in block_plans:
+        b = slice(items.batch_start, items.batch_end)
+        for seg in items.segments:
+            rows, keys = slice(seg.q_start, seg.q_end), slice(seg.k_start, seg.k_end)
+            seg_out, seg_lse = plan.kernel.forward(
+                q[b, :, rows], k[b, :, keys], v[b, :, keys], causal=seg.causal, scale=plan.scale
+            )
+            out[b, :, rows], lse[b, :, rows] = merge_partial(out[b, :, rows], lse[b, :, rows], seg_out, seg_lse)
+    return out, lse
+
+
+def _block_backward(
+    plan: _Plan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of block ``(q_chunk, kv_chunk)`` given the final ``out, lse`` (never a skipped block).
+
+    Packed documents: each segment's gradients go to its q rows and key rows (fp32 sums; a key row can serve
+    several segments only within one document, never across).
+    """
+    causal = q_chunk == kv_chunk
+    block_plans = _block_plans(plan, q_chunk, kv_chunk, q.shape[2])
+    if block_plans is None:
+        return plan.kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=plan.scale)
+    assert block_plans, "skipped blocks are not computed"
+    if plan.varlen is not None:
+        return _varlen_block_backward(plan, dout, q, k, v, out, lse, q_chunk, kv_chunk)
+    acc = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H/P, C, D)
+    dk, dv = (torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2))  # (B, Hkv/P, C, D)
+    for items in block_plans:
+        b = slice(items.batch_start, items.batch_end)
+        for seg in items.segments:
+            rows, keys = slice(seg.q_start, seg.q_end), slice(seg.k_start, seg.k_end)
+            seg_dq, seg_dk, seg_dv = plan.kernel.backward(
+                dout[b, :, rows], q[b, :, rows], k[b, :, keys], v[b, :, keys], out[b, :, rows], lse[b, :, rows],
+                causal=seg.causal, scale=plan.scale,
+            )
+            dq[b, :, rows] += seg_dq
+            dk[b, :, keys] += seg_dk
+            dv[b, :, keys] += seg_dv
+    return dq, dk, dv
 
 
 def _chunk(plan: _Plan, x: Tensor, index: int) -> Tensor:
     return plan.layout.local_chunk(x, index, dim=1)
+
+
+def _packed_rows(plan: _Plan, q: Tensor, q_chunk: int, kv_chunk: int):
+    chunk_len = q.shape[2]
+    return plan.documents.packed_rows((q_chunk * chunk_len, (q_chunk + 1) * chunk_len),
+                                      (kv_chunk * chunk_len, (kv_chunk + 1) * chunk_len), q.device)
+
+
+def _varlen_block_forward(
+    plan: _Plan, q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
+    out: Optional[Tensor], lse: Optional[Tensor],
+) -> tuple[Tensor, Tensor]:
+    """All segments of a block, over the whole batch, in one varlen call; rows without a segment get no key."""
+    rows = _packed_rows(plan, q, q_chunk, kv_chunk)
+    # (B, h, C, D) -transpose-> (B, C, h, D) -gather segments' tokens-> (N, h, D)
+    q_packed = q.transpose(1, 2)[rows.q_items, rows.q_rows]
+    k_packed, v_packed = (x.transpose(1, 2)[rows.k_items, rows.k_rows] for x in (k, v))
+    seg_out, seg_lse = plan.varlen.forward(q_packed, k_packed, v_packed, rows.cum_q, rows.cum_k, rows.max_q,
+                                           rows.max_k, causal=rows.causal, scale=plan.scale)  # (N, h, D), (h, N)
+    block_out = torch.zeros_like(q)  # (B, h, C, D)
+    block_lse = torch.full(q.shape[:3], float("-inf"), dtype=seg_lse.dtype, device=q.device)  # (B, h, C)
+    block_out.transpose(1, 2)[rows.q_items, rows.q_rows] = seg_out  # written through the view
+    block_lse.transpose(1, 2)[rows.q_items, rows.q_rows] = seg_lse.t()
+    return merge_partial(out, lse, block_out, block_lse)
+
+
+def _varlen_block_backward(
+    plan: _Plan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of :func:`_varlen_block_forward` with the final ``out, lse``; zero where no segment reaches."""
+    rows = _packed_rows(plan, q, q_chunk, kv_chunk)
+    q_side = [x.transpose(1, 2)[rows.q_items, rows.q_rows] for x in (dout, q, out)]  # (N, h, D) each
+    lse_packed = lse.transpose(1, 2)[rows.q_items, rows.q_rows].t().contiguous()  # (B, h, C) -> (h, N)
+    k_packed, v_packed = (x.transpose(1, 2)[rows.k_items, rows.k_rows] for x in (k, v))
+    dq_packed, dk_packed, dv_packed = plan.varlen.backward(
+        q_side[0], q_side[1], k_packed, v_packed, q_side[2], lse_packed, rows.cum_q, rows.cum_k, rows.max_q,
+        rows.max_k, causal=rows.causal, scale=plan.scale,
+    )
+    acc = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, h, C, D)
+    dk, dv = (torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2))
+    # a block's segments are distinct documents: no token appears twice, plain writes suffice
+    dq.transpose(1, 2)[rows.q_items, rows.q_rows] = dq_packed.to(acc)
+    dk.transpose(1, 2)[rows.k_items, rows.k_rows] = dk_packed.to(acc)
+    dv.transpose(1, 2)[rows.k_items, rows.k_rows] = dv_packed.to(acc)
+    return dq, dk, dv
 
 
 def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan, stash: ChunkStash, save_for_backward: bool) -> Tensor:
@@ -89,14 +236,16 @@ def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan, stash: ChunkStash
     them); ``("q", i)``, ``("lse", i)`` only for the backward, which needs no recompute with them. The output is
     not stashed: the backward rebuilds its head-sharded chunks from the returned local output (see
     :func:`fpdt_backward`).
-    While block ``(i, j)`` computes, kv chunk ``j + 1`` is on its way back (double buffer).
+    While block ``(i, j)`` computes, kv chunk ``j + 1`` (the next one read) is on its way back (double buffer).
     """
     num_chunks = plan.layout.num_chunks
+    chunk_len = q.shape[1] // num_chunks * plan.layout.sp_size  # C: global tokens per chunk
     out_local = torch.empty_like(q)  # (B, S/P, H, D)
     for i in range(num_chunks):
-        if i > 0:
-            stash.prefetch(("k", 0))  # overlaps the all-to-all below
-            stash.prefetch(("v", 0))
+        kv_chunks = _kv_chunks_read(plan, i, chunk_len)  # 0 … i, less the blocks packed documents skip
+        if kv_chunks[0] < i:
+            stash.prefetch(("k", kv_chunks[0]))  # overlaps the all-to-all below
+            stash.prefetch(("v", kv_chunks[0]))
         q_i, k_i, v_i = _chunk(plan, q, i), _chunk(plan, k, i), _chunk(plan, v, i)  # (B, c, H|Hkv, D)
         if plan.kv_repeat > 1:
             # (B, c, Hkv, D) -> (B, c, P, D): rank p receives kv head p // kv_repeat, the one its q heads read
@@ -106,14 +255,13 @@ def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan, stash: ChunkStash
         stash.put(("k", i), k_heads)
         stash.put(("v", i), v_heads)
         out_acc = lse_acc = None
-        for j in range(i + 1):
-            if j + 1 < i:
-                stash.prefetch(("k", j + 1))
-                stash.prefetch(("v", j + 1))
+        for n, j in enumerate(kv_chunks):
+            if n + 1 < len(kv_chunks) and kv_chunks[n + 1] < i:
+                stash.prefetch(("k", kv_chunks[n + 1]))
+                stash.prefetch(("v", kv_chunks[n + 1]))
             k_j = k_heads if j == i else stash.get(("k", j))
             v_j = v_heads if j == i else stash.get(("v", j))
-            block_out, block_lse = plan.kernel.forward(q_heads, k_j, v_j, causal=(j == i), scale=plan.scale)
-            out_acc, lse_acc = merge_partial(out_acc, lse_acc, block_out, block_lse)
+            out_acc, lse_acc = _block_forward(plan, q_heads, k_j, v_j, i, j, out_acc, lse_acc)
             if j < i:
                 stash.release(("k", j))
                 stash.release(("v", j))
@@ -157,6 +305,7 @@ def fpdt_backward(
         stash.put(("dout", i), dout_heads)
         stash.put(("out", i), out_heads)
 
+    chunk_len = q_meta.shape[1] // num_chunks * plan.layout.sp_size  # C: global tokens per chunk
     stash_dout(0)
     for j in range(num_chunks):
         k_j, v_j = stash.get(("k", j)), stash.get(("v", j))
@@ -165,16 +314,19 @@ def fpdt_backward(
             stash.prefetch(("v", j + 1))
         dk_acc = torch.zeros(k_j.shape, dtype=acc, device=k_j.device)
         dv_acc = torch.zeros(v_j.shape, dtype=acc, device=v_j.device)
-        for i in range(j, num_chunks):
-            if i + 1 < num_chunks:
-                if j == 0:
-                    stash_dout(i + 1)
+        q_chunks = _q_chunks_reading(plan, j, chunk_len)  # j … u - 1, less the blocks packed documents skip
+        for n, i in enumerate(q_chunks):
+            next_i = q_chunks[n + 1] if n + 1 < len(q_chunks) else None
+            if j == 0:  # every chunk's dout, also of q chunks this step skips: later steps read them
+                for later in range(i + 1, num_chunks if next_i is None else next_i + 1):
+                    stash_dout(later)
+            if next_i is not None:
                 for name in Q_SIDE:
-                    stash.prefetch((name, i + 1))
-                if ("dq", i + 1) in dq_store:
-                    dq_store.prefetch(("dq", i + 1))
+                    stash.prefetch((name, next_i))
+                if ("dq", next_i) in dq_store:
+                    dq_store.prefetch(("dq", next_i))
             q_i, out_i, lse_i, dout_i = (stash.get((name, i)) for name in Q_SIDE)
-            dq, dk, dv = plan.kernel.backward(dout_i, q_i, k_j, v_j, out_i, lse_i, causal=(i == j), scale=plan.scale)
+            dq, dk, dv = _block_backward(plan, dout_i, q_i, k_j, v_j, out_i, lse_i, i, j)
             for name in Q_SIDE:
                 stash.release((name, i))
             if ("dq", i) in dq_store:
@@ -215,7 +367,8 @@ class _FPDTAttentionFunction(torch.autograd.Function):
     | stash ("dout"/"out", i) | (B, H/P, C, D) | heads | backward only: all-to-all'd once, read by every kv step |
     | partial dQ ("dq", i) | (B, H/P, C, D) fp32 | heads | backward only: device or host by the memory budget |
 
-    Nothing is recomputed in backward: the block backward runs on the stashed chunks.
+    Nothing is recomputed in backward: the block backward runs on the stashed chunks (with packed documents, on the
+    same per-document segments as the forward; the plan holds the boundaries).
     """
 
     @staticmethod
@@ -256,6 +409,7 @@ def fpdt_attention(
     num_chunks: int = 1,
     backend: str = "auto",
     stashes: Optional[StashFactory] = None,
+    documents: Optional[DocumentBoundaries] = None,
 ) -> Tensor:
     """Exact causal attention of a sequence-sharded batch over the sequence-parallel ``group``.
 
@@ -268,11 +422,14 @@ def fpdt_attention(
         num_chunks: FPDT chunks per rank ``u``; ``1`` is Ulysses.
         backend: block kernel, one of ``"auto"``, ``"math"``, ``"flash"``, ``"cudnn"``.
         stashes: where chunks wait for the backward (:class:`StashFactory`; default: device memory).
+        documents: packed documents of the *global* (padded) sequences (:class:`DocumentBoundaries`): a token
+            attends only to earlier tokens of its own document; ``None``: one document per sequence.
 
     Returns:
         ``(B, S/P, H, D)``, this rank's tokens of the attention output.
     """
-    plan = _make_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks, backend=backend)
+    plan = _make_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
+                      backend=backend, documents=documents)
     # decided here: inside Function.forward grad mode is always off
     save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
     return _FPDTAttentionFunction.apply(query, key, value, plan, stashes or StashFactory(), save)
@@ -280,7 +437,7 @@ def fpdt_attention(
 
 def _make_plan(
     query: Tensor, key: Tensor, value: Tensor, *, causal: bool, scale: Optional[float],
-    group: Optional[dist.ProcessGroup], num_chunks: int, backend: str,
+    group: Optional[dist.ProcessGroup], num_chunks: int, backend: str, documents: Optional[DocumentBoundaries] = None,
 ) -> _Plan:
     """Validate the call (ValueErrors name the fix) and fix what the loops need."""
     if not causal:
@@ -306,13 +463,28 @@ def _make_plan(
             f"local sequence length {query.shape[1]} is not divisible by num_chunks ({num_chunks}): pad the global "
             f"sequence to a multiple of sequence_parallel_size * num_chunks = {layout.num_pieces}"
         )
+    global_shape = (query.shape[0], query.shape[1] * sp_size)  # (B, S)
+    if documents is not None and (documents.batch_size, documents.seq_len) != global_shape:
+        raise ValueError(
+            f"documents describe {documents.batch_size} sequences of {documents.seq_len} tokens, but the attention "
+            f"got {query.shape[0]} sequences of {query.shape[1]} local tokens × {sp_size} ranks = "
+            f"{query.shape[1] * sp_size}: build them from the global batch padded like it "
+            f"(DocumentBoundaries.from_document_ids(ids).padded(layout.padded_length(S)))"
+        )
     return _Plan(
         group=group,
         layout=layout,
         kernel=make_kernel(backend, query.device, query.dtype),
         scale=query.shape[-1] ** -0.5 if scale is None else scale,
         kv_repeat=kv_repeat,
+        documents=documents,
+        varlen=varlen_kernel_for(backend, query.device, query.dtype) if documents is not None else None,
     )
+
+
+def varlen_kernel_for(backend: str, device: torch.device, dtype: torch.dtype) -> Optional[VarlenFlashKernel]:
+    """The varlen kernel packed documents use on CUDA in fp16/bf16 (not under ``backend="math"``, the reference)."""
+    return VarlenFlashKernel() if backend != "math" and VarlenFlashKernel.usable(device, dtype) else None
 
 
 def _in_backward() -> bool:
@@ -364,6 +536,8 @@ class FPDTAttention:
         """Set by a checkpoint around a block's first forward: keep what the recompute will need."""
         self.kernel_calls = 0
         """Attention computations run (a recompute served from the first forward does not count)."""
+        self.documents: Optional[DocumentBoundaries] = None
+        """Packed documents of the current batch (set per batch by the strategy); ``None``: plain causal."""
 
     @property
     def offload(self) -> bool:
@@ -375,7 +549,7 @@ class FPDTAttention:
 
     def plan(self, query: Tensor, key: Tensor, value: Tensor, causal: bool, scale: Optional[float]) -> _Plan:
         return _make_plan(query, key, value, causal=causal, scale=scale, group=self.group,
-                          num_chunks=self.num_chunks, backend=self.backend)
+                          num_chunks=self.num_chunks, backend=self.backend, documents=self.documents)
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, causal: bool = True, scale: Optional[float] = None) -> Tensor:
         self.kernel_calls += 1
@@ -391,6 +565,17 @@ class FPDTAttention:
                 f"head_chunks={self.head_chunks})")
 
 
+def check_document_ids(shared: FPDTAttention, document_ids: Optional[Tensor]) -> None:
+    """A model passing ``document_ids`` (it masks documents single-process) needs the strategy to have found the
+    documents of the global batch: the local ids cannot say where a document continues on another rank."""
+    if document_ids is not None and shared.documents is None:
+        raise ValueError(
+            "the model passes document_ids to its attention, but the fpdt strategy found neither 'document_ids' "
+            "nor position_ids restarting at 0 in the batch: put them in the dict the dataloader returns (e.g. "
+            "PackedTokenDataset(document_ids=True)), so the strategy sees every document of the global sequence"
+        )
+
+
 class LayerAttention:
     """One layer's handle on a shared :class:`FPDTAttention` (see there)."""
 
@@ -399,8 +584,10 @@ class LayerAttention:
         self._first_pass: Optional[_FirstPass] = None
         self._kept_out: Optional[ChunkStash] = None  # the first pass's output, on the host when offloading
 
-    def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, causal: bool = True, scale: Optional[float] = None) -> Tensor:
+    def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, causal: bool = True, scale: Optional[float] = None,
+                 document_ids: Optional[Tensor] = None) -> Tensor:
         shared = self.shared
+        check_document_ids(shared, document_ids)
         if self._first_pass is not None and _in_backward():
             return self._replay(query, key, value)
         if not shared.recording:

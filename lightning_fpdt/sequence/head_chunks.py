@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from lightning_fpdt.sequence.all_to_all import group_size
-from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention, _in_backward, check_heads
+from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention, _in_backward, check_document_ids, check_heads
 from lightning_fpdt.sequence.planning import AttentionGeometry
 
 
@@ -383,8 +383,11 @@ def _output_bias(module: nn.Module, y: Tensor) -> Tensor:
     return y if bias is None else y + bias
 
 
-def _reference_llama_forward(module: nn.Module, x: Tensor, position_ids: Tensor) -> Tensor:
-    """``LlamaAttention.forward`` of ``lightning_fpdt.models.llama``, in head groups."""
+def _reference_llama_forward(module: nn.Module, x: Tensor, position_ids: Tensor,
+                             document_ids: Optional[Tensor] = None) -> Tensor:
+    """``LlamaAttention.forward`` of ``lightning_fpdt.models.llama``, in head groups. Packed documents reach the
+    attention as the strategy's boundaries of the global batch (``FPDTAttention.documents``), not as local ids."""
+    check_document_ids(module._fpdt_attention.shared, document_ids)
     return _output_bias(module, module._fpdt_attention(module, x, (position_ids,)))
 
 

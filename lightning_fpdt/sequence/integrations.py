@@ -99,6 +99,7 @@ def install_reference_llama(model: nn.Module, context: SequenceParallelContext) 
             else:
                 module.attention_fn = context.attention.for_layer()
     model.labels_are_shifted = True  # the strategy shifts labels on the global sequence before sharding
+    model.documents_from_positions = False  # the strategy finds packed documents on the global batch
     model.fpdt_reduce_loss = loss_reduction(context)
     # the local loss is looked up at call time, so a later transform (TiledLoss) can replace it
     model.fpdt_local_loss = model.loss

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_fpdt.sequence.documents import DocumentBoundaries, document_starts_mask, has_position_resets
 from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention
 from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention, check_head_groups, grouped_geometry
 from lightning_fpdt.sequence.integrations import SequenceParallelContext, sequence_parallel_loss
@@ -290,7 +291,8 @@ class FPDTStrategy(ModelParallelStrategy):
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Move the batch, then shard its sequence with :class:`SequenceLayout` (adds ``position_ids`` and the
-        globally shifted ``labels``/``shift_labels``)."""
+        globally shifted ``labels``/``shift_labels``). A packed batch (``document_ids``, or ``position_ids`` restarting
+        at 0) turns on per-document attention masking for this batch (docs/packing.md)."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), Tensor):
             raise ValueError(
@@ -344,10 +346,14 @@ class FPDTStrategy(ModelParallelStrategy):
         position_ids = batch.get("position_ids")
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch_size, -1)
+        documents, document_starts = packed_documents(batch.get("document_ids"), position_ids, input_ids.shape)
+        if documents is not None:
+            # the last token of a document predicts nothing (run alone it has no next token), whatever the labels say
+            targets = torch.cat([targets[:, :-1].masked_fill(document_starts[:, 1:], IGNORE_INDEX), targets[:, -1:]], 1)
 
         sharded = {}
         for key, value in batch.items():
-            if key in ("input_ids", "labels", "shift_labels", "position_ids"):
+            if key in ("input_ids", "labels", "shift_labels", "position_ids", "document_ids"):
                 continue
             if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[:2] == (batch_size, seq_len):
                 sharded[key] = layout.shard(layout.pad(value, dim=1, value=0), dim=1)  # any other per-token tensor
@@ -357,6 +363,10 @@ class FPDTStrategy(ModelParallelStrategy):
         shift_labels = layout.shard(layout.pad(targets, dim=1, value=IGNORE_INDEX))
         sharded["labels"] = sharded["shift_labels"] = shift_labels
         sharded["position_ids"] = layout.shard(layout.pad_position_ids(position_ids))
+        if "document_ids" in batch:
+            document_ids = batch["document_ids"]
+            pad_document = (document_ids[:, -1:] + 1).expand(-1, padded - seq_len)  # the padding is a document
+            sharded["document_ids"] = layout.shard(torch.cat([document_ids, pad_document], dim=1))
 
         self.last_batch_geometry = (batch_size, seq_len, padded)
         # kept on the device: only a module computing its own loss needs it, and int() here would stall every step
@@ -366,6 +376,7 @@ class FPDTStrategy(ModelParallelStrategy):
         self._context.attention.offload = offload
         self._context.attention.stashes.offload_dq = self.offload_dq_for(seq_len, batch_size, offload)
         self._context.position_ids = sharded["position_ids"]
+        self._context.attention.documents = documents.padded(padded) if documents is not None else None
         self._context.loss_reduced = False
         return sharded
 
@@ -432,6 +443,7 @@ class FPDTStrategy(ModelParallelStrategy):
             offload_dq=self.offload_dq_for(seq_len, batch_size, offload),
             activation_offload=any(cb.stashes.offload for cb in checkpoints),
             activation_checkpointing=bool(checkpoints),
+            recompute_attention=any(cb.recompute_attention for cb in checkpoints),
             tiled_mlp=any(isinstance(cb, TiledMLP) for cb in callbacks),
             tiled_loss=any(isinstance(cb, TiledLoss) for cb in callbacks),
             precision=self.precision_plugin.precision, cpu_offload_params=self._cpu_offload_params,
@@ -574,6 +586,31 @@ def attention_geometry(model: torch.nn.Module, precision: str) -> Optional[Atten
     geometry = AttentionGeometry(num_layers=layers, num_heads=heads[0], num_kv_heads=heads[1], head_dim=int(head_dim),
                                  dtype_bytes=4 if precision == "32-true" else 2)
     return grouped_geometry(geometry, head_chunks)  # what chunks/offload "auto" size: one group's attention calls
+
+
+def packed_documents(
+    document_ids: Optional[Tensor], position_ids: Tensor, shape: torch.Size
+) -> tuple[Optional[DocumentBoundaries], Optional[Tensor]]:
+    """The documents of a packed global batch and the ``(B, S)`` mask of their starts; ``(None, None)`` for a batch
+    of one document per sequence. From ``document_ids`` when the batch has them, else from ``position_ids`` that
+    restart at 0 (one host synchronisation per packed batch, for the start offsets)."""
+    if document_ids is not None:
+        if not isinstance(document_ids, Tensor) or tuple(document_ids.shape) != tuple(shape):
+            raise ValueError(
+                f"batch['document_ids'] must be a tensor shaped like input_ids {tuple(shape)} (one document id per "
+                f"token), got {tuple(document_ids.shape) if isinstance(document_ids, Tensor) else type(document_ids)}"
+            )
+        starts = document_starts_mask(document_ids=document_ids)
+    else:
+        if position_ids.dim() != 2 or position_ids.shape[1] != shape[1] or position_ids.shape[0] not in (1, shape[0]):
+            raise ValueError(
+                f"batch['position_ids'] must be shaped like input_ids {tuple(shape)} (or (1, S)), got "
+                f"{tuple(position_ids.shape)}"
+            )
+        if not has_position_resets(position_ids):
+            return None, None
+        starts = document_starts_mask(position_ids=position_ids.expand(shape[0], -1))
+    return DocumentBoundaries.from_starts_mask(starts), starts
 
 
 def memory_transforms(trainer: "pl.Trainer") -> list:

@@ -141,6 +141,45 @@ def test_activation_offload_runs_each_group_once(offload):
     assert attention.kernel_calls == 2 * 2 * 2  # groups x layers x steps
 
 
+def test_recompute_attention_runs_each_group_twice():
+    """ActivationOffload(recompute_attention=True): each group's attention runs again in the recompute (its first
+    forward keeps nothing), as for whole layers; gradients exact."""
+    reference = _reference_llama(seed=14)
+    grouped = copy.deepcopy(reference)
+    attention = FPDTAttention(num_chunks=2, backend="math", offload=True, head_chunks=4)
+    install_reference_llama(grouped, SequenceParallelContext(group=None, attention=attention))
+    ActivationOffload(recompute_attention=True).fpdt_transform(grouped, find_blocks(grouped))
+    _compare(reference, grouped, *_inputs(seed=15))
+    assert attention.kernel_calls == 2 * 4 * 2  # twice x groups x layers
+
+
+def test_packed_documents_through_head_groups():
+    """Packed documents (the strategy's boundaries on the shared attention) mask every group: grouped logits and
+    gradients equal the single-process model given the document ids."""
+    from lightning_fpdt.sequence.documents import DocumentBoundaries
+
+    reference = _reference_llama(seed=16)
+    grouped = copy.deepcopy(reference)
+    attention = FPDTAttention(num_chunks=2, backend="math", head_chunks=2)
+    install_reference_llama(grouped, SequenceParallelContext(group=None, attention=attention))
+    ids, weight = _inputs(seed=17)
+    document_ids = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [0] * 12])
+    attention.documents = DocumentBoundaries.from_document_ids(document_ids)
+    positions = torch.arange(12).expand(2, 12)
+    results = []
+    for model in (reference, grouped):
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, position_ids=positions, document_ids=document_ids)
+        (logits * weight).sum().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0], **TOL)
+    for name, ref in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], ref, **TOL, msg=lambda m: f"{name}: {m}")
+    attention.documents = None  # local ids without the global boundaries are refused, as for whole layers
+    with pytest.raises(ValueError, match="the model passes document_ids to its attention"):
+        grouped(input_ids=ids, position_ids=positions, document_ids=document_ids)
+
+
 def test_torch_checkpoint_does_not_recompute_grouped_attention():
     """Under torch's own non-reentrant checkpoint the recompute sums the kept outputs: no attention runs again."""
     reference = _reference_llama(seed=5)

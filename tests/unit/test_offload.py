@@ -104,6 +104,25 @@ def test_plain_checkpointing_would_recompute_attention():
     assert attention.kernel_calls == 2 * 3 * 2
 
 
+def test_recompute_attention_holds_one_layer_stash():
+    """recompute_attention=True: the attention runs again in each recompute (2 calls per layer and step), gradients
+    stay exact, and the pinned pool holds one layer's stash instead of every layer's."""
+    pools, grads = {}, {}
+    for recompute in (False, True):
+        model, _ = _models()
+        attention = FPDTAttention(num_chunks=2, backend="math", offload=True)
+        install_reference_llama(model, SequenceParallelContext(group=None, attention=attention))
+        ActivationOffload(recompute_attention=recompute).fpdt_transform(model, find_blocks(model))
+        _train_steps(model)
+        assert attention.kernel_calls == (2 if recompute else 1) * 3 * 2
+        pools[recompute] = attention.stashes.host_bytes
+        grads[recompute] = [p.grad for p in model.parameters()]
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)  # fp64, the same arithmetic run again
+    # kept: 3 layers' q/k/v/lse chunks and outputs, then one layer's dout and out; recomputed: one layer's of each
+    assert pools[True] < 0.5 * pools[False]
+
+
 def test_activation_offload_option_messages():
     """prefetch < 0 and a model without blocks are refused by name."""
     with pytest.raises(ValueError, match="prefetch must be >= 0 blocks, got -1"):

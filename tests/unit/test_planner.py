@@ -297,6 +297,25 @@ def test_host_bound_plan_moves_work_back_to_the_gpu():
     assert plan.recommended.fits and plan.recommended.options.activation_checkpointing
 
 
+def test_host_bound_plan_recommends_recomputing_the_attention():
+    """When the stashes of all layers exceed the host and moving work back to the GPU does not fit, the plan
+    recomputes the attention: one layer's stash (and no kept outputs) instead of L layers'."""
+    kwargs = dict(geometry="llama3-8b", seq_len=1048576, num_gpus=4, activation_offload=True, tiled_mlp=True,
+                  tiled_loss=True, gpu_memory_gib=80, host_memory_gib=500)
+    plan = plan_memory(**kwargs)
+    assert plan.binding_limit == "host memory" and plan.recommendation == "set recompute_attention=True"
+    recomputed = plan_memory(**kwargs, recompute_attention=True)
+    assert recomputed.fits and recomputed.options.recompute_attention
+    kept, one = plan.component("attention stash").host_bytes, recomputed.component("attention stash").host_bytes
+    size = dict(batch_size=1, seq_len=1048576, sp_size=4)
+    local_out = 262144 * 32 * 128 * 2
+    # kept: 32 stashes + 32 kept outputs + one layer's dout and out; recomputed: 1 stash + one layer's dout and out
+    assert kept == 32 * stash_bytes(LLAMA3_8B_ATTENTION, **size) + 32 * local_out + 2 * local_out
+    assert one == stash_bytes(LLAMA3_8B_ATTENTION, **size) + 2 * local_out
+    with pytest.raises(ValueError, match="recompute_attention needs checkpointed blocks"):
+        plan_memory(**{**kwargs, "activation_offload": False}, recompute_attention=True)
+
+
 # ---- the host check --------------------------------------------------------------------------------------------------
 def test_check_host_memory_refuses_with_the_numbers():
     """A host with less memory than the pinned requirement is refused with the numbers; enough passes."""

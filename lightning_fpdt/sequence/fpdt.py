@@ -12,7 +12,7 @@ Three layers, as in the rest of ``sequence/``: the loops (:func:`fpdt_forward`, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -246,7 +246,7 @@ def fpdt_attention(
     *,
     causal: bool = True,
     scale: Optional[float] = None,
-    group: Optional[dist.ProcessGroup] = None,
+    group: Union[dist.ProcessGroup, tuple[dist.ProcessGroup, dist.ProcessGroup], None] = None,
     num_chunks: int = 1,
     backend: str = "auto",
     stashes: Optional[StashFactory] = None,
@@ -258,7 +258,9 @@ def fpdt_attention(
         key, value: ``(B, S/P, Hkv, D)``.
         causal: must be ``True``: FPDT's schedule is the causal one.
         scale: softmax scale, ``D ** -0.5`` by default.
-        group: the sequence-parallel process group (``None``: the default group, or one process).
+        group: the sequence-parallel process group (``None``: the default group, or one process), or a
+            ``(ulysses_group, ring_group)`` pair: the Ulysses × ring hybrid (:func:`~lightning_fpdt.sequence.ring.
+            ring_attention`) for more ranks than heads.
         num_chunks: FPDT chunks per rank ``u``; ``1`` is Ulysses.
         backend: block kernel, one of ``"auto"``, ``"math"``, ``"flash"``, ``"cudnn"``.
         stashes: where chunks wait for the backward (:class:`StashFactory`; default: device memory).
@@ -266,6 +268,11 @@ def fpdt_attention(
     Returns:
         ``(B, S/P, H, D)``, this rank's tokens of the attention output.
     """
+    if isinstance(group, tuple):  # (ulysses_group, ring_group): the hybrid over a 2-D mesh (sequence/ring.py)
+        from lightning_fpdt.sequence.ring import ring_attention  # ring.py builds on this module
+
+        return ring_attention(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
+                              backend=backend, stashes=stashes)
     plan = _make_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks, backend=backend)
     # decided here: inside Function.forward grad mode is always off
     save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
@@ -335,7 +342,7 @@ class FPDTAttention:
     def __init__(
         self,
         *,
-        group: Optional[dist.ProcessGroup] = None,
+        group: Union[dist.ProcessGroup, tuple[dist.ProcessGroup, dist.ProcessGroup], None] = None,
         num_chunks: int = 1,
         backend: str = "auto",
         offload: bool = False,
@@ -367,6 +374,9 @@ class FPDTAttention:
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, causal: bool = True, scale: Optional[float] = None) -> Tensor:
         self.kernel_calls += 1
+        if isinstance(self.group, tuple):  # (ulysses_group, ring_group): the hybrid (sequence/ring.py)
+            return fpdt_attention(query, key, value, causal=causal, scale=scale, group=self.group,
+                                  num_chunks=self.num_chunks, backend=self.backend, stashes=self.stashes)
         save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
         return _FPDTAttentionFunction.apply(query, key, value, self.plan(query, key, value, causal, scale),
                                             self.stashes, save)
@@ -390,7 +400,8 @@ class LayerAttention:
         shared = self.shared
         if self._first_pass is not None and _in_backward():
             return self._replay(query, key, value)
-        if not shared.recording:
+        if not shared.recording or isinstance(shared.group, tuple):
+            # the ring hybrid keeps no first pass yet: under checkpointing its attention runs again in the recompute
             return shared(query, key, value, causal=causal, scale=scale)
         # a checkpoint's first forward (no grad): compute and stash as for a backward, keep the output
         self.discard()

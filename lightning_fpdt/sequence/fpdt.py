@@ -316,6 +316,15 @@ def _make_plan(
     )
 
 
+def _attention_function(plan: object) -> type[torch.autograd.Function]:
+    """The autograd.Function that runs ``plan``: FPDT's, or the ring hybrid's for a ring plan (sequence/ring.py)."""
+    if isinstance(plan, _Plan):
+        return _FPDTAttentionFunction
+    from lightning_fpdt.sequence.ring import _RingAttentionFunction  # ring.py builds on this module
+
+    return _RingAttentionFunction
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward: a checkpoint recomputing a layer's forward."""
     return torch._C._current_graph_task_id() != -1
@@ -368,18 +377,21 @@ class FPDTAttention:
     def offload(self, value: bool) -> None:
         self.stashes.offload = value
 
-    def plan(self, query: Tensor, key: Tensor, value: Tensor, causal: bool, scale: Optional[float]) -> _Plan:
+    def plan(self, query: Tensor, key: Tensor, value: Tensor, causal: bool, scale: Optional[float]) -> object:
+        """FPDT's :class:`_Plan`, or the ring hybrid's plan for a ``(ulysses_group, ring_group)`` pair."""
+        if isinstance(self.group, tuple):  # (ulysses_group, ring_group): the hybrid (sequence/ring.py)
+            from lightning_fpdt.sequence.ring import _make_ring_plan  # ring.py builds on this module
+
+            return _make_ring_plan(query, key, value, causal=causal, scale=scale, group=self.group,
+                                   num_chunks=self.num_chunks, backend=self.backend)
         return _make_plan(query, key, value, causal=causal, scale=scale, group=self.group,
                           num_chunks=self.num_chunks, backend=self.backend)
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, causal: bool = True, scale: Optional[float] = None) -> Tensor:
         self.kernel_calls += 1
-        if isinstance(self.group, tuple):  # (ulysses_group, ring_group): the hybrid (sequence/ring.py)
-            return fpdt_attention(query, key, value, causal=causal, scale=scale, group=self.group,
-                                  num_chunks=self.num_chunks, backend=self.backend, stashes=self.stashes)
         save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
-        return _FPDTAttentionFunction.apply(query, key, value, self.plan(query, key, value, causal, scale),
-                                            self.stashes, save)
+        plan = self.plan(query, key, value, causal, scale)
+        return _attention_function(plan).apply(query, key, value, plan, self.stashes, save)
 
     def for_layer(self) -> "LayerAttention":
         return LayerAttention(self)
@@ -400,15 +412,19 @@ class LayerAttention:
         shared = self.shared
         if self._first_pass is not None and _in_backward():
             return self._replay(query, key, value)
-        if not shared.recording or isinstance(shared.group, tuple):
-            # the ring hybrid keeps no first pass yet: under checkpointing its attention runs again in the recompute
+        if not shared.recording:
             return shared(query, key, value, causal=causal, scale=scale)
         # a checkpoint's first forward (no grad): compute and stash as for a backward, keep the output
         self.discard()
         shared.kernel_calls += 1
         plan = shared.plan(query, key, value, causal, scale)
         stash = shared.stashes.chunks(query.device)
-        out = fpdt_forward(query, key, value, plan, stash, save_for_backward=True)
+        if isinstance(plan, _Plan):
+            out = fpdt_forward(query, key, value, plan, stash, save_for_backward=True)
+        else:  # the ring hybrid's plan
+            from lightning_fpdt.sequence.ring import hybrid_forward
+
+            out = hybrid_forward(query, key, value, plan, stash, save_for_backward=True)
         self._kept_out = shared.stashes.chunks(out.device)  # host memory when offloading
         self._kept_out.put("out", out)
         self._first_pass = _FirstPass(plan=plan, stash=stash, out=None)  # out comes back from _kept_out in _replay
@@ -420,7 +436,8 @@ class LayerAttention:
         first_pass.out = kept.get("out")
         kept.release("out")
         kept.free("out")
-        return _FPDTAttentionFunction.apply(query, key, value, first_pass.plan, self.shared.stashes, True, first_pass)
+        return _attention_function(first_pass.plan).apply(query, key, value, first_pass.plan, self.shared.stashes, True,
+                                                           first_pass)
 
     def discard(self) -> None:
         """Drop what a first pass kept (its graph was discarded without a backward)."""

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fpdt.sequence.all_to_all import group_size, head_to_seq, seq_to_head
-from lightning_fpdt.sequence.fpdt import _make_plan, check_heads, fpdt_attention, merge_partial
-from lightning_fpdt.sequence.host_stash import StashFactory
+from lightning_fpdt.sequence.fpdt import _make_plan, _Plan, check_heads, fpdt_attention, merge_partial
+from lightning_fpdt.sequence.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.kernels import BlockKernel, accumulation_dtype
 from lightning_fpdt.sequence.layout import SequenceLayout
 
@@ -202,9 +202,16 @@ def ring_backward(
     return dq, dkv_comm.wait()  # this ring rank's own share, every ring rank's contribution summed
 
 
-def hybrid_forward(q: Tensor, k: Tensor, v: Tensor, plan: _RingPlan) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """All-to-all over the Ulysses group, the ring, all-to-all back; returns the local output and what the
-    backward needs ``(q_heads, kv, out_heads, lse)``."""
+SAVED = ("q", "kv", "out", "lse")
+"""Stash keys of what the backward needs: the head-sharded shares (see the table of :class:`_RingAttentionFunction`)."""
+
+
+def hybrid_forward(
+    q: Tensor, k: Tensor, v: Tensor, plan: _RingPlan, stash: ChunkStash, save_for_backward: bool
+) -> Tensor:
+    """All-to-all over the Ulysses group, the ring, all-to-all back; returns the local output. When
+    ``save_for_backward``, stashes the head-sharded ``q``, ``kv``, ``out`` and ``lse`` (host memory when offloading:
+    then only one layer's shares are on the device in backward)."""
     if plan.kv_repeat > 1:
         # (B, S/P, Hkv, D) -> (B, S/P, U, D): Ulysses rank j receives kv head j // kv_repeat, the one its q heads read
         k, v = (x.repeat_interleave(plan.kv_repeat, dim=2) for x in (k, v))
@@ -213,20 +220,30 @@ def hybrid_forward(q: Tensor, k: Tensor, v: Tensor, plan: _RingPlan) -> tuple[Te
     kv = torch.stack([k_heads, v_heads])  # (2, B, hk, S/R, D)
     out, lse = ring_forward(q_heads, kv, plan)
     out_heads = out.to(q.dtype)  # (B, H/U, S/R, D)
+    if save_for_backward:
+        for name, tensor in zip(SAVED, (q_heads, kv, out_heads, lse)):
+            stash.put(name, tensor)
     # (B, H/U, S/R, D) -all_to_all-> (B, S/P, H, D)
     (out_local,) = head_to_seq([out_heads], plan.ulysses_group)
-    return out_local, (q_heads, kv, out_heads, lse)
+    return out_local
 
 
-def hybrid_backward(dout: Tensor, saved: tuple[Tensor, ...], plan: _RingPlan) -> tuple[Tensor, Tensor, Tensor]:
-    """The inverse path: ``dout`` all-to-all'd to heads, the backward ring, ``dq, dk, dv`` all-to-all'd back in one
-    collective (in the inputs' dtype)."""
-    q_heads, kv, out_heads, lse = saved
+def hybrid_backward(dout: Tensor, plan: _RingPlan, stash: ChunkStash) -> tuple[Tensor, Tensor, Tensor]:
+    """The inverse path: ``dout`` all-to-all'd to heads, the backward ring on the stashed shares, ``dq, dk, dv``
+    all-to-all'd back in one collective (in the inputs' dtype)."""
+    for name in SAVED:
+        stash.prefetch(name)  # on its way back from the host while dout is all-to-all'd
     (dout_heads,) = seq_to_head([dout], plan.ulysses_group)  # (B, S/P, H, D) -> (B, H/U, S/R, D)
+    q_heads, kv, out_heads, lse = (stash.get(name) for name in SAVED)
     dq, dkv = ring_backward(dout_heads, q_heads, kv, out_heads, lse, plan)
+    q_dtype, kv_dtype = q_heads.dtype, kv.dtype
+    del q_heads, kv, out_heads, lse
+    for name in SAVED:
+        stash.release(name)
+        stash.free(name)
     # (B, H/U, S/R, D) -all_to_all-> (B, S/P, H, D); dk, dv alike
     dq_local, dk_local, dv_local = head_to_seq(
-        [dq.to(q_heads.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype)], plan.ulysses_group
+        [dq.to(q_dtype), dkv[0].to(kv_dtype), dkv[1].to(kv_dtype)], plan.ulysses_group
     )
     if plan.kv_repeat > 1:
         # (B, S/P, Hkv·r, D) -> (B, S/P, Hkv, D): a replicated kv head's gradient is the sum over its replicas
@@ -239,38 +256,50 @@ class _RingAttentionFunction(torch.autograd.Function):
 
     | tensor | shape | sharded dim | kept for backward |
     |---|---|---|---|
-    | q (in) | (B, S/P, H, D) | sequence | no: its head-sharded share is kept instead |
-    | k, v (in) | (B, S/P, Hkv, D) | sequence | no: their head-sharded share is kept instead |
-    | out | (B, S/P, H, D) | sequence | no: its head-sharded share is kept instead |
-    | q_heads | (B, H/U, S/R, D) | heads (Ulysses), sequence (ring) | yes: every block backward reads it |
-    | kv | (2, B, hk, S/R, D) | heads (Ulysses), sequence (ring) | yes: it travels the ring again in backward |
-    | out_heads | (B, H/U, S/R, D) | heads, sequence | yes: with lse it makes the blockwise backward exact |
-    | lse | (B, H/U, S/R) fp32 | heads, sequence | yes: see out_heads |
-    | dq, dkv (backward) | as q_heads, kv, fp32 | heads, sequence | backward only: dkv travels with kv |
+    | q (in) | (B, S/P, H, D) | sequence | no: its head-sharded share is in the stash |
+    | k, v (in) | (B, S/P, Hkv, D) | sequence | no: their head-sharded share is in the stash |
+    | out | (B, S/P, H, D) | sequence | no: its head-sharded share is in the stash |
+    | stash "q" | (B, H/U, S/R, D) | heads (Ulysses), sequence (ring) | yes (host memory when offloading): every block backward reads it |
+    | stash "kv" | (2, B, hk, S/R, D) | heads (Ulysses), sequence (ring) | yes: it travels the ring again in backward |
+    | stash "out" | (B, H/U, S/R, D) | heads, sequence | yes: with lse it makes the blockwise backward exact |
+    | stash "lse" | (B, H/U, S/R) fp32 | heads, sequence | yes: see out |
+    | dq, dkv (backward) | as q, kv, fp32 | heads, sequence | backward only, on the device: dkv travels with kv |
 
-    ``hk = Hkv/U`` (``1`` when kv heads are replicated). Nothing is recomputed in backward; the kept tensors stay on
-    the device (no host offload for the ring yet).
+    ``hk = max(Hkv, U)/U`` kv heads per rank. Nothing is recomputed in backward (under activation checkpointing the
+    recompute takes the first forward's output and stash: ``first_pass``, as for FPDT).
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: _RingPlan) -> Tensor:
-        out, saved = hybrid_forward(q, k, v, plan)
-        ctx.plan, ctx.saved = plan, saved
+    def forward(
+        ctx, q: Tensor, k: Tensor, v: Tensor, plan: _RingPlan, stashes: StashFactory, save: bool,
+        first_pass: Optional[object] = None,
+    ) -> Tensor:
+        if first_pass is None:
+            stash = stashes.chunks(q.device)
+            out = hybrid_forward(q, k, v, plan, stash, save_for_backward=save)
+        else:
+            # a checkpoint's recompute: the first forward's output and stash (fpdt._FirstPass), nothing computed again
+            stash, out = first_pass.stash, first_pass.out.view(first_pass.out.shape)
+        ctx.plan, ctx.stash = plan, stash
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        dq, dk, dv = hybrid_backward(dout.contiguous(), ctx.saved, ctx.plan)
-        ctx.saved = None
-        return dq, dk, dv, None
+        dq, dk, dv = hybrid_backward(dout.contiguous(), ctx.plan, ctx.stash)
+        ctx.stash = None
+        return dq, dk, dv, None, None, None, None
 
 
 def _make_ring_plan(
     query: Tensor, key: Tensor, value: Tensor, *, causal: bool, scale: Optional[float], group: SequenceGroups,
     num_chunks: int, backend: str,
-) -> _RingPlan:
-    """Validate the call (ValueErrors print every factor) and fix what the loops need."""
+) -> Union[_RingPlan, _Plan]:
+    """Validate the call (ValueErrors print every factor) and fix what the loops need; with ``R = 1`` FPDT's own
+    plan over the Ulysses group (chunks and everything else of FPDT apply)."""
     ulysses_group, ring_group, ulysses_size, ring_size = _split(group)
+    if ring_size == 1:
+        return _make_plan(query, key, value, causal=causal, scale=scale, group=ulysses_group, num_chunks=num_chunks,
+                          backend=backend)
     sp_size = ulysses_size * ring_size
     try:
         check_heads(query.shape[2], key.shape[2], ulysses_size)
@@ -311,9 +340,10 @@ def ring_attention(
         scale: softmax scale, ``D ** -0.5`` by default.
         group: ``(ulysses_group, ring_group)`` (:func:`new_sequence_groups`, or the strategy's mesh axes).
         num_chunks: FPDT chunks; only ``1`` composes with ``R > 1`` so far. With ``R = 1`` this is
-            :func:`fpdt_attention` over the Ulysses group (chunks and ``stashes`` apply).
+            :func:`fpdt_attention` over the Ulysses group.
         backend: block kernel, as for :func:`fpdt_attention`.
-        stashes: only used when ``R = 1`` (the ring keeps its state on the device).
+        stashes: where the shares wait for the backward (:class:`StashFactory`; default: device memory; with
+            ``offload=True`` pinned host memory).
 
     Returns:
         ``(B, S/P, H, D)``, this rank's tokens of the attention output.
@@ -324,7 +354,9 @@ def ring_attention(
                               num_chunks=num_chunks, backend=backend, stashes=stashes)
     plan = _make_ring_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
                            backend=backend)
-    return _RingAttentionFunction.apply(query, key, value, plan)
+    # decided here: inside Function.forward grad mode is always off
+    save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    return _RingAttentionFunction.apply(query, key, value, plan, stashes or StashFactory(), save)
 
 
 def sequence_group_size(group: Union[SequenceGroups, dist.ProcessGroup, None]) -> int:

@@ -80,8 +80,8 @@ class FPDTStrategy(ModelParallelStrategy):
         ring_size: ring ranks ``R`` of a 2-D sequence mesh (``sequence_parallel_size = U·R``: ``U`` Ulysses ranks
             all-to-all heads, ``R`` ring ranks pass kv shares around; docs/ring.md), so the sequence-parallel size
             may exceed the head count. ``"auto"``: ``1`` when the heads allow ``sequence_parallel_size`` Ulysses
-            ranks, else the smallest ``R`` whose ``U`` they allow. With ``R > 1`` chunks are 1 and nothing is
-            offloaded (not composed with the ring yet).
+            ranks, else the smallest ``R`` whose ``U`` they allow. With ``R > 1`` chunks are 1 (FPDT chunks are
+            not composed with the ring yet); ``offload`` keeps the ring's head-sharded shares in host memory.
         attention_backend: block attention kernel: ``"auto"``, ``"cudnn"``, ``"flash"`` or ``"math"``.
         layer_classes: class names of the transformer blocks (FSDP2 units); ``None``: the largest ``ModuleList``.
         cpu_offload_params: keep sharded parameters, gradients and optimizer state in host memory (FSDP2
@@ -193,12 +193,11 @@ class FPDTStrategy(ModelParallelStrategy):
                 f"chunks={self._chunks} with ring_size={ring_size}: FPDT chunks are not composed with ring attention "
                 f"yet; use chunks=1 (or 'auto') with a ring, or ring_size=1"
             )
-        for name, value in (("offload", self._offload), ("offload_dq", self._offload_dq)):
-            if value is True:
-                raise ValueError(
-                    f"{name}=True with ring_size={ring_size}: host offload is not composed with ring attention yet; "
-                    f"use {name}='auto' or False with a ring, or ring_size=1"
-                )
+        if self._offload_dq is True:
+            raise ValueError(
+                f"offload_dq=True with ring_size={ring_size}: the ring has no partial dQ sums across chunks to "
+                f"offload (its dQ is one share, on the device); use offload_dq='auto' or False with a ring"
+            )
 
     @property
     def precision_plugin(self) -> Precision:
@@ -310,7 +309,7 @@ class FPDTStrategy(ModelParallelStrategy):
         if self._offload_dq != "auto":
             return self._offload_dq
         if self._ring_on():
-            return False  # the ring keeps its state on the device
+            return False  # the ring's dQ is one share per layer: nothing to offload across chunks
         free = self._free_memory()
         if not offload or free is None or self._geometry is None:
             return False
@@ -321,13 +320,11 @@ class FPDTStrategy(ModelParallelStrategy):
         """Whether the attention offloads its chunks for this sequence length (the option, or the plan)."""
         if self._offload != "auto":
             return self._offload
-        if self._ring_on():
-            return False  # host offload is not composed with the ring yet
         free = self._free_memory()
         if free is None or self._geometry is None:
             return False
         return choose_offload(self._geometry, batch_size=batch_size, seq_len=seq_len,
-                              sp_size=self.sequence_parallel_size, free_bytes=free)
+                              sp_size=self.sequence_parallel_size, free_bytes=free, ring_size=self.ring_size)
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Move the batch, then shard its sequence with :class:`SequenceLayout` (adds ``position_ids`` and the
@@ -472,6 +469,7 @@ class FPDTStrategy(ModelParallelStrategy):
         plan = plan_memory(
             geometry=geometry, seq_len=seq_len, batch_size=batch_size, num_gpus=self.world_size,
             gpus_per_node=self.num_processes, sequence_parallel_size=self.sequence_parallel_size,
+            ring_size=self.ring_size,
             chunks=self.num_chunks_for(seq_len, batch_size), offload=offload,
             offload_dq=self.offload_dq_for(seq_len, batch_size, offload),
             activation_offload=any(cb.stashes.offload for cb in checkpoints),

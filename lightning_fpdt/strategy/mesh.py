@@ -47,8 +47,14 @@ def resolve_sizes(
             ring = ring_size if isinstance(ring_size, int) else 1
             candidates = [p for p in range(devices_per_node, 0, -1)
                           if world_size % p == 0 and devices_per_node % p == 0 and p % ring == 0]
+            if not candidates:
+                raise ValueError(
+                    f"ring_size ({ring}) divides no sequence_parallel_size that divides both the world size "
+                    f"{world_size} and the devices per node {devices_per_node}: give sequence_parallel_size "
+                    f"explicitly (a ring may span hosts) or another ring_size"
+                )
             sequence_parallel_size = next(
-                (p for p in candidates if heads is None or _heads_allow(heads, p // ring)), ring
+                (p for p in candidates if heads is None or _heads_allow(heads, p // ring)), candidates[-1]
             )
     if data_parallel_size == "auto":
         if world_size % sequence_parallel_size:

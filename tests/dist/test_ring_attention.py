@@ -6,7 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_fpdt.sequence import FPDTAttention, SequenceLayout
+from lightning_fpdt.callbacks.activation_offload import ActivationOffload
+from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
+from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, StashFactory
+from lightning_fpdt.sequence.integrations import SequenceParallelContext, install_reference_llama
+from lightning_fpdt.strategy.parallelize import find_blocks
 from lightning_fpdt.sequence.ring import RingComm, new_sequence_groups, ring_attention
 from tests.reference import causal_attention
 
@@ -18,7 +22,7 @@ TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rt
 
 
 def _check_ring(groups, ring_size: int, seq_len: int, heads: tuple[int, int], dtype: torch.dtype, backend: str,
-                seed: int, through_module: bool = False) -> None:
+                seed: int, through_module: bool = False, offload: bool = False) -> None:
     """Shard with the ring layout, run, gather; compare output and q/k/v gradients with the reference."""
     sp_size, rank = dist.get_world_size(), dist.get_rank()  # ring-major groups over the world: sp rank = rank
     num_heads, num_kv_heads = heads
@@ -37,13 +41,13 @@ def _check_ring(groups, ring_size: int, seq_len: int, heads: tuple[int, int], dt
     local = [layout.shard(layout.pad(x.to(dtype), dim=1)).requires_grad_() for x in (q, k, v)]
     local_grad_out = layout.shard(layout.pad(grad_out.to(dtype), dim=1))
     if through_module:  # what the strategy installs: FPDTAttention bound to the pair
-        out = FPDTAttention(group=groups, backend=backend)(*local)
-    else:
-        out = ring_attention(*local, group=groups, backend=backend)
+        out = FPDTAttention(group=groups, backend=backend, offload=offload)(*local)
+    else:  # offload: the shares wait in the host stash (plain tensors on CPU, the same life cycle)
+        out = ring_attention(*local, group=groups, backend=backend, stashes=StashFactory(offload=offload))
     grads = torch.autograd.grad(out, local, local_grad_out)
 
     tol = TOLERANCE[dtype]
-    case = f"S={seq_len} U={sp_size // ring_size} R={ring_size} heads={heads} {dtype} {backend}"
+    case = f"S={seq_len} U={sp_size // ring_size} R={ring_size} heads={heads} {dtype} {backend} offload={offload}"
     full_out = layout.gather(out.detach(), None)
     assert full_out.shape[1] == layout.padded_length(seq_len)
     torch.testing.assert_close(full_out[:, :seq_len].double(), ref_out.detach(), **tol, msg=lambda m: f"{case} out: {m}")
@@ -69,6 +73,9 @@ def _cases(sp_size: int, ring_size: int, head_choices: list[tuple[int, int]]) ->
     cases.append(dict(seq_len=multiple * 3 - 1, heads=head_choices[-1], dtype=torch.float32, backend="flash", seed=90))
     cases.append(dict(seq_len=multiple * 2 + 1, heads=head_choices[0], dtype=torch.float64, backend="math", seed=91,
                       through_module=True))
+    for through_module in (False, True):  # the host stash, through both entry points
+        cases.append(dict(seq_len=multiple * 2 + 5, heads=head_choices[-1], dtype=torch.float64, backend="math",
+                          seed=92 + through_module, through_module=through_module, offload=True))
     return cases
 
 
@@ -116,3 +123,35 @@ def _check_heads_message() -> None:
 def test_ring_validation_messages(dist_pool):
     """Heads that U = P/R cannot split, and FPDT chunks with a ring, raise ValueErrors printing the factors."""
     dist_pool(4).run(_check_heads_message)
+
+
+def _check_checkpointing(offload: bool) -> None:
+    groups = new_sequence_groups(2)  # U = 2, R = 2: P = 4 > 2 query heads
+    layout = SequenceLayout(4, dist.get_rank(), 1, ring_size=2)
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(3))
+    targets = SequenceLayout.shift_labels(ids)
+    local_ids, local_targets = layout.shard(ids), layout.shard(targets)
+    models, attentions = [], []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig.from_name("tiny", vocab_size=64, num_heads=2, num_kv_heads=1)).double()
+        attention = FPDTAttention(group=groups, backend="math", offload=offload)
+        context = SequenceParallelContext(group=dist.group.WORLD, attention=attention,
+                                          position_ids=layout.position_ids(24, batch_size=2))
+        install_reference_llama(model, context)
+        if wrap:
+            ActivationOffload(offload=offload).fpdt_transform(model, find_blocks(model))
+        for _ in range(2):
+            model(input_ids=local_ids, labels=local_targets).backward()
+        models.append(model)
+        attentions.append(attention)
+    assert attentions[0].kernel_calls == attentions[1].kernel_calls == 2 * 2  # 2 layers, 2 steps: no recompute
+    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12, msg=name)  # fp64, same arithmetic
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_ring_under_activation_checkpointing_runs_attention_once(dist_pool, offload):
+    """ActivationOffload with the ring hybrid: the recompute takes the first forward's output and stash (kernel calls
+    = layers x steps), gradients equal those without checkpointing; also with the shares in the host stash."""
+    dist_pool(4).run(_check_checkpointing, offload=offload)

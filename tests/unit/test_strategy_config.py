@@ -68,13 +68,12 @@ def test_ring_size_auto_and_explicit():
 
 
 def test_ring_refuses_options_it_does_not_compose_with():
-    """chunks > 1 or offload=True with ring_size > 1 raise ValueErrors naming the fix (never silently ignored)."""
+    """chunks > 1 or offload_dq=True with ring_size > 1 raise ValueErrors naming the fix (never silently ignored)."""
     with pytest.raises(ValueError, match=r"chunks=2 with ring_size=2: .* use chunks=1 \(or 'auto'\) with a ring"):
         FPDTStrategy(ring_size=2, chunks=2)
-    with pytest.raises(ValueError, match=r"offload=True with ring_size=2: host offload is not composed"):
-        FPDTStrategy(ring_size=2, offload=True)
-    with pytest.raises(ValueError, match=r"offload_dq=True with ring_size=4"):
+    with pytest.raises(ValueError, match=r"offload_dq=True with ring_size=4: the ring has no partial dQ sums"):
         FPDTStrategy(ring_size=4, offload_dq=True)
+    FPDTStrategy(ring_size=2, offload=True)  # the shares go to the host stash like chunks
     with pytest.raises(ValueError, match="ring_size must be 'auto' or a positive int, got 'big'"):
         FPDTStrategy(ring_size="big")
 

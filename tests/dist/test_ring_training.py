@@ -33,8 +33,7 @@ def test_ring_training_parity_four_processes(dist_pool):
 
 
 def test_ring_training_parity_data_parallel(dist_pool):
-    """dp = 2 × sp = 2 with one query head per... two heads on a ring of 2 (ring_size=2, U = 1): the ring group is
-    inside each data-parallel group."""
+    """dp = 2 x sp = 2 with ring_size=2 (U = 1): each data-parallel group is its own ring."""
     dist_pool(4).run(run_ring_training, cases=[
         dict(kind="llama-2heads", dp=2, sp=2, chunks=1, accumulate=1, seq_len=13, ring_size=2, expected_ring=2),
     ])

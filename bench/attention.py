@@ -136,13 +136,15 @@ def main() -> None:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
     if rank == 0:
-        print(f"{'card':24s} {'gpus':>4s} {'ring':>4s} {'S':>8s} {'u':>3s} {'offl':>5s} {'step s':>8s} {'TFLOP/s/gpu':>11s} "
-              f"{'extra GiB':>9s} {'in GiB':>7s} {'a2a %':>6s} {'host GiB':>8s}")
+        print(f"{'card':24s} {'gpus':>4s} {'ring':>4s} {'S':>8s} {'u':>3s} {'offl':>5s} {'step s':>8s} "
+              f"{'TFLOP/s/gpu':>11s} {'extra GiB':>9s} {'in GiB':>7s} {'a2a %':>6s} {'host GiB':>8s}")
         for r in rows:
             if r.get("oom"):
-                print(f"{'':24s} {r['gpus']:4d} {'':>4s} {r['seq_len']:8d} {r['chunks']:3d} {str(r['offload']):>5s}  OOM")
+                print(f"{'':24s} {r['gpus']:4d} {'':>4s} {r['seq_len']:8d} {r['chunks']:3d} "
+                      f"{str(r['offload']):>5s}  OOM")
                 continue
-            print(f"{r['card'][:24]:24s} {r['gpus']:4d} {r['ring']:4d} {r['seq_len']:8d} {r['chunks']:3d} {str(r['offload']):>5s} "
+            print(f"{r['card'][:24]:24s} {r['gpus']:4d} {r['ring']:4d} {r['seq_len']:8d} {r['chunks']:3d} "
+                  f"{str(r['offload']):>5s} "
                   f"{r['step_s']:8.3f} {r['tflops_per_gpu']:11.1f} {r['peak_extra_gib']:9.2f} {r['inputs_gib']:7.2f} "
                   f"{100 * r['a2a_share']:6.1f} {r['host_gib']:8.1f}")
     if world > 1:

@@ -878,7 +878,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         plan = plan_memory(
             geometry=resolve_geometry(args.model, num_layers=args.layers), seq_len=args.seq_len,
             batch_size=args.batch_size, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node,
-            sequence_parallel_size=args.sp, ring_size=args.ring_size, chunks=args.chunks, offload=args.offload, offload_dq=args.offload_dq,
+            sequence_parallel_size=args.sp, ring_size=args.ring_size, chunks=args.chunks, offload=args.offload,
+            offload_dq=args.offload_dq,
             activation_offload="offload" in args.callbacks, activation_checkpointing="checkpoint" in args.callbacks,
             tiled_mlp="mlp" in args.callbacks, tiled_loss="loss" in args.callbacks, precision=args.precision,
             optimizer=args.optimizer, cpu_offload_params=args.cpu_offload_params, gpu_memory_gib=args.gpu_memory_gib,

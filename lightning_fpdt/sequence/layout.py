@@ -96,7 +96,9 @@ class SequenceLayout:
         rho = self.ring_rank if ring_rank is None else ring_rank
         return rho, 2 * self.ring_size - 1 - rho
 
-    def share_indices(self, seq_len: int, ring_rank: Optional[int] = None, device: Optional[torch.device] = None) -> Tensor:
+    def share_indices(
+        self, seq_len: int, ring_rank: Optional[int] = None, device: Optional[torch.device] = None
+    ) -> Tensor:
         """Global indices of a ring rank's share (``S/R`` tokens, increasing): what each of its ranks holds, for its
         heads, after the Ulysses all-to-all. With ``R = 1`` the whole sequence."""
         self.check_divisible(seq_len)
@@ -112,8 +114,8 @@ class SequenceLayout:
 
         With head-tail pieces (q share: pieces ``ρ < 2R−1−ρ``; kv share: ``κ < 2R−1−κ``):
         ``κ == ρ``: the diagonal, causal on the whole share; ``κ < ρ``: every q row sees the kv head piece
-        (``κ < ρ``) and none sees its tail (``2R−1−κ > 2R−1−ρ``); ``κ > ρ``: the q head piece sees nothing (both kv
-        pieces lie after it) and the q tail sees the whole kv share. So every step but the first is one full block
+        (``κ < ρ``) and none sees its tail (``2R−1−κ > 2R−1−ρ``); ``κ > ρ``: the q head piece sees nothing
+        (both kv pieces lie after it) and the q tail sees the whole kv share. So every step but the first is one full block
         of ``(S/R)·(S/2R)`` scores: equal work on every ring rank.
         """
         if not 0 <= kv_ring_rank < self.ring_size:

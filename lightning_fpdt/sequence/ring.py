@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_fpdt.sequence.all_to_all import group_size, head_to_seq, seq_to_head
+from lightning_fpdt.sequence.all_to_all import head_to_seq, seq_to_head
 from lightning_fpdt.sequence.fpdt import _make_plan, _Plan, check_heads, fpdt_attention, merge_partial
 from lightning_fpdt.sequence.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.kernels import BlockKernel, accumulation_dtype
@@ -39,11 +39,6 @@ SequenceGroups = tuple[dist.ProcessGroup, dist.ProcessGroup]
 """``(ulysses_group, ring_group)``: the two axes of a 2-D sequence-parallel mesh."""
 
 KV_TAG, DKV_TAG = 71, 72  # point-to-point tags: kv shares and dK/dV accumulators travel side by side in backward
-
-
-def is_sequence_groups(group: object) -> bool:
-    """Whether ``group`` is a ``(ulysses_group, ring_group)`` pair (the hybrid) rather than one process group."""
-    return isinstance(group, tuple)
 
 
 def _split(group: SequenceGroups) -> tuple[dist.ProcessGroup, dist.ProcessGroup, int, int]:
@@ -357,11 +352,3 @@ def ring_attention(
     # decided here: inside Function.forward grad mode is always off
     save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
     return _RingAttentionFunction.apply(query, key, value, plan, stashes or StashFactory(), save)
-
-
-def sequence_group_size(group: Union[SequenceGroups, dist.ProcessGroup, None]) -> int:
-    """``P`` of a process group or of a ``(ulysses_group, ring_group)`` pair."""
-    if is_sequence_groups(group):
-        _, _, ulysses_size, ring_size = _split(group)
-        return ulysses_size * ring_size
-    return group_size(group)

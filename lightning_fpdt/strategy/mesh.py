@@ -115,7 +115,9 @@ def _heads_allow(heads: tuple[int, int], sp_size: int) -> bool:
     return True
 
 
-def build_mesh(device_type: str, data_parallel_size: int, sequence_parallel_size: int, ring_size: int = 1) -> DeviceMesh:
+def build_mesh(
+    device_type: str, data_parallel_size: int, sequence_parallel_size: int, ring_size: int = 1
+) -> DeviceMesh:
     """2-D mesh, row-major, so the ranks of a sequence-parallel group are consecutive (inside one host); with a ring,
     the 3-D ``(data_parallel, ring, ulysses)`` mesh (:func:`sequence_mesh` gives its sequence-parallel axis)."""
     if ring_size == 1:

@@ -50,7 +50,8 @@ def _check_ring(groups, ring_size: int, seq_len: int, heads: tuple[int, int], dt
     case = f"S={seq_len} U={sp_size // ring_size} R={ring_size} heads={heads} {dtype} {backend} offload={offload}"
     full_out = layout.gather(out.detach(), None)
     assert full_out.shape[1] == layout.padded_length(seq_len)
-    torch.testing.assert_close(full_out[:, :seq_len].double(), ref_out.detach(), **tol, msg=lambda m: f"{case} out: {m}")
+    torch.testing.assert_close(full_out[:, :seq_len].double(), ref_out.detach(), **tol,
+                               msg=lambda m: f"{case} out: {m}")
     for name, grad, ref_grad in zip("qkv", grads, ref_grads):
         full = layout.gather(grad, None)
         torch.testing.assert_close(full[:, :seq_len].double(), ref_grad, **tol, msg=lambda m: f"{case} d{name}: {m}")

@@ -21,8 +21,8 @@ def run_ring_training(cases: list[dict]) -> None:
 
 def test_ring_training_parity_four_processes(dist_pool):
     """P = 4 > 2 query heads: ring_size "auto" = 2 (U = 2, kv head replicated); reference Llama (with gradient
-    accumulation and a padded length; under ActivationOffload with the shares offloaded) and HF Llama through the attention interface;
-    and an explicit ring_size=4 (U = 1)."""
+    accumulation and a padded length; under ActivationOffload with the shares offloaded), HF Llama through the
+    attention interface, and an explicit ring_size=4 (U = 1)."""
     dist_pool(4).run(run_ring_training, cases=[
         dict(kind="llama-2heads", dp=1, sp=4, chunks=1, accumulate=2, seq_len=21, expected_ring=2),
         dict(kind="hf-2heads", dp=1, sp=4, chunks="auto", accumulate=1, seq_len=16, expected_ring=2),

@@ -41,7 +41,8 @@ def test_ring_rank_holds_head_and_tail_pieces(ulysses, ring):
         assert [lay.ulysses_rank for lay in group] == list(range(ulysses))
         gathered = torch.cat([lay.local_indices(seq_len) for lay in group])
         head, tail = (rho, 2 * ring - 1 - rho) if ring > 1 else (0, 1)
-        expected = torch.cat([torch.arange(head * piece, (head + 1) * piece), torch.arange(tail * piece, (tail + 1) * piece)])
+        expected = torch.cat([torch.arange(head * piece, (head + 1) * piece),
+                              torch.arange(tail * piece, (tail + 1) * piece)])
         assert torch.equal(gathered, expected)
         assert torch.equal(group[0].share_indices(seq_len), expected)
 

@@ -53,7 +53,8 @@ def test_ring_size_auto_and_explicit():
     assert resolve_ring_size(sequence_parallel_size=4, ring_size="auto", heads=(1, 1)) == 4  # U = 1: a pure ring
     assert resolve_ring_size(sequence_parallel_size=4, ring_size="auto", heads=None) == 1
     assert resolve_ring_size(sequence_parallel_size=8, ring_size=4, heads=(32, 8)) == 4
-    with pytest.raises(ValueError, match=r"ring_size \(3\) does not divide sequence_parallel_size \(8\).*\[1, 2, 4, 8\]"):
+    with pytest.raises(ValueError, match=r"ring_size \(3\) does not divide sequence_parallel_size \(8\).*"
+                                         r"\[1, 2, 4, 8\]"):
         resolve_ring_size(sequence_parallel_size=8, ring_size=3, heads=(32, 8))
     with pytest.raises(ValueError, match=r"sequence_parallel_size \(8\) / ring_size \(2\) = 4 Ulysses ranks: num_heads "
                                          r"\(6\).*ring sizes the heads allow: \[4, 8\]"):

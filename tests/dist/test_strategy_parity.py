@@ -19,11 +19,13 @@ TOL = dict(rtol=1e-4, atol=2e-5)
 
 
 def train_and_compare(kind: str, dp: int, sp: int, chunks: int, accumulate: int, seq_len: int, steps: int = 3,
-                      batch_size: int = 2, strategy_name: bool = False, callbacks: list | None = None) -> None:
+                      batch_size: int = 2, strategy_name: bool = False, callbacks: list | None = None,
+                      **strategy_options) -> L.Trainer:
     world = dist.get_world_size()
     seed, lr = 1234, 0.5
     dataset = TokenDataset(num_samples=dp * batch_size * steps * accumulate, seq_len=seq_len, seed=7)
-    strategy = "fpdt" if strategy_name else FPDTStrategy(sequence_parallel_size=sp, data_parallel_size=dp, chunks=chunks)
+    strategy = "fpdt" if strategy_name else FPDTStrategy(sequence_parallel_size=sp, data_parallel_size=dp, chunks=chunks,
+                                                         **strategy_options)
     trainer = L.Trainer(strategy=strategy, devices=world, max_steps=steps, accumulate_grad_batches=accumulate,
                         callbacks=callbacks or [], **trainer_kwargs())
     module = LitLM(kind, seed, lr)
@@ -39,6 +41,7 @@ def train_and_compare(kind: str, dp: int, sp: int, chunks: int, accumulate: int,
     params = full_state(module)
     for name, ref in ref_params.items():
         torch.testing.assert_close(params["model." + name], ref, **TOL, msg=lambda m: f"{case} {name}: {m}")
+    return trainer
 
 
 def run_cases(cases: list[dict]) -> None:

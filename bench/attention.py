@@ -2,6 +2,9 @@
 
 One GPU:   python bench/attention.py --seq-lens 131072,262144,524288,1048576 --chunk-tokens 32768 --offload on
 Several:   torchrun --nproc_per_node 4 bench/attention.py --seq-lens 262144,524288 --chunk-tokens 65536
+Ring:      torchrun --nproc_per_node 4 bench/attention.py --seq-lens 262144 --ring-size 2 --offload both
+           (the Ulysses x ring hybrid of sequence/ring.py: U = GPUs / ring size Ulysses ranks, chunks 1; run
+           --ring-size 1 in the same call for the Ulysses baseline)
 
 Geometry defaults to Llama-3-8B attention (32 heads, 8 kv heads, head dim 128), bf16, causal. ``--seq-lens`` are
 global lengths; with P GPUs each holds S/P tokens. FLOPs follow the convention of DESIGN.md's kernel figures
@@ -20,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fpdt.sequence import all_to_all as a2a
-from lightning_fpdt.sequence import StashFactory, fpdt_attention
+from lightning_fpdt.sequence import StashFactory, fpdt_attention, new_sequence_groups
 
 
 class A2ATimer:
@@ -56,7 +59,7 @@ def run_case(seq_len: int, num_chunks: int, offload: bool, args, rank: int, worl
     v = torch.randn(shape_kv, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
     dout = torch.randn(shape_q, device=device, dtype=torch.bfloat16, generator=gen)
     stashes = StashFactory(offload=offload, offload_dq=offload and not args.keep_dq_on_gpu)
-    group = dist.group.WORLD if world > 1 else None
+    group = args.groups or (dist.group.WORLD if world > 1 else None)  # (ulysses, ring) pair with --ring-size > 1
 
     def step():
         out = fpdt_attention(q, k, v, num_chunks=num_chunks, backend=args.backend, stashes=stashes, group=group)
@@ -88,7 +91,8 @@ def run_case(seq_len: int, num_chunks: int, offload: bool, args, rank: int, worl
     median = sorted(times)[len(times) // 2]
     flops = 3.5 * 2 * args.heads * seq_len * seq_len * args.head_dim  # global, causal, fwd + bwd
     return dict(
-        card=torch.cuda.get_device_name(), gpus=world, seq_len=seq_len, chunks=num_chunks, offload=offload,
+        card=torch.cuda.get_device_name(), gpus=world, ring=args.ring_size, seq_len=seq_len, chunks=num_chunks,
+        offload=offload,
         heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, backend=args.backend,
         step_s=median, tflops_per_gpu=flops / median / world / 1e12,
         peak_extra_gib=(peak - io_bytes) / 2**30, inputs_gib=base / 2**30,
@@ -108,6 +112,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--backend", default="cudnn")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--ring-size", type=int, default=1,
+                        help="ring ranks R of the Ulysses x ring hybrid (GPUs = U x R; chunks are 1 with R > 1)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "attention.jsonl"))
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -115,10 +121,11 @@ def main() -> None:
     if world > 1:
         dist.init_process_group("nccl")
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    args.groups = new_sequence_groups(args.ring_size) if world > 1 and args.ring_size > 1 else None
     rows = []
     for seq_len in (int(s) for s in args.seq_lens.split(",")):
         for offload in {"on": [True], "off": [False], "both": [False, True]}[args.offload]:
-            num_chunks = args.chunks or max(1, seq_len // args.chunk_tokens)
+            num_chunks = 1 if args.ring_size > 1 else args.chunks or max(1, seq_len // args.chunk_tokens)
             try:
                 row = run_case(seq_len, num_chunks, offload, args, rank, world)
             except torch.OutOfMemoryError:
@@ -129,13 +136,15 @@ def main() -> None:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
     if rank == 0:
-        print(f"{'card':24s} {'gpus':>4s} {'S':>8s} {'u':>3s} {'offl':>5s} {'step s':>8s} {'TFLOP/s/gpu':>11s} "
-              f"{'extra GiB':>9s} {'in GiB':>7s} {'a2a %':>6s} {'host GiB':>8s}")
+        print(f"{'card':24s} {'gpus':>4s} {'ring':>4s} {'S':>8s} {'u':>3s} {'offl':>5s} {'step s':>8s} "
+              f"{'TFLOP/s/gpu':>11s} {'extra GiB':>9s} {'in GiB':>7s} {'a2a %':>6s} {'host GiB':>8s}")
         for r in rows:
             if r.get("oom"):
-                print(f"{'':24s} {r['gpus']:4d} {r['seq_len']:8d} {r['chunks']:3d} {str(r['offload']):>5s}  OOM")
+                print(f"{'':24s} {r['gpus']:4d} {'':>4s} {r['seq_len']:8d} {r['chunks']:3d} "
+                      f"{str(r['offload']):>5s}  OOM")
                 continue
-            print(f"{r['card'][:24]:24s} {r['gpus']:4d} {r['seq_len']:8d} {r['chunks']:3d} {str(r['offload']):>5s} "
+            print(f"{r['card'][:24]:24s} {r['gpus']:4d} {r['ring']:4d} {r['seq_len']:8d} {r['chunks']:3d} "
+                  f"{str(r['offload']):>5s} "
                   f"{r['step_s']:8.3f} {r['tflops_per_gpu']:11.1f} {r['peak_extra_gib']:9.2f} {r['inputs_gib']:7.2f} "
                   f"{100 * r['a2a_share']:6.1f} {r['host_gib']:8.1f}")
     if world > 1:

@@ -49,6 +49,10 @@ Transient phases (one at a time; the largest counts)::
                              (+ fp32 partial dQ) + offloaded block inputs L·A + CPU-offloaded parameters,
                              gradients and optimizer states)
 
+With a ring (``ring_size = R > 1``, docs/ring.md) the attention terms use the Ulysses size ``U = P/R`` for the heads
+and the ring rank's share ``S/R`` for the chunk (``planning``), the backward adds the ring's second kv share and
+second fp32 dK/dV accumulator in flight, chunks are 1, and ``offload`` moves the shares to the host (no partial dQ).
+
 Calibrated against docs/benchmarks.md (see docs/planner.md): the FPDT op alone, the tiled loss and MLP alone, and
 three 4-GPU training runs of the Llama-3-8B geometry, each within 15%. It counts tensors, not the caching allocator's
 fragmentation, the CUDA context, NCCL buffers or cuBLAS workspaces: keep a few GiB of headroom. Where phases overlap
@@ -176,6 +180,8 @@ class PlanOptions:
     recompute_attention: bool = False
     """``ActivationOffload(recompute_attention=True)``: the checkpoint recomputes the attention in backward, so only
     the layer in backward holds a stash (instead of every layer) at the price of a second attention forward."""
+    ring_size: int = 1
+    """``R``: ring ranks of the 2-D sequence mesh (``P = U·R``); 1: plain Ulysses/FPDT."""
     head_chunks: int = 1
     """Head groups ``G``: the attention's projections and FPDT calls run on ``H/G`` query heads at a time."""
 
@@ -184,14 +190,22 @@ class PlanOptions:
             raise ValueError("activation_offload checkpoints the blocks: set activation_checkpointing=True with it")
         if self.recompute_attention and not self.activation_checkpointing:
             raise ValueError("recompute_attention needs checkpointed blocks: set activation_checkpointing=True with it")
+        if self.ring_size > 1 and (self.chunks > 1 or self.offload_dq):
+            raise ValueError(
+                f"ring_size={self.ring_size} with chunks={self.chunks}, offload_dq={self.offload_dq}: FPDT chunks are "
+                f"not composed with the ring yet and it has no partial dQ sums to offload; use chunks=1 and "
+                f"offload_dq off with a ring, or ring_size=1"
+            )
 
     def describe(self) -> str:
         def on(flag: bool) -> str:
             return "on" if flag else "off"
 
         checkpointing = "offload" if self.activation_offload else ("on GPU" if self.activation_checkpointing else "off")
+        split = (f" (ring {self.ring_size} x ulysses {self.sequence_parallel_size // self.ring_size})"
+                 if self.ring_size > 1 else "")
         return (
-            f"sp={self.sequence_parallel_size} dp={self.data_parallel_size} chunks={self.chunks} "
+            f"sp={self.sequence_parallel_size}{split} dp={self.data_parallel_size} chunks={self.chunks} "
             f"offload={on(self.offload)} (dq {on(self.offload_dq)}) tiled_mlp={on(self.tiled_mlp)} "
             f"tiled_loss={on(self.tiled_loss)} checkpointing={checkpointing}"
             f"{' (attention recomputed)' if self.recompute_attention else ''} "
@@ -334,7 +348,7 @@ def attention_geometry(geometry: ModelGeometry, dtype_bytes: int = 2) -> Attenti
 
 def attention_backward_bytes(
     geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, num_chunks: int, offload: bool,
-    offload_dq: bool,
+    offload_dq: bool, ring_size: int = 1,
 ) -> int:
     """GPU bytes of the FPDT backward of one layer beyond its inputs and outputs (``fpdt_backward``).
 
@@ -346,10 +360,15 @@ def attention_backward_bytes(
     accumulators; the fp32 partial dQ of three chunks (``offload_dq``) or of the whole local sequence. Without
     offload the chunks are in the stash (counted there) and every ``dout`` and ``out`` chunk joins them on the device. Against
     bench/attention.py this is 1–4% low; without the third chunk generations it would be 20% low.
+
+    With a ring (``ring_size > 1``; ``u = 1``, no offload) the chunk is the ring rank's share ``B·S/R`` with
+    ``h = H/U``, ``hk = max(Hkv, U)/U`` heads, and the kv share and fp32 dK/dV accumulator arriving from the previous
+    ring rank are live next to the own ones (``ring_backward``). Not yet measured on a GPU.
     """
     g, b = geometry, geometry.dtype_bytes
-    chunk = batch_size * math.ceil(seq_len / num_chunks)  # C
-    heads, kv_heads = g.num_heads // sp_size, max(g.num_kv_heads, sp_size) // sp_size
+    ulysses = sp_size // ring_size
+    chunk = batch_size * math.ceil(seq_len / (num_chunks * ring_size))  # C (with a ring: the share)
+    heads, kv_heads = g.num_heads // ulysses, max(g.num_kv_heads, ulysses) // ulysses
     q_chunk, kv_chunk = chunk * heads * g.head_dim, chunk * kv_heads * g.head_dim  # elements
     local_q = batch_size * seq_len // sp_size * g.num_heads * g.head_dim  # all local q elements
     q_side = 3 * q_chunk * b + chunk * heads * 4
@@ -358,14 +377,15 @@ def attention_backward_bytes(
     if offload:
         chunks = min(3, num_chunks) * q_side + min(2, num_chunks) * 2 * kv_chunk * b
     else:
-        chunks = 2 * local_q * b  # dout and out of every chunk
+        chunks = (2 if ring_size == 1 else 1) * local_q * b  # dout (and out: FPDT all-to-alls it in backward)
     partial_dq = min(3, num_chunks) * 4 * q_chunk if offload_dq else 4 * local_q
-    return chunks + partial_dq + kernel + kv_acc
+    ring_in_flight = 2 * kv_chunk * b + kv_acc if ring_size > 1 else 0  # the next kv share and dK/dV accumulator
+    return chunks + partial_dq + kernel + kv_acc + ring_in_flight
 
 
 def attention_host_bytes(
     geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, offload: bool, offload_dq: bool,
-    kept_out_layers: int = 0,
+    kept_out_layers: int = 0, ring_size: int = 1,
 ) -> int:
     """Pinned host bytes of the FPDT stash pool for one GPU: every layer's chunks (``stash_bytes``), the attention
     outputs kept for checkpoint recomputes (``kept_out_layers`` of them), one layer's ``dout`` and ``out`` chunks
@@ -374,8 +394,10 @@ def attention_host_bytes(
     local_q = batch_size * seq_len // sp_size * g.num_heads * g.head_dim
     host = 0
     if offload:
-        host += g.num_layers * stash_bytes(g, batch_size=batch_size, seq_len=seq_len, sp_size=sp_size)
-        host += kept_out_layers * local_q * b + 2 * local_q * b  # kept outputs + one layer's dout and out chunks
+        host += g.num_layers * stash_bytes(g, batch_size=batch_size, seq_len=seq_len, sp_size=sp_size,
+                                           ring_size=ring_size)
+        # kept outputs + one layer's dout (and out chunks: FPDT all-to-alls them in backward; the ring stashed its own)
+        host += kept_out_layers * local_q * b + (2 if ring_size == 1 else 1) * local_q * b
     if offload_dq:
         host += 4 * local_q
     return host
@@ -432,9 +454,10 @@ def _resolve_options(
     offload_dq: Union[str, bool], activation_offload: bool, activation_checkpointing: Optional[bool], tiled_mlp: bool,
     tiled_loss: bool, precision: str, optimizer: str, cpu_offload_params: bool, gpu_memory_bytes: int,
     recompute_attention: bool = False,
+    ring_size: Union[str, int] = "auto",
     head_chunks: int = 1,
 ) -> PlanOptions:
-    from lightning_fpdt.strategy.mesh import resolve_sizes  # here: the strategy package imports Lightning
+    from lightning_fpdt.strategy.mesh import resolve_ring_size, resolve_sizes  # the strategy package imports Lightning
 
     heads = (geometry.num_heads, geometry.num_kv_heads)
     if head_chunks > 1:  # each head group splits over the ranks (as the strategy resolves it)
@@ -442,7 +465,14 @@ def _resolve_options(
         check_head_groups(*heads, head_chunks, explicit)
         heads = (heads[0] // head_chunks, heads[1] // head_chunks)
     dp, sp = resolve_sizes(world_size=num_gpus, devices_per_node=gpus_per_node, data_parallel_size="auto",
-                           sequence_parallel_size=sequence_parallel_size, heads=heads)
+                           sequence_parallel_size=sequence_parallel_size, heads=heads, ring_size=ring_size)
+    ring = resolve_ring_size(sequence_parallel_size=sp, ring_size=ring_size, heads=heads)
+    if ring > 1 and head_chunks > 1:
+        raise ValueError(f"head_chunks ({head_chunks}) is not composed with a ring (ring_size {ring}) yet: set "
+                         f"head_chunks=1, or a sequence_parallel_size the head groups allow without a ring")
+    if ring > 1:  # as the strategy resolves them ("auto" -> 1 / off: not composed with, or not needed by, the ring)
+        chunks = 1 if chunks == "auto" else chunks
+        offload_dq = False if offload_dq == "auto" else offload_dq
     attention = grouped_geometry(attention_geometry(geometry, PRECISIONS[precision]["act"]), head_chunks)
     free = _free_for_auto(geometry, precision=precision, cpu_offload_params=cpu_offload_params, num_gpus=num_gpus,
                           gpu_memory_bytes=gpu_memory_bytes)
@@ -450,7 +480,7 @@ def _resolve_options(
     if chunks == "auto":
         chunks = choose_chunks(attention, free_bytes=free, **size)
     if offload == "auto":
-        offload = choose_offload(attention, free_bytes=free, **size)
+        offload = choose_offload(attention, free_bytes=free, ring_size=ring, **size)
     if offload_dq == "auto":
         offload_dq = offload and choose_offload_dq(attention, free_bytes=free, **size)
     return PlanOptions(
@@ -458,7 +488,7 @@ def _resolve_options(
         activation_offload=activation_offload,
         activation_checkpointing=activation_offload or bool(activation_checkpointing),
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, cpu_offload_params=cpu_offload_params, precision=precision,
-        optimizer=optimizer, recompute_attention=recompute_attention, head_chunks=head_chunks,
+        optimizer=optimizer, recompute_attention=recompute_attention, ring_size=ring, head_chunks=head_chunks,
     )
 
 
@@ -477,6 +507,7 @@ def _components(
     G = o.head_chunks
     attention = grouped_geometry(attention_geometry(g, b), G)  # G > 1: L·G calls of one head group each
     size = dict(batch_size=batch_size, seq_len=seq_len, sp_size=P)
+    ring = dict(ring_size=o.ring_size)
 
     def on(nbytes: int, host: bool) -> tuple[int, int]:  # (gpu, host)
         return (0, nbytes) if host else (nbytes, 0)
@@ -519,9 +550,9 @@ def _components(
     else:
         kept = L if o.activation_checkpointing and not o.recompute_attention else 0  # first-pass outputs kept
     kept_out = kept * N * attn_width * b
-    stash = stashed * stash_bytes(attention, **size)
+    stash = stashed * stash_bytes(attention, **size, **ring)
     host_attention = attention_host_bytes(dataclasses.replace(attention, num_layers=stashed), offload=o.offload,
-                                          offload_dq=o.offload_dq, kept_out_layers=kept * G, **size)
+                                          offload_dq=o.offload_dq, kept_out_layers=kept * G, **size, **ring)
     add("attention stash", 0 if o.offload else stash + kept_out, host_attention,
         formula=("1 layer (attention recomputed)" if o.recompute_attention else "L")
         + " x planning.stash_bytes (+ kept outputs)" + (", offloaded" if o.offload else ""))
@@ -531,10 +562,10 @@ def _components(
     recompute = layer if o.activation_checkpointing else 0  # without checkpointing it is in "activations" already
     qkv_out = N * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * b + N * attn_width * b  # full width
     if G == 1:
-        add("attention forward", norm + qkv_out + working_set_bytes(attention, num_chunks=o.chunks, **size),
+        add("attention forward", norm + qkv_out + working_set_bytes(attention, num_chunks=o.chunks, **size, **ring),
             phase="attention forward", formula="norm + q, k, v, out + planning.working_set_bytes")
     else:
-        add("attention forward", norm + A + qkv_out // G + working_set_bytes(attention, num_chunks=o.chunks, **size),
+        add("attention forward", norm + A + qkv_out // G + working_set_bytes(attention, num_chunks=o.chunks, **size, **ring),
             phase="attention forward", formula="norm + output sum + one group's q, k, v, out and working set")
     mlp_rows = mlp_tile_tokens(N, g.intermediate_size, b) if o.tiled_mlp else N
     mlp_work = MLP_BACKWARD_BUFFERS * mlp_rows * g.intermediate_size * b - mlp_saved
@@ -544,7 +575,7 @@ def _components(
     add("layer activations (at attention)", (norm + rope) if o.activation_checkpointing else 0,
         phase="attention backward", formula="first norm, rope")
     backward_chunks = attention_backward_bytes(attention, num_chunks=o.chunks, offload=o.offload,
-                                               offload_dq=o.offload_dq, **size)
+                                               offload_dq=o.offload_dq, **size, **ring)
     if G == 1:
         add("attention backward", A + N * attn_width * b + N * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * b
             + backward_chunks, phase="attention backward", formula="grads + dq, dk, dv + FPDT backward chunks")
@@ -569,8 +600,10 @@ def _plan(
     geometry: ModelGeometry, model: str, *, seq_len: int, batch_size: int, num_gpus: int, gpus_per_node: int,
     options: PlanOptions, gpu_memory_bytes: int, host_memory_bytes: Optional[int],
 ) -> MemoryPlan:
-    padded = math.ceil(seq_len / (options.sequence_parallel_size * options.chunks))
-    padded *= options.sequence_parallel_size * options.chunks  # SequenceLayout.padded_length
+    from lightning_fpdt.sequence.layout import SequenceLayout
+
+    layout = SequenceLayout(options.sequence_parallel_size, 0, options.chunks, ring_size=options.ring_size)
+    padded = layout.padded_length(seq_len)
     components = _components(geometry, options, seq_len=padded, batch_size=batch_size, num_gpus=num_gpus)
     return MemoryPlan(
         model=model, geometry=geometry, seq_len=seq_len, padded_seq_len=padded, batch_size=batch_size,
@@ -590,7 +623,7 @@ def _recommend(plan: MemoryPlan, offload_dq: Union[str, bool]) -> tuple[Optional
     def replan(changes: dict[str, Any]) -> MemoryPlan:
         implied = {"activation_checkpointing": True} if changes.get("activation_offload") else {}
         options = dataclasses.replace(plan.options, **changes, **implied)  # ActivationOffload checkpoints the blocks
-        if offload_dq == "auto":  # re-resolved: it depends on the attention offload
+        if offload_dq == "auto" and options.ring_size == 1:  # re-resolved: it depends on the attention offload
             attention = grouped_geometry(attention_geometry(plan.geometry, PRECISIONS[options.precision]["act"]),
                                          options.head_chunks)
             free = _free_for_auto(plan.geometry, precision=options.precision, num_gpus=plan.num_gpus,
@@ -623,6 +656,8 @@ def _recommend(plan: MemoryPlan, offload_dq: Union[str, bool]) -> tuple[Optional
             f"or a shorter sequence"
         )
     for name in SEARCH_ORDER:
+        if name == "chunks" and current.options.ring_size > 1:
+            continue  # not composed with the ring yet
         if name == "chunks":
             # more chunks shrink only the attention's working set: stop when that no longer lowers the peak
             chunks = current.options.chunks
@@ -659,6 +694,7 @@ def plan_memory(
     num_gpus: int,
     gpus_per_node: Optional[int] = None,
     sequence_parallel_size: Union[Literal["auto"], int] = "auto",
+    ring_size: Union[Literal["auto"], int] = "auto",
     chunks: Union[Literal["auto"], int] = "auto",
     offload: Union[Literal["auto"], bool] = "auto",
     offload_dq: Union[Literal["auto"], bool] = "auto",
@@ -683,7 +719,8 @@ def plan_memory(
         batch_size: sequences per data-parallel group per step.
         num_gpus: all GPUs ``W`` (FSDP2 shards the states over all of them).
         gpus_per_node: GPUs of one host (``None``: all of them); pinned host memory is needed per host.
-        sequence_parallel_size, chunks, offload, offload_dq, cpu_offload_params: as ``FPDTStrategy`` takes them;
+        sequence_parallel_size, ring_size, chunks, offload, offload_dq, cpu_offload_params: as ``FPDTStrategy``
+            takes them (``ring_size="auto"``: the smallest ring the heads need, 1 when ``P`` divides them);
             ``"auto"`` resolves as the strategy does, with the free memory of ``gpu_memory_gib`` minus the sharded
             weights.
         activation_offload, tiled_mlp, tiled_loss: whether the ``ActivationOffload``, ``TiledMLP``, ``TiledLoss``
@@ -733,7 +770,7 @@ def plan_memory(
         activation_offload=activation_offload, activation_checkpointing=activation_checkpointing,
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, precision=precision, optimizer=optimizer,
         cpu_offload_params=cpu_offload_params, gpu_memory_bytes=gpu_bytes, recompute_attention=recompute_attention,
-        head_chunks=head_chunks,
+        ring_size=ring_size, head_chunks=head_chunks,
     )
     plan = _plan(geometry, model, seq_len=seq_len, batch_size=batch_size, num_gpus=num_gpus,
                  gpus_per_node=gpus_per_node, options=options, gpu_memory_bytes=gpu_bytes, host_memory_bytes=host_bytes)
@@ -764,8 +801,10 @@ def format_plan(plan: MemoryPlan) -> str:
         f"memory plan: {plan.model}, S = {plan.seq_len:,} tokens"
         + (f" (padded to {plan.padded_seq_len:,})" if plan.padded_seq_len != plan.seq_len else "")
         + f", batch {plan.batch_size}, {plan.num_gpus} GPU(s), {plan.gpus_per_node} per host",
-        f"  {plan.local_tokens:,} tokens per GPU, {plan.padded_seq_len // o.chunks:,} global tokens per chunk; "
-        f"{g.num_layers} layers",
+        f"  {plan.local_tokens:,} tokens per GPU, "
+        + (f"{plan.padded_seq_len // o.ring_size:,} tokens per ring share; " if o.ring_size > 1 else
+           f"{plan.padded_seq_len // o.chunks:,} global tokens per chunk; ")
+        + f"{g.num_layers} layers",
         f"  options: {o.describe()}",
         "",
         f"  {'component':<42} {'phase':<20} {'GPU GiB':>9} {'host GiB':>9}",
@@ -872,6 +911,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--gpus", type=int, default=1, help="all GPUs of the run")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per host (default: all)")
     parser.add_argument("--sp", type=_auto_or_int, default="auto", help="sequence_parallel_size")
+    parser.add_argument("--ring-size", type=_auto_or_int, default="auto",
+                        help="ring ranks R of the sequence mesh (sp = ulysses x R; auto: the smallest the heads need)")
     parser.add_argument("--chunks", type=_auto_or_int, default="auto", help="FPDT chunks per rank")
     parser.add_argument("--head-chunks", type=int, default=1,
                         help="head groups G: attention projections and FPDT calls per group of H/G query heads")
@@ -897,7 +938,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         plan = plan_memory(
             geometry=resolve_geometry(args.model, num_layers=args.layers), seq_len=args.seq_len,
             batch_size=args.batch_size, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node,
-            sequence_parallel_size=args.sp, chunks=args.chunks, offload=args.offload, offload_dq=args.offload_dq,
+            sequence_parallel_size=args.sp, ring_size=args.ring_size, chunks=args.chunks, offload=args.offload,
+            offload_dq=args.offload_dq,
             activation_offload="offload" in args.callbacks, activation_checkpointing="checkpoint" in args.callbacks,
             tiled_mlp="mlp" in args.callbacks, tiled_loss="loss" in args.callbacks, precision=args.precision,
             optimizer=args.optimizer, cpu_offload_params=args.cpu_offload_params, gpu_memory_gib=args.gpu_memory_gib,

@@ -6,7 +6,8 @@ from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention, check_he
 from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention, check_head_groups, install_head_groups
 from lightning_fpdt.sequence.host_stash import ChunkStash, HostBufferPool, HostStash, StashFactory
 from lightning_fpdt.sequence.kernels import make_kernel, supported_backends
-from lightning_fpdt.sequence.layout import IGNORE_INDEX, SequenceLayout
+from lightning_fpdt.sequence.layout import IGNORE_INDEX, RingBlock, SequenceLayout
+from lightning_fpdt.sequence.ring import RingComm, new_sequence_groups, ring_attention
 from lightning_fpdt.sequence.ulysses import ulysses_attention
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "HostBufferPool",
     "HostStash",
     "LayerAttention",
+    "RingBlock",
+    "RingComm",
     "StashFactory",
     "SequenceLayout",
     "all_to_all_head_to_seq",
@@ -28,6 +31,8 @@ __all__ = [
     "install_head_groups",
     "make_kernel",
     "merge_partial",
+    "new_sequence_groups",
+    "ring_attention",
     "supported_backends",
     "ulysses_attention",
 ]

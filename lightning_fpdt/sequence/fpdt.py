@@ -15,7 +15,7 @@ Three layers, as in the rest of ``sequence/``: the loops (:func:`fpdt_forward`, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -405,7 +405,7 @@ def fpdt_attention(
     *,
     causal: bool = True,
     scale: Optional[float] = None,
-    group: Optional[dist.ProcessGroup] = None,
+    group: Union[dist.ProcessGroup, tuple[dist.ProcessGroup, dist.ProcessGroup], None] = None,
     num_chunks: int = 1,
     backend: str = "auto",
     stashes: Optional[StashFactory] = None,
@@ -418,7 +418,9 @@ def fpdt_attention(
         key, value: ``(B, S/P, Hkv, D)``.
         causal: must be ``True``: FPDT's schedule is the causal one.
         scale: softmax scale, ``D ** -0.5`` by default.
-        group: the sequence-parallel process group (``None``: the default group, or one process).
+        group: the sequence-parallel process group (``None``: the default group, or one process), or a
+            ``(ulysses_group, ring_group)`` pair: the Ulysses × ring hybrid (:func:`~lightning_fpdt.sequence.ring.
+            ring_attention`) for more ranks than heads.
         num_chunks: FPDT chunks per rank ``u``; ``1`` is Ulysses.
         backend: block kernel, one of ``"auto"``, ``"math"``, ``"flash"``, ``"cudnn"``.
         stashes: where chunks wait for the backward (:class:`StashFactory`; default: device memory).
@@ -428,6 +430,13 @@ def fpdt_attention(
     Returns:
         ``(B, S/P, H, D)``, this rank's tokens of the attention output.
     """
+    if isinstance(group, tuple):  # (ulysses_group, ring_group): the hybrid over a 2-D mesh (sequence/ring.py)
+        from lightning_fpdt.sequence.ring import ring_attention  # ring.py builds on this module
+
+        if documents is not None:
+            raise ValueError("packed documents are not supported with ring_size > 1 yet: use ring_size=1")
+        return ring_attention(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
+                              backend=backend, stashes=stashes)
     plan = _make_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
                       backend=backend, documents=documents)
     # decided here: inside Function.forward grad mode is always off
@@ -487,6 +496,15 @@ def varlen_kernel_for(backend: str, device: torch.device, dtype: torch.dtype) ->
     return VarlenFlashKernel() if backend != "math" and VarlenFlashKernel.usable(device, dtype) else None
 
 
+def _attention_function(plan: object) -> type[torch.autograd.Function]:
+    """The autograd.Function that runs ``plan``: FPDT's, or the ring hybrid's for a ring plan (sequence/ring.py)."""
+    if isinstance(plan, _Plan):
+        return _FPDTAttentionFunction
+    from lightning_fpdt.sequence.ring import _RingAttentionFunction  # ring.py builds on this module
+
+    return _RingAttentionFunction
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward: a checkpoint recomputing a layer's forward."""
     return torch._C._current_graph_task_id() != -1
@@ -513,7 +531,7 @@ class FPDTAttention:
     def __init__(
         self,
         *,
-        group: Optional[dist.ProcessGroup] = None,
+        group: Union[dist.ProcessGroup, tuple[dist.ProcessGroup, dist.ProcessGroup], None] = None,
         num_chunks: int = 1,
         backend: str = "auto",
         offload: bool = False,
@@ -547,15 +565,23 @@ class FPDTAttention:
     def offload(self, value: bool) -> None:
         self.stashes.offload = value
 
-    def plan(self, query: Tensor, key: Tensor, value: Tensor, causal: bool, scale: Optional[float]) -> _Plan:
+    def plan(self, query: Tensor, key: Tensor, value: Tensor, causal: bool, scale: Optional[float]) -> object:
+        """FPDT's :class:`_Plan`, or the ring hybrid's plan for a ``(ulysses_group, ring_group)`` pair."""
+        if isinstance(self.group, tuple):  # (ulysses_group, ring_group): the hybrid (sequence/ring.py)
+            from lightning_fpdt.sequence.ring import _make_ring_plan  # ring.py builds on this module
+
+            if self.documents is not None:
+                raise ValueError("packed documents are not supported with ring_size > 1 yet: use ring_size=1")
+            return _make_ring_plan(query, key, value, causal=causal, scale=scale, group=self.group,
+                                   num_chunks=self.num_chunks, backend=self.backend)
         return _make_plan(query, key, value, causal=causal, scale=scale, group=self.group,
                           num_chunks=self.num_chunks, backend=self.backend, documents=self.documents)
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, causal: bool = True, scale: Optional[float] = None) -> Tensor:
         self.kernel_calls += 1
         save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
-        return _FPDTAttentionFunction.apply(query, key, value, self.plan(query, key, value, causal, scale),
-                                            self.stashes, save)
+        plan = self.plan(query, key, value, causal, scale)
+        return _attention_function(plan).apply(query, key, value, plan, self.stashes, save)
 
     def for_layer(self) -> "LayerAttention":
         return LayerAttention(self)
@@ -605,7 +631,12 @@ class LayerAttention:
         shared.kernel_calls += 1
         plan = shared.plan(query, key, value, causal, scale)
         stash = shared.stashes.chunks(query.device)
-        out = fpdt_forward(query, key, value, plan, stash, save_for_backward=True)
+        if isinstance(plan, _Plan):
+            out = fpdt_forward(query, key, value, plan, stash, save_for_backward=True)
+        else:  # the ring hybrid's plan
+            from lightning_fpdt.sequence.ring import hybrid_forward
+
+            out = hybrid_forward(query, key, value, plan, stash, save_for_backward=True)
         self._kept_out = shared.stashes.chunks(out.device)  # host memory when offloading
         self._kept_out.put("out", out)
         self._first_pass = _FirstPass(plan=plan, stash=stash, out=None)  # out comes back from _kept_out in _replay
@@ -631,7 +662,8 @@ class LayerAttention:
         first_pass.out = kept.get("out")
         kept.release("out")
         kept.free("out")
-        return _FPDTAttentionFunction.apply(query, key, value, first_pass.plan, self.shared.stashes, True, first_pass)
+        return _attention_function(first_pass.plan).apply(query, key, value, first_pass.plan, self.shared.stashes, True,
+                                                           first_pass)
 
     def discard(self) -> None:
         """Drop what a first pass kept (its graph was discarded without a backward)."""

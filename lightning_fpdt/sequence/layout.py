@@ -6,6 +6,15 @@ chunk ``i`` is global piece ``i·P + r``. When every rank all-to-alls its local 
 contiguous global range ``[i·C, (i + 1)·C)`` with ``C = P·c``: chunk-level causality is then "q chunk ``i`` sees kv
 chunks ``j <= i``". With ``u = 1`` this is plain contiguous sharding.
 
+**Ring dimension** (``ring_size = R > 1``, sequence parallelism beyond the head count; ``sequence/ring.py``): the
+``P = U·R`` ranks form ``R`` ring ranks of ``U`` Ulysses ranks each, numbered ring-major (``sp_rank = ring_rank·U +
+ulysses_rank``) so that each Ulysses group, whose all-to-all carries the most bytes, is ``U`` consecutive ranks
+(inside one host). The global sequence (padded to a multiple of ``2P``) is cut into ``2R`` ring pieces of ``S/(2R)``
+tokens; ring rank ``ρ`` holds pieces ``ρ`` and ``2R − 1 − ρ`` (head-tail, so every ring rank has the same causal
+work), concatenated in that order: its *share*. Inside the share the ``U`` Ulysses ranks hold contiguous parts of
+``S/P`` tokens, so the Ulysses all-to-all gives each rank its ring rank's whole share for ``H/U`` heads. FPDT chunks
+(``num_chunks > 1``) are not composed with the ring dimension yet.
+
 Every slicing of the sequence in this package (the strategy's batch sharding, the attention's chunk loop, the tests'
 references) goes through :class:`SequenceLayout`.
 """
@@ -15,13 +24,25 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 IGNORE_INDEX = -100
+
+
+class RingBlock(NamedTuple):
+    """Which rows of a q share attend which columns of a kv share, and whether the block is causal (diagonal)."""
+
+    q: slice
+    """Rows of the q share (positions in the share, not global)."""
+    kv: slice
+    """Columns of the kv share."""
+    causal: bool
+    """``True``: the square diagonal block (q share == kv share, increasing global order); else every row sees every
+    column."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +55,8 @@ class SequenceLayout:
     """This rank's index ``r`` in the sequence-parallel group, ``0 <= r < P``."""
     num_chunks: int = 1
     """FPDT chunks per rank ``u``; the global sequence is cut into ``P·u`` pieces."""
+    ring_size: int = 1
+    """Ring ranks ``R`` (``P = U·R``); ``1``: plain Ulysses/FPDT over all ``P`` ranks."""
 
     def __post_init__(self) -> None:
         if self.sp_size < 1:
@@ -42,11 +65,74 @@ class SequenceLayout:
             raise ValueError(f"sp_rank must be in [0, sp_size={self.sp_size}), got {self.sp_rank}")
         if self.num_chunks < 1:
             raise ValueError(f"num_chunks must be >= 1, got {self.num_chunks}")
+        if self.ring_size < 1 or self.sp_size % self.ring_size:
+            raise ValueError(
+                f"ring_size ({self.ring_size}) must be a positive divisor of sequence_parallel_size ({self.sp_size})"
+            )
+        if self.ring_size > 1 and self.num_chunks > 1:
+            raise ValueError(
+                f"FPDT chunks (num_chunks={self.num_chunks}) are not composed with ring attention "
+                f"(ring_size={self.ring_size}) yet: use chunks=1 with ring_size > 1, or ring_size=1"
+            )
+
+    # ---- the ring dimension ---------------------------------------------------------------------------------------
+    @property
+    def ulysses_size(self) -> int:
+        """``U = P / R``: ranks of one Ulysses (all-to-all) group."""
+        return self.sp_size // self.ring_size
+
+    @property
+    def ring_rank(self) -> int:
+        """``ρ``: this rank's index in its ring (ring-major numbering: ``sp_rank = ρ·U + ulysses_rank``)."""
+        return self.sp_rank // self.ulysses_size
+
+    @property
+    def ulysses_rank(self) -> int:
+        """This rank's index in its Ulysses group (consecutive ranks)."""
+        return self.sp_rank % self.ulysses_size
+
+    def ring_pieces(self, ring_rank: Optional[int] = None) -> tuple[int, int]:
+        """The two ring pieces (of ``2R``) a ring rank holds: head ``ρ`` and tail ``2R − 1 − ρ``."""
+        rho = self.ring_rank if ring_rank is None else ring_rank
+        return rho, 2 * self.ring_size - 1 - rho
+
+    def share_indices(
+        self, seq_len: int, ring_rank: Optional[int] = None, device: Optional[torch.device] = None
+    ) -> Tensor:
+        """Global indices of a ring rank's share (``S/R`` tokens, increasing): what each of its ranks holds, for its
+        heads, after the Ulysses all-to-all. With ``R = 1`` the whole sequence."""
+        self.check_divisible(seq_len)
+        piece = seq_len // (2 * self.ring_size)
+        if self.ring_size == 1:
+            return torch.arange(seq_len, device=device)
+        head, tail = self.ring_pieces(ring_rank)
+        return torch.cat([torch.arange(head * piece, (head + 1) * piece, device=device),
+                          torch.arange(tail * piece, (tail + 1) * piece, device=device)])
+
+    def ring_block(self, kv_ring_rank: int, share_len: int) -> RingBlock:
+        """The causal block of this ring rank's q share against ring rank ``kv_ring_rank``'s kv share.
+
+        With head-tail pieces (q share: pieces ``ρ < 2R−1−ρ``; kv share: ``κ < 2R−1−κ``):
+        ``κ == ρ``: the diagonal, causal on the whole share; ``κ < ρ``: every q row sees the kv head piece
+        (``κ < ρ``) and none sees its tail (``2R−1−κ > 2R−1−ρ``); ``κ > ρ``: the q head piece sees nothing
+        (both kv pieces lie after it) and the q tail sees the whole kv share. So every step but the first is one full block
+        of ``(S/R)·(S/2R)`` scores: equal work on every ring rank.
+        """
+        if not 0 <= kv_ring_rank < self.ring_size:
+            raise IndexError(f"kv_ring_rank {kv_ring_rank} out of range for ring_size {self.ring_size}")
+        half = share_len // 2
+        everything = slice(0, share_len)
+        if kv_ring_rank == self.ring_rank:
+            return RingBlock(q=everything, kv=everything, causal=True)
+        if kv_ring_rank < self.ring_rank:
+            return RingBlock(q=everything, kv=slice(0, half), causal=False)
+        return RingBlock(q=slice(half, share_len), kv=everything, causal=False)
 
     @property
     def num_pieces(self) -> int:
-        """``P·u``: the global sequence length must be a multiple of this."""
-        return self.sp_size * self.num_chunks
+        """``P·u`` (``2P`` with a ring: ``2R`` ring pieces, each share split into ``U`` parts): the global sequence
+        length must be a multiple of this."""
+        return self.sp_size * self.num_chunks * (2 if self.ring_size > 1 else 1)
 
     # ---- lengths --------------------------------------------------------------------------------------------------
     def padded_length(self, seq_len: int) -> int:
@@ -63,16 +149,23 @@ class SequenceLayout:
 
     def check_divisible(self, seq_len: int) -> None:
         if seq_len % self.num_pieces:
+            factors = (f"2 * sequence_parallel_size ({self.sp_size}) with ring_size {self.ring_size}"
+                       if self.ring_size > 1 else
+                       f"sequence_parallel_size ({self.sp_size}) * chunks ({self.num_chunks})")
             raise ValueError(
-                f"sequence length {seq_len} is not divisible by sequence_parallel_size ({self.sp_size}) * chunks "
-                f"({self.num_chunks}) = {self.num_pieces}: pad it to {self.padded_length(seq_len)} with "
-                f"SequenceLayout.pad (the strategy does this unless pad_to_multiple=False)"
+                f"sequence length {seq_len} is not divisible by {factors} = {self.num_pieces}: pad it to "
+                f"{self.padded_length(seq_len)} with SequenceLayout.pad (the strategy does this unless "
+                f"pad_to_multiple=False)"
             )
 
     # ---- indices --------------------------------------------------------------------------------------------------
     def local_indices(self, seq_len: int, device: Optional[torch.device] = None) -> Tensor:
         """Global indices of this rank's tokens, in local order; ``seq_len`` must be padded already."""
         self.check_divisible(seq_len)
+        if self.ring_size > 1:
+            part = seq_len // self.sp_size  # this rank's contiguous part of its ring rank's share
+            share = self.share_indices(seq_len, device=device)
+            return share[self.ulysses_rank * part:(self.ulysses_rank + 1) * part]
         c = seq_len // self.num_pieces
         piece_starts = (torch.arange(self.num_chunks, device=device) * self.sp_size + self.sp_rank) * c  # (u,)
         return (piece_starts[:, None] + torch.arange(c, device=device)[None, :]).flatten()  # (u·c,)
@@ -87,6 +180,8 @@ class SequenceLayout:
         dim = dim % x.dim()
         seq_len = x.shape[dim]
         self.check_divisible(seq_len)
+        if self.ring_size > 1:
+            return x.index_select(dim, self.local_indices(seq_len, device=x.device))
         c = seq_len // self.num_pieces
         # (…, S, …) -> (…, u, P, c, …) -select rank-> (…, u, c, …) -> (…, u·c, …)
         pieces = x.unflatten(dim, (self.num_chunks, self.sp_size, c))
@@ -98,6 +193,12 @@ class SequenceLayout:
             raise ValueError(f"unshard needs one shard per rank ({self.sp_size}), got {len(shards)}")
         dim = dim % shards[0].dim()
         local_len = shards[0].shape[dim]
+        if self.ring_size > 1:
+            # the shards in rank order hold the global tokens in this order; invert that permutation
+            seq_len = local_len * self.sp_size
+            order = torch.cat([SequenceLayout(self.sp_size, r, 1, self.ring_size).local_indices(seq_len)
+                               for r in range(self.sp_size)]).to(shards[0].device)
+            return torch.cat(list(shards), dim=dim).index_select(dim, torch.argsort(order))
         if local_len % self.num_chunks:
             raise ValueError(f"local length {local_len} is not divisible by num_chunks ({self.num_chunks})")
         c = local_len // self.num_chunks

@@ -14,6 +14,12 @@ after the all-to-all):
 would take more than an eighth;
 ``chunks="auto"`` takes the fewest chunks whose working set stays under a sixteenth of it, and at most 65,536 global
 tokens per chunk (FPDT's chunk size; longer chunks gain no kernel efficiency).
+
+With a ring (``ring_size = R > 1``, ``U = P/R`` Ulysses ranks, ``sequence/ring.py``) the same formulas hold with the
+Ulysses group in place of ``P`` for the heads (``h = H/U``, kv heads replicated up to ``U``) and the ring rank's
+share ``S/R`` in place of a chunk (``u = 1``): the working set is the q share, the own and the in-flight kv share, the
+fp32 running and block output. ``offload`` moves the shares to the host like chunks; the chunks are 1 (not composed
+with the ring yet) and there are no partial dQ sums to offload.
 """
 
 from __future__ import annotations
@@ -37,25 +43,35 @@ class AttentionGeometry:
     dtype_bytes: int = 2
 
 
-def stash_bytes(geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int) -> int:
-    """Bytes one layer's chunks occupy between its forward and its backward, on one rank."""
+def stash_bytes(
+    geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, ring_size: int = 1
+) -> int:
+    """Bytes one layer's chunks (or, with a ring, its head-sharded shares) occupy between its forward and its
+    backward, on one rank."""
     g = geometry
     local = batch_size * seq_len // sp_size
-    kv_heads = max(g.num_kv_heads, sp_size)  # replicated up to P when P > Hkv
-    return local * (g.num_heads + 2 * kv_heads) * g.head_dim * g.dtype_bytes + local * g.num_heads * 4
+    kv_heads = max(g.num_kv_heads, sp_size // ring_size)  # replicated up to the Ulysses size when it exceeds Hkv
+    q_like = g.num_heads if ring_size == 1 else 2 * g.num_heads  # q (FPDT rebuilds out in backward); the ring keeps out
+    return local * (q_like + 2 * kv_heads) * g.head_dim * g.dtype_bytes + local * g.num_heads * 4
 
 
-def working_set_bytes(geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, num_chunks: int) -> int:
-    """Bytes live on the device while one chunk of one layer computes."""
+def working_set_bytes(
+    geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, num_chunks: int, ring_size: int = 1
+) -> int:
+    """Bytes live on the device while one chunk of one layer computes (with a ring: one ring step on the share)."""
     g = geometry
-    chunk = batch_size * math.ceil(seq_len / num_chunks)
-    heads = g.num_heads / sp_size
-    kv_heads = max(g.num_kv_heads, sp_size) / sp_size
+    ulysses = sp_size // ring_size
+    chunk = batch_size * math.ceil(seq_len / (num_chunks * ring_size))
+    heads = g.num_heads / ulysses
+    kv_heads = max(g.num_kv_heads, ulysses) / ulysses
     return int(chunk * (heads + 4 * kv_heads) * g.head_dim * g.dtype_bytes + chunk * heads * (2 * g.head_dim + 2) * 4)
 
 
-def choose_offload(geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, free_bytes: int) -> bool:
-    total = geometry.num_layers * stash_bytes(geometry, batch_size=batch_size, seq_len=seq_len, sp_size=sp_size)
+def choose_offload(
+    geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, free_bytes: int, ring_size: int = 1
+) -> bool:
+    total = geometry.num_layers * stash_bytes(geometry, batch_size=batch_size, seq_len=seq_len, sp_size=sp_size,
+                                              ring_size=ring_size)
     return total > free_bytes / STASH_FRACTION
 
 

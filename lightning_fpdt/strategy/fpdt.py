@@ -38,7 +38,14 @@ from lightning_fpdt.sequence.planning import (
     choose_offload,
     choose_offload_dq,
 )
-from lightning_fpdt.strategy.mesh import MESH_AXES, build_mesh, resolve_sizes
+from lightning_fpdt.strategy.mesh import (
+    attention_group,
+    build_mesh,
+    resolve_ring_size,
+    resolve_sizes,
+    ring_size_of,
+    sequence_mesh,
+)
 from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt, find_model, unwrap_loss
 from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
 from lightning_fpdt.strategy.resumable import ResumableLoader
@@ -72,6 +79,11 @@ class FPDTStrategy(ModelParallelStrategy):
             ``"auto"``: when all layers' chunks would take more than a quarter of the free GPU memory (never on CPU).
         offload_dq: keep the backward's partial dQ sums (fp32, twice q's size) in host memory too; ``"auto"``:
             when the chunks are offloaded and those sums would take more than an eighth of the free GPU memory.
+        ring_size: ring ranks ``R`` of a 2-D sequence mesh (``sequence_parallel_size = U·R``: ``U`` Ulysses ranks
+            all-to-all heads, ``R`` ring ranks pass kv shares around; docs/ring.md), so the sequence-parallel size
+            may exceed the head count. ``"auto"``: ``1`` when the heads allow ``sequence_parallel_size`` Ulysses
+            ranks, else the smallest ``R`` whose ``U`` they allow. With ``R > 1`` chunks are 1 (FPDT chunks are
+            not composed with the ring yet); ``offload`` keeps the ring's head-sharded shares in host memory.
         attention_backend: block attention kernel: ``"auto"``, ``"cudnn"``, ``"flash"`` or ``"math"``.
         head_chunks: head groups ``G`` (UPipe): each attention layer projects, attends and output-projects ``H/G``
             query heads (and their ``Hkv/G`` kv heads) at a time, so the full-width q/k/v/out of the local sequence
@@ -100,6 +112,7 @@ class FPDTStrategy(ModelParallelStrategy):
         chunks: Union[Literal["auto"], int] = "auto",
         offload: Union[Literal["auto"], bool] = "auto",
         offload_dq: Union[Literal["auto"], bool] = "auto",
+        ring_size: Union[Literal["auto"], int] = "auto",
         attention_backend: str = "auto",
         head_chunks: int = 1,
         layer_classes: Optional[list[str]] = None,
@@ -123,8 +136,11 @@ class FPDTStrategy(ModelParallelStrategy):
         for name, value in (("offload", offload), ("offload_dq", offload_dq)):
             if value not in ("auto", True, False):
                 raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
+        if ring_size != "auto" and (isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size < 1):
+            raise ValueError(f"ring_size must be 'auto' or a positive int, got {ring_size!r}")
         self._offload = offload
         self._offload_dq = offload_dq
+        self._ring_size = ring_size
         self._geometry: Optional[AttentionGeometry] = None
         self._free_bytes: Optional[int] = None  # free GPU memory at the first batch, what "auto" plans with
         self._plans_logged: set[tuple[int, int, bool]] = set()
@@ -149,11 +165,18 @@ class FPDTStrategy(ModelParallelStrategy):
         self._valid_tokens_local: Union[Tensor, int] = 0
         self._pending_rng_states: Optional[dict[str, Any]] = None
         self._watchdog: Optional[RankWatchdog] = None
+        if isinstance(ring_size, int) and ring_size > 1:
+            self._check_ring_options(ring_size)
 
     # ---- sizes and mesh -------------------------------------------------------------------------------------------
     @property
     def sequence_parallel_size(self) -> int:
-        return self.device_mesh["sequence_parallel"].size()
+        return sequence_mesh(self.device_mesh).size()
+
+    @property
+    def ring_size(self) -> int:
+        """``R``: ring ranks of the sequence mesh (1: plain Ulysses/FPDT)."""
+        return ring_size_of(self.device_mesh)
 
     @property
     def data_parallel_size(self) -> int:
@@ -161,11 +184,30 @@ class FPDTStrategy(ModelParallelStrategy):
 
     @property
     def sequence_parallel_rank(self) -> int:
-        return self.device_mesh["sequence_parallel"].get_local_rank()
+        return sequence_mesh(self.device_mesh).get_local_rank()
 
     @property
     def sequence_parallel_group(self) -> torch.distributed.ProcessGroup:
-        return self.device_mesh["sequence_parallel"].get_group()
+        return sequence_mesh(self.device_mesh).get_group()
+
+    def _ring_on(self) -> bool:
+        """Whether the ring is on: from the mesh once it exists, from the option before."""
+        if self._device_mesh is not None:
+            return self.ring_size > 1
+        return isinstance(self._ring_size, int) and self._ring_size > 1
+
+    def _check_ring_options(self, ring_size: int) -> None:
+        """Options the ring does not compose with yet are refused, not silently ignored."""
+        if isinstance(self._chunks, int) and self._chunks > 1:
+            raise ValueError(
+                f"chunks={self._chunks} with ring_size={ring_size}: FPDT chunks are not composed with ring attention "
+                f"yet; use chunks=1 (or 'auto') with a ring, or ring_size=1"
+            )
+        if self._offload_dq is True:
+            raise ValueError(
+                f"offload_dq=True with ring_size={ring_size}: the ring has no partial dQ sums across chunks to "
+                f"offload (its dQ is one share, on the device); use offload_dq='auto' or False with a ring"
+            )
 
     @property
     def precision_plugin(self) -> Precision:
@@ -194,14 +236,27 @@ class FPDTStrategy(ModelParallelStrategy):
             data_parallel_size=self._data_parallel_size,
             sequence_parallel_size=self._sequence_parallel_size,
             heads=heads,
+            ring_size=self._ring_size,
         )
+        ring = resolve_ring_size(sequence_parallel_size=sp, ring_size=self._ring_size, heads=heads)
+        if ring > 1:
+            self._check_ring_options(ring)
+        if ring > 1 and self._head_chunks > 1:
+            raise ValueError(
+                f"head_chunks={self._head_chunks} is not composed with a ring (ring_size {ring}) yet: set head_chunks=1, "
+                f"or a sequence_parallel_size the head groups allow without a ring"
+            )
         self._data_parallel_size, self._sequence_parallel_size = dp, sp
+        # with a ring only the Ulysses groups (U consecutive ranks) all-to-all; the ring's P2P may cross hosts
         warn_if_sequence_groups_span_hosts(
-            sequence_parallel_size=sp, devices_per_node=self.num_processes, world_size=self.world_size
+            sequence_parallel_size=sp // ring, devices_per_node=self.num_processes, world_size=self.world_size
         )
-        self._device_mesh = build_mesh(self.root_device.type, dp, sp)
+        self._device_mesh = build_mesh(self.root_device.type, dp, sp, ring)
         self.lightning_module._device_mesh = self._device_mesh
-        rank_zero_info(f"fpdt: mesh {dict(zip(MESH_AXES, (dp, sp)))}, heads {heads}")
+        axes = {"data_parallel": dp, "sequence_parallel": sp}
+        if ring > 1:
+            axes.update(ring=ring, ulysses=sp // ring)
+        rank_zero_info(f"fpdt: mesh {axes}, heads {heads}")
 
     # ---- model ----------------------------------------------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -212,9 +267,9 @@ class FPDTStrategy(ModelParallelStrategy):
             loop.inference_mode = False
         if self._context is None:
             self._context = SequenceParallelContext(
-                group=self.sequence_parallel_group,
-                attention=FPDTAttention(
-                    group=self.sequence_parallel_group, num_chunks=1, backend=self._attention_backend,
+                group=self.sequence_parallel_group,  # the loss is reduced over all P ranks
+                attention=FPDTAttention(  # (ulysses_group, ring_group) with a ring: the hybrid of sequence/ring.py
+                    group=attention_group(self.device_mesh), num_chunks=1, backend=self._attention_backend,
                     offload=self._offload is True, offload_dq=self._offload_dq is True,
                     head_chunks=self._head_chunks,
                 ),
@@ -263,6 +318,8 @@ class FPDTStrategy(ModelParallelStrategy):
         """FPDT chunks for a global sequence of ``seq_len`` tokens (the option, or the plan for ``"auto"``)."""
         if self._chunks != "auto":
             return self._chunks
+        if self._ring_on():
+            return 1  # FPDT chunks are not composed with the ring yet
         free = self._free_memory()
         if free is None or self._geometry is None:
             return max(1, math.ceil(seq_len / MAX_CHUNK_TOKENS))
@@ -273,6 +330,8 @@ class FPDTStrategy(ModelParallelStrategy):
         """Whether the backward keeps its partial dQ sums in host memory (the option, or the plan)."""
         if self._offload_dq != "auto":
             return self._offload_dq
+        if self._ring_on():
+            return False  # the ring's dQ is one share per layer: nothing to offload across chunks
         free = self._free_memory()
         if not offload or free is None or self._geometry is None:
             return False
@@ -287,7 +346,7 @@ class FPDTStrategy(ModelParallelStrategy):
         if free is None or self._geometry is None:
             return False
         return choose_offload(self._geometry, batch_size=batch_size, seq_len=seq_len,
-                              sp_size=self.sequence_parallel_size, free_bytes=free)
+                              sp_size=self.sequence_parallel_size, free_bytes=free, ring_size=self.ring_size)
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Move the batch, then shard its sequence with :class:`SequenceLayout` (adds ``position_ids`` and the
@@ -320,15 +379,18 @@ class FPDTStrategy(ModelParallelStrategy):
                 f"({self._offload!r}), sequence_parallel_size={self.sequence_parallel_size}"
                 + (f", planned for {self._free_bytes / 2**30:.1f} GiB free" if self._free_bytes else "")
             )
-        layout = SequenceLayout(self.sequence_parallel_size, self.sequence_parallel_rank, num_chunks)
+        layout = SequenceLayout(self.sequence_parallel_size, self.sequence_parallel_rank, num_chunks,
+                                ring_size=self.ring_size)
         padded = layout.padded_length(seq_len)
         if padded != seq_len:
             if not self._pad_to_multiple:
                 layout.check_divisible(seq_len)
             if not self._padding_logged:
                 rank_zero_info(
-                    f"fpdt: padding sequences of {seq_len} tokens to {padded} (a multiple of sequence_parallel_size "
-                    f"{layout.sp_size} × chunks {num_chunks}); padded labels are -100"
+                    f"fpdt: padding sequences of {seq_len} tokens to {padded} (a multiple of {layout.num_pieces}: "
+                    f"sequence_parallel_size {layout.sp_size} × chunks {num_chunks}"
+                    + (" × 2 for the ring's head-tail pieces" if layout.ring_size > 1 else "")
+                    + "); padded labels are -100"
                 )
                 self._padding_logged = True
 
@@ -439,6 +501,7 @@ class FPDTStrategy(ModelParallelStrategy):
         plan = plan_memory(
             geometry=geometry, seq_len=seq_len, batch_size=batch_size, num_gpus=self.world_size,
             gpus_per_node=self.num_processes, sequence_parallel_size=self.sequence_parallel_size,
+            ring_size=self.ring_size,
             chunks=self.num_chunks_for(seq_len, batch_size), offload=offload,
             offload_dq=self.offload_dq_for(seq_len, batch_size, offload),
             activation_offload=any(cb.stashes.offload for cb in checkpoints),

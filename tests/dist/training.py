@@ -76,11 +76,14 @@ def build_model(kind: str, seed: int) -> nn.Module:
         return LlamaForCausalLM(LlamaConfig.from_name("tiny", vocab_size=VOCAB, num_heads=8, num_kv_heads=4))
     if kind == "llama-mha":
         return LlamaForCausalLM(LlamaConfig.from_name("tiny", vocab_size=VOCAB, num_heads=4, num_kv_heads=4))
-    if kind == "hf":
+    if kind == "llama-2heads":  # fewer heads than 4 ranks: the Ulysses x ring hybrid
+        return LlamaForCausalLM(LlamaConfig.from_name("tiny", vocab_size=VOCAB, num_heads=2, num_kv_heads=1))
+    if kind in ("hf", "hf-2heads"):
         from transformers import LlamaConfig as HFConfig, LlamaForCausalLM as HFLlama
 
+        heads = (4, 2) if kind == "hf" else (2, 1)  # hf-2heads: fewer heads than 4 ranks (the ring hybrid)
         config = HFConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                          num_attention_heads=heads[0], num_key_value_heads=heads[1], max_position_embeddings=128,
                           attn_implementation="sdpa")
         return HFLlama(config)
     if kind == "plain":
@@ -92,7 +95,7 @@ def model_loss(kind: str, model: nn.Module, batch: dict[str, torch.Tensor]) -> t
     """The loss as a user's training_step computes it (the same code runs under the strategy and alone)."""
     if kind.startswith("llama"):
         return model(**batch)
-    if kind == "hf":
+    if kind.startswith("hf"):
         return model(**batch).loss
     logits = model(batch["input_ids"], batch["position_ids"])
     return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)

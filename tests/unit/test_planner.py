@@ -355,7 +355,12 @@ def test_geometry_from_a_hugging_face_config_file(tmp_path):
         (dict(seq_len=0), r"seq_len \(0\) must be a positive int"),
         (dict(num_gpus=6, gpus_per_node=4), r"gpus_per_node \(4\) must divide num_gpus \(6\)"),
         (dict(sequence_parallel_size=3), r"sequence_parallel_size \(3\) does not divide the world size 4"),
-        (dict(num_gpus=3, gpus_per_node=3, sequence_parallel_size=3), "not divisible by sequence_parallel_size"),
+        (dict(num_gpus=3, gpus_per_node=3, sequence_parallel_size=3, ring_size=1),
+         "not divisible by sequence_parallel_size"),
+        (dict(num_gpus=8, gpus_per_node=8, sequence_parallel_size=8, ring_size=3),
+         r"ring_size \(3\) does not divide sequence_parallel_size \(8\)"),
+        (dict(num_gpus=4, sequence_parallel_size=4, ring_size=2, chunks=2),
+         "FPDT chunks are not composed with the ring"),
         (dict(chunks=0), "chunks must be 'auto' or a positive int"),
         (dict(geometry="llama9-70b"), "neither a named size"),
     ],
@@ -386,5 +391,41 @@ def test_cli_exit_codes(capsys):
     """Exit 1 when the plan does not fit (with the recommendation printed), 2 for an option the model refuses."""
     assert main(["--seq-len", "131072", "--callbacks", "none"]) == 1
     assert "recommendation: set tiled_loss=True" in capsys.readouterr().out
-    assert main(["--seq-len", "131072", "--gpus", "3", "--sp", "3"]) == 2
+    assert main(["--seq-len", "131072", "--gpus", "3", "--sp", "3", "--ring-size", "1"]) == 2
     assert "sequence_parallel_size" in capsys.readouterr().err
+
+
+def test_ring_plan_by_hand():
+    """With a ring the attention terms use U = P/R heads and the S/R share: the stash keeps kv heads replicated up
+    to U only, the backward adds the in-flight kv share and fp32 dK/dV accumulator; "auto" picks the smallest R the
+    heads need and the plan prints the split."""
+    geometry = AttentionGeometry(2, 8, 2, 128)  # 2 layers, 8 heads, 2 kv heads, D = 128
+    # P = 16 > 8 heads: U = 8, R = 2; local N = 65536/16 = 4096; kv replicated up to U = 8 (not P = 16)
+    # 4096 · (2·8 + 2·8) · 128 · 2 + 4096 · 8 · 4 = 33,554,432 + 131,072
+    assert stash_bytes(geometry, batch_size=1, seq_len=65536, sp_size=16, ring_size=2) == 33_685_504
+    # share C = 32768 tokens, h = 1, hk = 1: q chunk = kv chunk = 32768 · 128 = 4,194,304 elements
+    # not offloaded: dout 4096·8·128·2 = 8,388,608; partial dQ 4·4096·8·128 = 16,777,216;
+    # kernel: dq, dk, dv 3·4,194,304·2 + fp32 dQ 4·4,194,304 = 41,943,040 (no GQA expansion at h = hk = 1);
+    # dK/dV fp32 2·4,194,304·4 = 33,554,432, and in flight: kv share 2·4,194,304·2 + another 33,554,432
+    got = attention_backward_bytes(geometry, batch_size=1, seq_len=65536, sp_size=16, num_chunks=1, offload=False,
+                                   offload_dq=False, ring_size=2)
+    assert got == 8_388_608 + 16_777_216 + 41_943_040 + 33_554_432 + (16_777_216 + 33_554_432)
+    plan = plan_memory(geometry=dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1), seq_len=65536, num_gpus=4,
+                       sequence_parallel_size=4, activation_offload=True, tiled_mlp=True, tiled_loss=True)
+    assert plan.options.ring_size == 2 and plan.options.chunks == 1  # 2 heads on 4 GPUs: U = 2, R = 2
+    assert plan.padded_seq_len == 65536 and "sp=4 (ring 2 x ulysses 2)" in format_plan(plan)
+    with pytest.raises(ValueError, match=r"ring_size \(4\) .* U = 1|does not divide"):
+        plan_memory(geometry="llama3-8b", seq_len=65536, num_gpus=4, sequence_parallel_size=4, ring_size=8,
+                    activation_offload=True, tiled_mlp=True, tiled_loss=True)
+
+
+def test_cli_ring_size(capsys):
+    """`lightning-fpdt plan --ring-size` plans the 2-D split; a ring size the heads refuse exits with status 2."""
+    assert main(["--model", "llama3-8b", "--layers", "2", "--seq-len", "262144", "--gpus", "8", "--ring-size", "2",
+                 "--gpu-memory-gib", "139"]) in (0, 1)
+    assert "sp=8 (ring 2 x ulysses 4)" in capsys.readouterr().out
+    assert main(["--model", "llama3-8b", "--seq-len", "65536", "--gpus", "8", "--sp", "8", "--ring-size", "3"]) == 2
+    assert "ring_size (3) does not divide sequence_parallel_size (8)" in capsys.readouterr().err
+    assert main(["--model", "llama3-8b", "--seq-len", "65536", "--gpus", "8", "--ring-size", "3"]) == 2
+    assert "ring_size (3) divides no sequence_parallel_size" in capsys.readouterr().err

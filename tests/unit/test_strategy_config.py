@@ -14,7 +14,7 @@ from lightning_fpdt.sequence.integrations import (
     install_hf_model,
     sequence_parallel_loss,
 )
-from lightning_fpdt.strategy.mesh import resolve_sizes
+from lightning_fpdt.strategy.mesh import resolve_ring_size, resolve_sizes
 from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt
 
 
@@ -31,14 +31,52 @@ def test_mesh_size_messages():
 
 
 def test_heads_limit_sequence_parallel_size():
-    """An explicit size the heads cannot split is refused; "auto" takes the largest in-node size they allow."""
+    """An explicit size the heads cannot split without a ring is refused; "auto" takes the largest in-node size
+    they allow (never turning the ring on by itself)."""
     with pytest.raises(ValueError, match=r"num_heads \(12\) is not divisible by sequence_parallel_size \(8\)"):
-        resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size=1, sequence_parallel_size=8, heads=(12, 4))
+        resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size=1, sequence_parallel_size=8, heads=(12, 4),
+                      ring_size=1)
     dp, sp = resolve_sizes(world_size=16, devices_per_node=8, data_parallel_size="auto",
                            sequence_parallel_size="auto", heads=(12, 4))
     assert (dp, sp) == (4, 4)  # 8 does not divide 12 heads; 4 does, inside one node of 8
     assert resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size="auto",
                          sequence_parallel_size="auto", heads=(32, 8)) == (1, 8)
+
+
+def test_ring_size_auto_and_explicit():
+    """ring_size "auto" is 1 when the heads allow P Ulysses ranks, else the smallest R whose U = P/R they allow; an
+    explicit R must divide P and leave a U the heads allow, and the message prints every factor."""
+    assert resolve_ring_size(sequence_parallel_size=8, ring_size="auto", heads=(32, 8)) == 1
+    assert resolve_ring_size(sequence_parallel_size=8, ring_size="auto", heads=(12, 4)) == 2  # U = 4
+    assert resolve_ring_size(sequence_parallel_size=4, ring_size="auto", heads=(2, 1)) == 2  # U = 2, kv replicated
+    assert resolve_ring_size(sequence_parallel_size=8, ring_size="auto", heads=(6, 6)) == 4  # U = 2 (6 % 8, 6 % 4)
+    assert resolve_ring_size(sequence_parallel_size=4, ring_size="auto", heads=(1, 1)) == 4  # U = 1: a pure ring
+    assert resolve_ring_size(sequence_parallel_size=4, ring_size="auto", heads=None) == 1
+    assert resolve_ring_size(sequence_parallel_size=8, ring_size=4, heads=(32, 8)) == 4
+    with pytest.raises(ValueError, match=r"ring_size \(3\) does not divide sequence_parallel_size \(8\).*"
+                                         r"\[1, 2, 4, 8\]"):
+        resolve_ring_size(sequence_parallel_size=8, ring_size=3, heads=(32, 8))
+    with pytest.raises(ValueError, match=r"sequence_parallel_size \(8\) / ring_size \(2\) = 4 Ulysses ranks: num_heads "
+                                         r"\(6\).*ring sizes the heads allow: \[4, 8\]"):
+        resolve_ring_size(sequence_parallel_size=8, ring_size=2, heads=(6, 6))
+    with pytest.raises(ValueError, match="ring_size must be 'auto' or a positive int, got 0"):
+        resolve_ring_size(sequence_parallel_size=8, ring_size=0)
+    # P > heads is accepted with the ring; "auto" sequence parallelism with an explicit ring counts U = P/R heads
+    assert resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size=1, sequence_parallel_size=8,
+                         heads=(12, 4)) == (1, 8)
+    assert resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size="auto", sequence_parallel_size="auto",
+                         heads=(2, 1), ring_size=4) == (1, 8)
+
+
+def test_ring_refuses_options_it_does_not_compose_with():
+    """chunks > 1 or offload_dq=True with ring_size > 1 raise ValueErrors naming the fix (never silently ignored)."""
+    with pytest.raises(ValueError, match=r"chunks=2 with ring_size=2: .* use chunks=1 \(or 'auto'\) with a ring"):
+        FPDTStrategy(ring_size=2, chunks=2)
+    with pytest.raises(ValueError, match=r"offload_dq=True with ring_size=4: the ring has no partial dQ sums"):
+        FPDTStrategy(ring_size=4, offload_dq=True)
+    FPDTStrategy(ring_size=2, offload=True)  # the shares go to the host stash like chunks
+    with pytest.raises(ValueError, match="ring_size must be 'auto' or a positive int, got 'big'"):
+        FPDTStrategy(ring_size="big")
 
 
 def test_strategy_option_messages():

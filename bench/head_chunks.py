@@ -223,7 +223,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             rows.append(row)
             print(f"  {case:<9} G={head_chunks}: {row}", file=sys.stderr, flush=True)
     record = dict(
-        card=card, torch=torch.__version__, geometry="tiny" if args.tiny else "llama3-8b (1 layer)", seq_len=args.seq_len,
+        card=card, torch=torch.__version__, geometry="tiny" if args.tiny else "llama3-8b (1 layer)",
+        seq_len=args.seq_len,
         chunks=args.chunks, offload=args.offload, checkpoint=not args.no_checkpoint, dtype=str(dtype),
         budget_gib=args.budget_gib, command="python " + " ".join(sys.argv), rows=rows,
     )

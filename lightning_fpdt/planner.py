@@ -565,7 +565,8 @@ def _components(
         add("attention forward", norm + qkv_out + working_set_bytes(attention, num_chunks=o.chunks, **size, **ring),
             phase="attention forward", formula="norm + q, k, v, out + planning.working_set_bytes")
     else:
-        add("attention forward", norm + A + qkv_out // G + working_set_bytes(attention, num_chunks=o.chunks, **size, **ring),
+        group_working_set = working_set_bytes(attention, num_chunks=o.chunks, **size, **ring)
+        add("attention forward", norm + A + qkv_out // G + group_working_set,
             phase="attention forward", formula="norm + output sum + one group's q, k, v, out and working set")
     mlp_rows = mlp_tile_tokens(N, g.intermediate_size, b) if o.tiled_mlp else N
     mlp_work = MLP_BACKWARD_BUFFERS * mlp_rows * g.intermediate_size * b - mlp_saved

@@ -286,7 +286,7 @@ class _HeadGroupedFunction(torch.autograd.Function):
     | RoPE inputs (in) | position ids (B, S/P) or cos, sin (B, S/P, D) | sequence | yes: small |
     | q/k/v/o weights (in) | the module's own | — | yes (references): sliced per group, gradients written per slice |
     | q_g, k_g, v_g | (B, S/P, H/G, D), (B, S/P, Hkv/G, D) | sequence | no: recomputed per group in backward |
-    | group chunks | (B, H/(G·P), C, D) per chunk | heads | in the group's :class:`LayerAttention` stash (host memory when offloading) |
+    | group chunks | (B, H/(G·P), C, D) per chunk | heads | in the group's handle's stash (host when offloading) |
     | out_g | (B, S/P, H/G, D) | sequence | kept by the group's handle (host memory when offloading) for its replay |
     | y (out) | (B, S/P, h) | sequence | no: the sum over groups of ``out_g @ Wo[:, cols_g]ᵀ`` |
 

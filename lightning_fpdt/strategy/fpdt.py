@@ -243,8 +243,8 @@ class FPDTStrategy(ModelParallelStrategy):
             self._check_ring_options(ring)
         if ring > 1 and self._head_chunks > 1:
             raise ValueError(
-                f"head_chunks={self._head_chunks} is not composed with a ring (ring_size {ring}) yet: set head_chunks=1, "
-                f"or a sequence_parallel_size the head groups allow without a ring"
+                f"head_chunks={self._head_chunks} is not composed with a ring (ring_size {ring}) yet: set "
+                f"head_chunks=1, or a sequence_parallel_size the head groups allow without a ring"
             )
         self._data_parallel_size, self._sequence_parallel_size = dp, sp
         # with a ring only the Ulysses groups (U consecutive ranks) all-to-all; the ring's P2P may cross hosts

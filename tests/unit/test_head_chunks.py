@@ -13,7 +13,12 @@ from lightning_fpdt.callbacks.activation_offload import ActivationOffload
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
 from lightning_fpdt.sequence import FPDTAttention, check_head_groups
 from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention, grouped_geometry
-from lightning_fpdt.sequence.integrations import SequenceParallelContext, install, install_hf_model, install_reference_llama
+from lightning_fpdt.sequence.integrations import (
+    SequenceParallelContext,
+    install,
+    install_hf_model,
+    install_reference_llama,
+)
 from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.strategy.parallelize import find_blocks
 
@@ -110,7 +115,8 @@ def test_hf_families_groups_equal_sdpa_attention(family, head_chunks):
     install_hf_model(grouped, SequenceParallelContext(group=None, attention=attention))
     _compare(reference, grouped, *_inputs(seed=7))
     # the weights are still the modules' own parameters: same names, same shapes
-    assert [(n, p.shape) for n, p in grouped.named_parameters()] == [(n, p.shape) for n, p in reference.named_parameters()]
+    shapes = [(n, p.shape) for n, p in reference.named_parameters()]
+    assert [(n, p.shape) for n, p in grouped.named_parameters()] == shapes
 
 
 def test_evaluation_without_grad_keeps_nothing():
@@ -188,7 +194,8 @@ def test_torch_checkpoint_does_not_recompute_grouped_attention():
     install_reference_llama(grouped, SequenceParallelContext(group=None, attention=attention))
     for block in grouped.model.layers:
         forward = block.forward
-        block.forward = lambda *a, __f=forward, **k: torch.utils.checkpoint.checkpoint(__f, *a, use_reentrant=False, **k)
+        block.forward = lambda *a, __f=forward, **k: torch.utils.checkpoint.checkpoint(
+            __f, *a, use_reentrant=False, **k)
     _compare(reference, grouped, *_inputs(seed=6))
     assert attention.kernel_calls == 4 * 2
 
@@ -231,7 +238,8 @@ def test_head_group_validation_names_the_fix():
     """G must divide Hkv, H/G must split over P, and check_heads applies per group; messages list valid values."""
     assert check_head_groups(32, 8, 4, 2) == 1
     assert check_head_groups(32, 8, 8, 4) == 4  # one kv head per group, replicated over 4 ranks
-    with pytest.raises(ValueError, match=r"head_chunks \(3\) must divide num_kv_heads \(8\).*head_chunks in \[1, 2, 4, 8\]"):
+    with pytest.raises(ValueError,
+                       match=r"head_chunks \(3\) must divide num_kv_heads \(8\).*head_chunks in \[1, 2, 4, 8\]"):
         check_head_groups(32, 8, 3, 1)
     with pytest.raises(ValueError, match=r"32\) / head_chunks \(8\) = 4 query heads per group is not divisible by "
                                          r"sequence_parallel_size \(8\).*head_chunks in \[1, 2, 4\]"):

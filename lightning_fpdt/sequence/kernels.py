@@ -141,6 +141,21 @@ class CudnnKernel(BlockKernel):
 
     def __init__(self) -> None:
         self._aux: Optional[tuple] = None  # (philox_seed, philox_offset), placeholders without dropout
+        # cuDNN refuses a 1 x 1 block ("s_q = s_kv = 1 is not supported", seen on an H100 with torch 2.11): the
+        # diagonal segment of a one-token packed document; the math kernel computes it exactly
+        self._one_token = MathKernel()
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        if q.shape[2] == 1 and k.shape[2] == 1:
+            return self._one_token.forward(q, k, v, causal=causal, scale=scale)
+        return super().forward(q, k, v, causal=causal, scale=scale)
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        if q.shape[2] == 1 and k.shape[2] == 1:
+            return self._one_token.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+        return super().backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
 
     def _forward(self, q, k, v, causal, scale):
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)

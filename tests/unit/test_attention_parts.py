@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_fpdt.sequence import ChunkStash, FPDTAttention, StashFactory, check_heads, fpdt_attention, merge_partial
-from lightning_fpdt.sequence.kernels import MathKernel, make_kernel, supported_backends
+from lightning_fpdt.sequence.kernels import CudnnKernel, MathKernel, make_kernel, supported_backends
 
 
 def _blocks_and_direct(scale: float, dtype=torch.float64):
@@ -86,6 +86,23 @@ def test_block_backward_with_merged_lse_is_exact():
     torch.testing.assert_close(g1[0] + g2[0], ref[0])
     torch.testing.assert_close(torch.cat([g1[1], g2[1]], 2), ref[1])
     torch.testing.assert_close(torch.cat([g1[2], g2[2]], 2), ref[2])
+
+
+def test_cudnn_kernel_computes_one_token_blocks_itself():
+    """cuDNN refuses s_q = s_kv = 1 (a one-token document's diagonal): the kernel answers those with the math kernel
+    (on any device, so this runs on CPU: a larger block would reach the CUDA op)."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 1, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 1, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(2, 4, 1, 8, generator=gen, dtype=torch.float64)
+    out, lse = CudnnKernel().forward(q, k, v, causal=True, scale=0.3)
+    ref_out, ref_lse = MathKernel().forward(q, k, v, causal=True, scale=0.3)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+    torch.testing.assert_close(out, v.repeat_interleave(2, dim=1), rtol=1e-12, atol=1e-12)  # one key: out = its value
+    grads = CudnnKernel().backward(dout, q, k, v, out, lse, causal=True, scale=0.3)
+    for got, want in zip(grads, MathKernel().backward(dout, q, k, v, out, lse, causal=True, scale=0.3)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_stash_life_cycle_misuse_raises():

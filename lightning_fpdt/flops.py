@@ -148,7 +148,9 @@ class ModelGeometry:
         )
 
 
-def flops_per_token(geometry: ModelGeometry, seq_len: int, convention: Convention = "causal") -> int:
+def flops_per_token(
+    geometry: ModelGeometry, seq_len: int, convention: Convention = "causal", *, attention_len: Optional[float] = None
+) -> int:
     """Training FLOPs (forward + backward) per token of sequences ``seq_len`` long.
 
     ``"causal"`` (the default; what actually has to be computed)::
@@ -165,11 +167,18 @@ def flops_per_token(geometry: ModelGeometry, seq_len: int, convention: Conventio
     3. Differences from those sources: N here excludes the input embedding (ArcticTraining counts all
     parameters), and Megatron's formula counts the lm_head ×6, not ×8. Both conventions use ``S/2`` keys
     per query for causal attention, not the exact ``(S+1)/2``.
+
+    ``attention_len`` replaces ``S`` in the attention term: for documents packed into one sequence, each token
+    attends only within its document, so the attention work per token is that of ``Σ_d L_d² / S`` (the mean of
+    ``L_d`` weighted by the tokens of each document), not ``S``. ``None``: one document, ``S``.
     """
     _check_convention(convention)
     if seq_len <= 0:
         raise ValueError(f"seq_len ({seq_len}) must be positive")
     n, layers, d_attn = geometry.nonembedding_parameters, geometry.num_layers, geometry.attention_width
+    if attention_len is not None and not 0 < attention_len <= seq_len:
+        raise ValueError(f"attention_len ({attention_len}) must be in (0, seq_len = {seq_len}]")
+    window = seq_len if attention_len is None else attention_len
     # Dense: every parameter is one multiply-add (2 FLOPs) per token in the forward and two in the backward
     # (gradients of inputs and of weights): 2·N + 4·N = 6·N.
     # Attention, forward, per token per layer: QKᵀ is 2·S·d_attn (S keys, d_attn wide) and AV another
@@ -177,16 +186,20 @@ def flops_per_token(geometry: ModelGeometry, seq_len: int, convention: Conventio
     # 2·S·d_attn. The backward costs twice the forward, so ×3: 6·S·d_attn. GQA does not change this: the
     # scores and the weighted sum are computed per query head, whatever the number of key/value heads.
     if convention == "causal":
-        return 6 * n + 6 * layers * seq_len * d_attn
+        return 6 * n + round(6 * layers * window * d_attn)
     # Megatron: non-causal (4·S·d_attn forward) and 4 passes: 8·N + 16·L·S·d_attn.
-    return 8 * n + 16 * layers * seq_len * d_attn
+    return 8 * n + round(16 * layers * window * d_attn)
 
 
-def flops_per_step(geometry: ModelGeometry, seq_len: int, tokens: int, convention: Convention = "causal") -> int:
-    """Training FLOPs of ``tokens`` tokens, all in sequences ``seq_len`` long (e.g. ``batch · seq_len · dp``)."""
+def flops_per_step(
+    geometry: ModelGeometry, seq_len: int, tokens: int, convention: Convention = "causal", *,
+    attention_len: Optional[float] = None,
+) -> int:
+    """Training FLOPs of ``tokens`` tokens, all in sequences ``seq_len`` long (e.g. ``batch · seq_len · dp``);
+    ``attention_len`` as in :func:`flops_per_token` (packed documents)."""
     if tokens < 0:
         raise ValueError(f"tokens ({tokens}) must be non-negative")
-    return tokens * flops_per_token(geometry, seq_len, convention)
+    return tokens * flops_per_token(geometry, seq_len, convention, attention_len=attention_len)
 
 
 def _check_convention(convention: str) -> None:

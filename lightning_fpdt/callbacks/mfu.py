@@ -120,8 +120,11 @@ class MFUMonitor(pl.Callback):
             self._open_step = _OpenStep(start=time.perf_counter(), global_step=trainer.global_step)
         tokens, seq_len = _count_global_tokens(trainer.strategy, trainer.world_size, batch)
         self._open_step.tokens += tokens
-        # Per micro-batch: the attention FLOPs per token depend on its sequence length.
-        self._open_step.flops += flops_per_step(self._geometry, seq_len, tokens, self.convention)
+        # Per micro-batch: the attention FLOPs per token depend on its sequence length, and on its documents when
+        # the strategy found packed ones (each token attends only within its own)
+        attention_len = getattr(trainer.strategy, "last_batch_attention_length", None)
+        self._open_step.flops += flops_per_step(self._geometry, seq_len, tokens, self.convention,
+                                                attention_len=attention_len)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -163,6 +163,15 @@ class DocumentBoundaries:
     def batch_size(self) -> int:
         return len(self.starts)
 
+    def attention_length(self) -> float:
+        """``Σ_d L_d² / S`` averaged over the sequences: the sequence length whose causal attention per token costs
+        what these documents' does (``S`` for one document per sequence); what FLOP counts use for ``S``."""
+        total = 0
+        for row in self.starts:
+            ends = row[1:] + (self.seq_len,)
+            total += sum((end - start) ** 2 for start, end in zip(row, ends))
+        return total / (self.batch_size * self.seq_len)
+
     def padded(self, padded_len: int) -> "DocumentBoundaries":
         """The boundaries of the sequence right-padded to ``padded_len``: the padding is a document of its own."""
         if padded_len < self.seq_len:

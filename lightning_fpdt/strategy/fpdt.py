@@ -161,6 +161,8 @@ class FPDTStrategy(ModelParallelStrategy):
         self._context: Optional[SequenceParallelContext] = None
         self._padding_logged = False
         self.last_batch_geometry: Optional[tuple[int, int, int]] = None
+        self.last_batch_attention_length: Optional[float] = None
+        """``Σ L_d² / S`` of the last batch's packed documents (FLOP counts); ``None``: one document per sequence."""
         """``(batch_size, seq_len, padded_seq_len)`` of the global sequence of the last batch sharded."""
         self._valid_tokens_local: Union[Tensor, int] = 0
         self._pending_rng_states: Optional[dict[str, Any]] = None
@@ -431,6 +433,7 @@ class FPDTStrategy(ModelParallelStrategy):
             sharded["document_ids"] = layout.shard(torch.cat([document_ids, pad_document], dim=1))
 
         self.last_batch_geometry = (batch_size, seq_len, padded)
+        self.last_batch_attention_length = documents.attention_length() if documents is not None else None
         # kept on the device: only a module computing its own loss needs it, and int() here would stall every step
         self._valid_tokens_local = (shift_labels != IGNORE_INDEX).sum()
         assert self._context is not None

@@ -83,6 +83,28 @@ def test_flops_per_step_is_tokens_times_flops_per_token():
     assert flops_per_step(geometry, 8192, 65536, convention="megatron") == 65536 * 77_219_266_560
 
 
+def test_packed_documents_count_attention_within_documents():
+    """Packed documents: the attention term uses Σ L_d² / S instead of S (each token attends only within its
+    document); the dense term is unchanged; the window must lie in (0, S]."""
+    from lightning_fpdt.sequence.documents import DocumentBoundaries
+
+    sizes = dict(num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=32, intermediate_size=512,
+                 vocab_size=1000)
+    geometry = ModelGeometry(**sizes)
+    # two sequences of 1000 tokens: documents 100 + 900, and 500 + 500 → (100² + 900² + 2·500²) / 2000 = 660
+    documents = DocumentBoundaries(((0, 100), (0, 500)), 1000)
+    assert documents.attention_length() == 660.0
+    assert DocumentBoundaries(((0,),), 1000).attention_length() == 1000.0  # one document: S
+    dense = 6 * geometry.nonembedding_parameters
+    assert flops_per_token(geometry, 1000, attention_len=660.0) == dense + 6 * 4 * 660 * 8 * 32
+    assert flops_per_step(geometry, 1000, 2000, "megatron", attention_len=660.0) == 2000 * (
+        8 * geometry.nonembedding_parameters + 16 * 4 * 660 * 8 * 32)
+    assert flops_per_token(geometry, 1000, attention_len=1000) == flops_per_token(geometry, 1000)
+    for bad in (0, 1001):
+        with pytest.raises(ValueError, match=r"attention_len \(%d\) must be in \(0, seq_len = 1000\]" % bad):
+            flops_per_token(geometry, 1000, attention_len=bad)
+
+
 def test_gqa_does_not_change_attention_flops():
     """With fewer kv heads only N shrinks: the attention term depends on the query heads alone."""
     sizes = dict(num_layers=4, hidden_size=256, num_heads=8, head_dim=32, intermediate_size=512, vocab_size=1000)

@@ -157,6 +157,22 @@ def test_tokens_counted_once_per_sequence_parallel_group():
         _count_global_tokens(other, 1, {"text": ["no tensors"]})
 
 
+def test_packed_batch_counts_attention_within_documents():
+    """A batch the strategy found packed (last_batch_attention_length) is counted with Σ L_d² / S, not S."""
+    geometry = ModelGeometry.from_config(LlamaConfig.from_name("tiny"))
+    flops = {}
+    for attention_len in (None, 300.0):
+        monitor = MFUMonitor(geometry=geometry)
+        monitor._geometry = geometry
+        strategy = SimpleNamespace(last_batch_geometry=(1, 1000, 1024), data_parallel_size=1,
+                                   last_batch_attention_length=attention_len, root_device=torch.device("cpu"))
+        trainer = SimpleNamespace(strategy=strategy, world_size=2, global_step=0)
+        monitor.on_train_batch_start(trainer, None, {"input_ids": torch.zeros(1, 512)}, 0)
+        flops[attention_len] = monitor._open_step.flops
+    assert flops[None] == 1000 * flops_per_token(geometry, 1000)
+    assert flops[300.0] == 1000 * flops_per_token(geometry, 1000, attention_len=300.0) < flops[None]
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -249,6 +249,7 @@ def _tile_hf_causal_lm(model: nn.Module, num_tiles: Union[Literal["auto"], int])
         if labels is None and shift_labels is None:
             return original(*args, **kwargs)  # logits wanted: the model's own forward
         call.pop("logits_to_keep", None)
+        num_items = call.pop("num_items_in_batch", None)  # HF: the loss is the sum over the batch / this count
         outputs = base(**call)
         hidden = outputs[0]  # (B, S/P, hidden): last_hidden_state, also from a tuple output
         reduce = getattr(model, "fpdt_reduce_loss", None)  # set by the fpdt strategy
@@ -260,7 +261,15 @@ def _tile_hf_causal_lm(model: nn.Module, num_tiles: Union[Literal["auto"], int])
             targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # as Hugging Face shifts them
         weight = model.get_output_embeddings().weight  # read per call: FSDP2 swaps in the gathered parameter
         mean, num_valid = tiled_cross_entropy(hidden, weight, targets, num_tiles=num_tiles)
-        loss = reduce(mean, num_valid) if reduce is not None else mean
+        if num_items is not None and reduce is not None:
+            raise ValueError(
+                "num_items_in_batch was passed to the model under the fpdt strategy, which averages the loss over "
+                "the valid tokens of the sequence-parallel group itself: do not pass num_items_in_batch"
+            )
+        if num_items is not None:
+            loss = mean * num_valid / num_items  # sum over this batch's valid tokens / the caller's count
+        else:
+            loss = reduce(mean, num_valid) if reduce is not None else mean
         return CausalLMOutputWithPast(
             loss=loss,
             logits=None,

@@ -324,6 +324,23 @@ def test_tiled_loss_hugging_face(tied):
     torch.testing.assert_close(model(input_ids).logits, ref(input_ids).logits, **FP64_TOL)
 
 
+def test_tiled_loss_hugging_face_num_items_in_batch():
+    """num_items_in_batch (gradient accumulation in HF's style): the loss is the batch's sum over that count, as
+    HF's own loss computes it; under the fpdt strategy (fpdt_reduce_loss set) passing it is refused."""
+    model = hf_llama().double()
+    ref = copy.deepcopy(model)
+    apply_tiled_loss(model, num_tiles=3)
+    input_ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    labels = input_ids.clone()
+    labels[0, :3] = -100
+    out = model(input_ids=input_ids, labels=labels, num_items_in_batch=37)
+    out_ref = ref(input_ids=input_ids, labels=labels, num_items_in_batch=37)
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-5, atol=1e-6, check_dtype=False)  # HF's fp32 loss
+    model.fpdt_reduce_loss = lambda mean, num_valid: mean
+    with pytest.raises(ValueError, match="do not pass num_items_in_batch"):
+        model(input_ids=input_ids, labels=labels, num_items_in_batch=37)
+
+
 def test_tiled_loss_hugging_face_refusals():
     """An lm_head bias or logit soft-capping, which the tiled loss does not model, is refused."""
     model = hf_llama()

@@ -85,6 +85,9 @@ from lightning_fpdt.planner import (
 from lightning_fpdt.sequence.planning import stash_bytes
 from lightning_fpdt.sequence.layout import SequenceLayout
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ holds scripts, not a package: its siblings
+from step_profile import StepProfiler  # noqa: E402
+
 GIB = 2**30
 SYSTEMS = ("fpdt", "modelparallel", "ring")
 SCRIPT = "bench/peers.py"
@@ -150,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     parser.add_argument("--agree-timeout-s", type=float, default=120.0,
                         help="how long a rank waits for the others' status after an out-of-memory error")
+    parser.add_argument("--profile-step", type=int, default=None,
+                        help="run this step (0-based; 0 is the warm-up) under torch.profiler: device time by kernel "
+                             "kind, busy fraction, top kernels (bench/step_profile.py), in the record and beside --out")
+    parser.add_argument("--profile-trace", action="store_true", help="with --profile-step: a Chrome trace too")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "peers.jsonl"))
     parser.add_argument("--attempt-id", default=None, help=argparse.SUPPRESS)  # set by the --max-length search
     search = parser.add_argument_group("maximum-length search (run with python; it launches the attempts)")
@@ -414,8 +421,8 @@ class _StepLog(L.Callback):
     """Primes AdamW's moments, and keeps each step's time, loss and peak GPU memory in ``info`` as the run goes (an
     out-of-memory error then still leaves the steps done). Placed after ``MFUMonitor``, whose step times it copies."""
 
-    def __init__(self, info: dict[str, Any], monitor: MFUMonitor, seq_len: int) -> None:
-        self.info, self.monitor, self.seq_len = info, monitor, seq_len
+    def __init__(self, info: dict[str, Any], monitor: MFUMonitor, seq_len: int, profiler: StepProfiler) -> None:
+        self.info, self.monitor, self.seq_len, self.profiler = info, monitor, seq_len, profiler
         self._primed = False
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
@@ -438,9 +445,11 @@ class _StepLog(L.Callback):
             else:
                 self.info.update(sequence_parallel_size=1, data_parallel_size=trainer.world_size)
         _reset_peaks(trainer.strategy.root_device)
+        self.profiler.start(idx)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            idx: int) -> None:
+        self.profiler.stop(idx)
         record = self.monitor.step_records[-1] if self.monitor.step_records else None
         # the strategy's loss (under fpdt the sequence group's token mean); callbacks run before the module's own hook
         loss = outputs["loss"].detach().float().item() * trainer.accumulate_grad_batches
@@ -472,7 +481,7 @@ def train_lightning(args: argparse.Namespace, *, device: torch.device, world_siz
         strategy=strategy, accelerator="gpu" if device.type == "cuda" else "cpu", devices=gpus_per_node,
         num_nodes=world_size // gpus_per_node, precision=precision, max_steps=args.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[*callbacks, monitor, _StepLog(info, monitor, args.seq_len)],
+        callbacks=[*callbacks, monitor, _StepLog(info, monitor, args.seq_len, step_profiler(args, device, info))],
     )
     vocab = LlamaConfig.from_name(args.model).vocab_size
     # Lightning shards the samples over the data-parallel ranks: under modelparallel rank r trains samples r, r + W, ...
@@ -501,6 +510,7 @@ def train_ring(args: argparse.Namespace, *, device: torch.device, world_size: in
     prime_adam_states(optimizer)
     set_rotate_method(args.rotate_method)
     info.update(sequence_parallel_size=world_size, data_parallel_size=1, tokens_per_step=args.seq_len)
+    profiler = step_profiler(args, device, info)
     dataset = RandomTokens(LlamaConfig.from_name(args.model).vocab_size, args.seq_len, args.steps)
     global_targets = args.seq_len - 1  # the last token has nothing to predict
     with sdpa_backend(args.attention_backend):
@@ -510,6 +520,7 @@ def train_ring(args: argparse.Namespace, *, device: torch.device, world_size: in
             targets = SequenceLayout.shift_labels(input_ids)  # (1, S): shifted on the whole sequence, then sharded
             buffers = [input_ids, position_ids, targets]
             _reset_peaks(device)
+            profiler.start(step)
             start = time.perf_counter()
             with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
                 # the buffers are now this rank's (1, S/W) load-balanced shards
@@ -522,9 +533,18 @@ def train_ring(args: argparse.Namespace, *, device: torch.device, world_size: in
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - start
+            profiler.stop(step)
             loss_sum = (local_mean.detach().float() * count).reshape(1)
             dist.all_reduce(loss_sum)
             _append_step(info, device, seconds, loss_sum.item() / global_targets)
+
+
+def step_profiler(args: argparse.Namespace, device: torch.device, info: dict[str, Any]) -> StepProfiler:
+    """The run's :class:`StepProfiler` (inert without ``--profile-step``); its summary lands in ``info["profile"]``."""
+    prefix = os.path.join(os.path.dirname(os.path.abspath(args.out)),
+                          f"profile-{args.system}-{args.seq_len}-{args.layers or 'all'}layers")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return StepProfiler(args.profile_step, prefix, device=device, rank=rank, trace=args.profile_trace, sink=info)
 
 
 SYSTEM_FUNCTIONS: dict[str, Callable[..., None]] = {
@@ -720,6 +740,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "flop_convention": "causal", "flops_per_token": flops_per_token(geometry_run, args.seq_len, "causal"),
         "peak_flops": peak,
         "losses": info.get("losses", []), "first_loss": (info.get("losses") or [None])[0],
+        "profile": info.get("profile"),
         "peak_gpu_bytes": peak_gpu, "peak_gpu_bytes_per_rank": peak_per_rank,
         "peak_reserved_bytes": max((f[1] for f in rank_figures if f[1] is not None), default=None),
         "peak_gpu_bytes_at_oom": info.get("peak_gpu_bytes_at_oom"),

@@ -63,6 +63,26 @@ def test_fpdt_and_modelparallel_records(dist_pool):
     assert fpdt["command"] in doc and "| cpu | 2 | tiny |" in doc
 
 
+def profiled_fpdt_run(out: str) -> dict:
+    peers = load_bench("peers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = [a if a != "unused.jsonl" else out for a in COMMON]
+        return peers.run(peers.parse_args(["--system", "fpdt", *args, "--chunks", "2", "--profile-step", "1"]))
+
+
+def test_profiled_step_lands_in_the_record(dist_pool, tmp_path):
+    """--profile-step 1: the second step runs under torch.profiler on every rank; the summary is in the record and
+    rank 0 writes it beside --out (CPU here: no device time, the wall time and the structure only)."""
+    out = str(tmp_path / "peers.jsonl")
+    ranks = dist_pool(2).run(profiled_fpdt_run, out=out)
+    for record in ranks:
+        profile = record["profile"]
+        assert profile["wall_s"] > 0 and profile["busy_s"] == 0.0 and profile["wait_s"] == profile["wall_s"]
+    written = json.loads((tmp_path / "profile-fpdt-64-1layers.json").read_text())
+    assert written["wall_s"] == ranks[0]["profile"]["wall_s"]
+
+
 def agree(statuses: dict[int, str], key: str, timeout_s: float):
     """Ranks named in ``statuses`` post theirs; the others stay away, as a rank stuck in a collective would."""
     peers = load_bench("peers")

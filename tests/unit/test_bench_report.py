@@ -297,3 +297,33 @@ def test_host_limit_is_the_planners_and_bounds_the_maximum():
     assert ("557,056 (host: full depth planned to fit up to 557,056; GPU: 1,572,864 ran, 2,097,152 failed) [1]"
             in doc)
     assert "| maximum length, 4 GPUs, fpdt | ≥ 2,097,152 | NVIDIA H100 80GB HBM3 | 557,056 | **missed** |" in doc
+
+
+def test_step_profile_categories_and_summary():
+    """Kernels and copies are grouped by name; busy = attention + matmul + other; waiting is the rest of the wall."""
+    from types import SimpleNamespace
+
+    step_profile = load_bench("step_profile")
+    names = {
+        "void cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob": "attention",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "matmul",
+        "ncclDevKernel_AllToAll_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "communication",
+        "Memcpy HtoD (Pinned -> Device)": "copy host->device",
+        "Memcpy DtoH (Device -> Pinned)": "copy device->host",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::AUnaryFunctor>": "other",
+    }
+    for name, expected in names.items():
+        assert step_profile.category(name) == expected, name
+    events = [SimpleNamespace(key=name, count=2, self_device_time_total=us)
+              for name, us in zip(names, (400_000, 300_000, 50_000, 20_000, 10_000, 100_000))]
+    events.append(SimpleNamespace(key="aten::mm", count=5, self_device_time_total=0))  # CPU-side op: no device time
+    summary = step_profile.summarize(events, wall_s=1.0, top=3)
+    assert summary["busy_s"] == pytest.approx(0.8) and summary["wait_s"] == pytest.approx(0.2)
+    assert summary["device_s"]["communication"] == pytest.approx(0.05)
+    assert [k["category"] for k in summary["top_kernels"]] == ["attention", "matmul", "other"]
+    assert "waiting 0.200 s" in step_profile.format_summary(summary)
+    profiler = step_profile.StepProfiler(1, "/tmp/unused", device=torch.device("cpu"), rank=1)
+    profiler.stop(0)  # not the profiled step: nothing happens
+    with pytest.raises(RuntimeError, match=r"stop\(1\) called before start\(1\)"):
+        profiler.stop(1)
+

@@ -1,0 +1,137 @@
+"""One training step under ``torch.profiler``, summarised as "which kernel, which copy, which wait".
+
+Used by ``bench/peers.py --profile-step N`` (any system): step ``N`` (0-based; after the warm-up step 0) runs under
+the profiler on every rank; rank 0 writes the summary (JSON) and, with ``--profile-trace``, a Chrome trace, and
+prints the table. Device time is grouped by kernel kind:
+
+| category | kernels (lower-cased name contains) |
+|---|---|
+| attention | flash, fmha, cudnn, attention, sdpa |
+| matmul | gemm, cutlass, xmma, nvjet, wgmma, matmul |
+| communication | nccl |
+| copy host->device / device->host / device->device | the profiler's ``Memcpy HtoD`` / ``DtoH`` / ``DtoD`` |
+| other | everything else (elementwise, norms, softmax of the loss, reductions) |
+
+"busy" is the sum of the attention, matmul and other kernels' time, i.e. the compute stream's work if nothing of it
+overlaps; ``wall − busy`` is then what the step waited (copies and communication not hidden, host stalls, launch
+gaps). Copies and communication run on their own streams, so their time may overlap compute: it is listed, not
+subtracted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Optional
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+CATEGORIES = {
+    "attention": ("flash", "fmha", "cudnn", "attention", "sdpa"),
+    "matmul": ("gemm", "cutlass", "xmma", "nvjet", "wgmma", "matmul"),
+    "communication": ("nccl",),
+}
+COPIES = {"memcpy htod": "copy host->device", "memcpy dtoh": "copy device->host", "memcpy dtod": "copy device->device"}
+COMPUTE = ("attention", "matmul", "other")
+
+
+def category(name: str) -> str:
+    """The category of a device kernel or copy, by its name."""
+    lowered = name.lower()
+    for prefix, label in COPIES.items():
+        if lowered.startswith(prefix):
+            return label
+    for label, needles in CATEGORIES.items():
+        if any(needle in lowered for needle in needles):
+            return label
+    return "other"
+
+
+def _device_time_us(event: Any) -> float:
+    # torch >= 2.4 names it device time; older releases cuda time
+    return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0) or 0)
+
+
+def summarize(events: Any, wall_s: float, *, top: int = 12) -> dict[str, Any]:
+    """Device seconds per category, the busy fraction and the top kernels of ``prof.key_averages()``."""
+    seconds: dict[str, float] = {}
+    kernels = []
+    for event in events:
+        device_us = _device_time_us(event)
+        if device_us <= 0:
+            continue
+        label = category(event.key)
+        seconds[label] = seconds.get(label, 0.0) + device_us / 1e6
+        kernels.append((device_us / 1e6, event.count, label, event.key))
+    busy = sum(seconds.get(name, 0.0) for name in COMPUTE)
+    kernels.sort(reverse=True)
+    return {
+        "wall_s": wall_s,
+        "device_s": dict(sorted(seconds.items(), key=lambda item: -item[1])),
+        "busy_s": busy,
+        "busy_fraction": busy / wall_s if wall_s > 0 else None,
+        "wait_s": max(wall_s - busy, 0.0),
+        "top_kernels": [
+            {"seconds": s, "calls": count, "category": label, "name": name[:120]} for s, count, label, name in kernels[:top]
+        ],
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = [f"profiled step: wall {summary['wall_s']:.3f} s, compute kernels {summary['busy_s']:.3f} s "
+             f"({100 * (summary['busy_fraction'] or 0):.1f}%), waiting {summary['wait_s']:.3f} s"]
+    lines += [f"  {name:<22} {value:8.3f} s" for name, value in summary["device_s"].items()]
+    lines.append("  top kernels:")
+    lines += [f"  {k['seconds']:8.3f} s {k['calls']:6d}x {k['category']:<14} {k['name']}" for k in summary["top_kernels"]]
+    return "\n".join(lines)
+
+
+class StepProfiler:
+    """Profiles step ``step`` of a run: ``start(i)`` / ``stop(i)`` around every step, acting only at ``step``.
+
+    ``stop`` without a matching ``start`` raises ``RuntimeError``. Rank 0 writes ``{out_prefix}.json`` (the summary)
+    and, when ``trace``, ``{out_prefix}.trace.json``; every rank puts its summary in ``sink["profile"]`` if given."""
+
+    def __init__(self, step: Optional[int], out_prefix: str, *, device: torch.device, rank: int,
+                 trace: bool = False, sink: Optional[dict] = None) -> None:
+        self.step, self.out_prefix, self.device, self.rank, self.trace = step, out_prefix, device, rank, trace
+        self.sink = sink
+        self._profile: Optional[profile] = None
+        self._start = 0.0
+        self.summary: Optional[dict[str, Any]] = None
+
+    def start(self, step: int) -> None:
+        if step != self.step:
+            return
+        self._sync()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._profile = profile(activities=activities)
+        self._profile.__enter__()
+        self._start = time.perf_counter()
+
+    def stop(self, step: int) -> None:
+        if step != self.step:
+            return
+        if self._profile is None:
+            raise RuntimeError(f"StepProfiler.stop({step}) called before start({step})")
+        self._sync()
+        wall = time.perf_counter() - self._start
+        self._profile.__exit__(None, None, None)
+        self.summary = summarize(self._profile.key_averages(), wall)
+        if self.sink is not None:
+            self.sink["profile"] = self.summary
+        if self.rank == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(self.out_prefix)), exist_ok=True)
+            with open(f"{self.out_prefix}.json", "w") as f:
+                json.dump(self.summary, f, indent=1)
+            if self.trace:
+                self._profile.export_chrome_trace(f"{self.out_prefix}.trace.json")
+            print(format_summary(self.summary), flush=True)
+        self._profile = None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+

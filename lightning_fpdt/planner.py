@@ -529,7 +529,10 @@ def _components(
     moments = OPTIMIZER_STATES[o.optimizer] * dtypes["master"] * total // W
     add("optimizer states", *on(moments, offloaded_states), formula=f"{OPTIMIZER_STATES[o.optimizer]} x sharded master")
 
-    norm = N * h * 4 * (b < 4) + 2 * A  # RMSNorm: fp32 copy of its input, normalised input, output
+    # RMSNorm: fp32 copy of its input, normalised input, output. The reference Llama's norm and RoPE now run over
+    # token tiles and save one fp32 per token (models/ops.py); these terms, calibrated on GPU runs of the plain forms,
+    # are kept until runs of the tiled forms re-calibrate them (a conservative GPU estimate meanwhile)
+    norm = N * h * 4 * (b < 4) + 2 * A
     rope = ROPE_TABLES * N * g.head_dim * 4
     mlp_saved = 0 if o.tiled_mlp else 4 * N * g.intermediate_size * b
     # what one layer's backward needs; head groups keep their outputs in the stash ("kept out") and recompute RoPE

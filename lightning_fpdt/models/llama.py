@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_fpdt.models.ops import rms_norm, rotary
 from lightning_fpdt.sequence.documents import document_ids_from_positions, has_position_resets
 
 IGNORE_INDEX = -100
@@ -122,24 +123,15 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        # The mean square is taken in fp32 so bf16 activations do not lose the normalisation.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # The mean square is taken in fp32 so bf16 activations do not lose the normalisation; over token tiles,
+        # keeping one fp32 per token for backward instead of an fp32 copy of x (models/ops.py).
+        return rms_norm(x, self.weight, self.eps)
 
 
 def apply_rotary(x: Tensor, position_ids: Tensor, theta: float) -> Tensor:
-    """Rotate ``x (B, S, H, D)`` by RoPE angles of ``position_ids (B, S)`` (rotate-half convention)."""
-    head_dim = x.shape[-1]
-    # fp32 at least: bf16 angles are wrong by whole radians at long positions; fp64 inputs stay fp64.
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=dtype) / head_dim))  # (D/2,)
-    angles = position_ids.to(dtype)[..., None] * inv_freq  # (B, S, D/2)
-    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # (B, S, 1, D), broadcast over heads
-    x_c = x.to(dtype)
-    x1, x2 = x_c.chunk(2, dim=-1)
-    rotated_half = torch.cat((-x2, x1), dim=-1)
-    return (x_c * angles.cos() + rotated_half * angles.sin()).to(x.dtype)
+    """Rotate ``x (B, S, H, D)`` by RoPE angles of ``position_ids (B, S)`` (rotate-half convention), in fp32 over
+    token tiles, keeping nothing of ``x`` for backward (models/ops.py)."""
+    return rotary(x, position_ids, theta)
 
 
 def sdpa_attention(

@@ -1,0 +1,145 @@
+"""RMSNorm and RoPE of the reference Llama, computed over token tiles and saving almost nothing for backward.
+
+At long context their plain autograd forms are among the largest buffers of a layer: RMSNorm keeps an fp32 copy of
+its input (``S/P × hidden × 4`` bytes: 16 GiB at 1M tokens of Llama-3-8B) and RoPE makes three or four fp32
+temporaries of q's size while it runs. Here both run tile by tile over the tokens, with fp32 math inside a tile only:
+
+| op | saved for backward | transient |
+|---|---|---|
+| :func:`rms_norm` | its input (a tensor the graph holds anyway: the block input or the residual stream), the weight, ``rstd`` (one fp32 per token) | one tile's fp32 buffers |
+| :func:`rotary` | nothing but ``position_ids``: RoPE is a rotation, its backward is the rotation by the opposite angle | one tile's fp32 buffers |
+
+The results equal the plain forms' (same fp32 math per token); only the summation order of the norm weight's
+gradient differs (per tile, then over tiles, in fp32).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+TILE_BYTES = 256 * 2**20
+"""One tile's fp32 buffer (tokens × width × 4 bytes) stays under this."""
+
+
+def _tiles(num_tokens: int, width: int) -> list[tuple[int, int]]:
+    step = max(1, TILE_BYTES // (4 * max(width, 1)))
+    return [(start, min(start + step, num_tokens)) for start in range(0, num_tokens, step)]
+
+
+# ---- RMSNorm ---------------------------------------------------------------------------------------------------------
+def rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(weight · (x / rms(x)).to(x.dtype), rstd)``; ``rstd`` fp32 (fp64 for fp64 inputs), one per token."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    flat = x.reshape(-1, x.shape[-1])  # (N, hidden)
+    out = torch.empty(flat.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    rstd = torch.empty(flat.shape[0], dtype=acc, device=x.device)
+    for start, end in _tiles(flat.shape[0], flat.shape[1]):
+        x32 = flat[start:end].to(acc)
+        rstd[start:end] = torch.rsqrt(x32.pow(2).mean(-1) + eps)
+        out[start:end] = weight * (x32 * rstd[start:end, None]).to(x.dtype)
+    return out.view(*x.shape[:-1], x.shape[-1]), rstd
+
+
+def rms_norm_backward(
+    grad_out: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, *, input_grad: bool, weight_grad: bool
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """Gradients of :func:`rms_norm_forward`'s output: ``dx = rstd · (g − n · mean(g · n))`` with ``n = x · rstd``
+    and ``g = dy · weight``; ``dweight = Σ dy · n`` over the tokens (fp32 sums)."""
+    acc = rstd.dtype
+    flat, grad = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, x.shape[-1])
+    grad_x = torch.empty_like(flat) if input_grad else None
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight_grad else None
+    for start, end in _tiles(flat.shape[0], flat.shape[1]):
+        r = rstd[start:end, None]
+        normed = flat[start:end].to(acc) * r  # (n, hidden), the fp32 normalised input
+        dy = grad[start:end].to(acc)
+        if grad_w is not None:
+            grad_w += (dy * normed.to(x.dtype).to(acc)).sum(0)  # the forward multiplied the weight by n in x's dtype
+        if grad_x is not None:
+            g = dy * weight.to(acc)
+            grad_x[start:end] = (r * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)
+    return (grad_x.view_as(x) if grad_x is not None else None,
+            grad_w.to(weight.dtype) if grad_w is not None else None)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """RMSNorm over token tiles.
+
+    | tensor | shape | kept for backward |
+    |---|---|---|
+    | x (in) | (B, S/P, hidden) | yes: the norm's input, which the graph keeps anyway (block input, residual) |
+    | weight | (hidden,) | yes |
+    | rstd | (B·S/P,) fp32 | yes: 1/rms per token, so the backward needs no reduction of its own |
+    | fp32 normalised input | (n, hidden) per tile | no: recomputed tile by tile in backward |
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        out, rstd = rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
+        x, weight, rstd = ctx.saved_tensors
+        grad_x, grad_w = rms_norm_backward(grad_out, x, weight, rstd, input_grad=ctx.needs_input_grad[0],
+                                           weight_grad=ctx.needs_input_grad[1])
+        return grad_x, grad_w, None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``weight · (x / sqrt(mean(x²) + eps))``, the mean square in fp32 (fp64 for fp64), over token tiles."""
+    return RMSNormFunction.apply(x, weight, eps)
+
+
+# ---- RoPE ------------------------------------------------------------------------------------------------------------
+def rotary_forward(x: Tensor, position_ids: Tensor, theta: float, *, inverse: bool = False) -> Tensor:
+    """``x (B, S, H, D)`` rotated by the RoPE angles of ``position_ids (B, S)`` (rotate-half convention), over token
+    tiles in fp32 (fp64 for fp64); ``inverse`` rotates by the opposite angles (the backward)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    head_dim = x.shape[-1]
+    # fp32 at least: bf16 angles are wrong by whole radians at long positions
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=acc) / head_dim))  # (D/2,)
+    out = torch.empty_like(x)
+    seq_len = x.shape[1]
+    for start, end in _tiles(seq_len, x.shape[0] * x.shape[2] * head_dim):
+        angles = position_ids[:, start:end].to(acc)[..., None] * inv_freq  # (B, n, D/2)
+        angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # (B, n, 1, D), broadcast over heads
+        sin = -angles.sin() if inverse else angles.sin()
+        x_c = x[:, start:end].to(acc)
+        x1, x2 = x_c.chunk(2, dim=-1)
+        out[:, start:end] = (x_c * angles.cos() + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+    return out
+
+
+class RotaryFunction(torch.autograd.Function):
+    """RoPE over token tiles.
+
+    | tensor | shape | kept for backward |
+    |---|---|---|
+    | x (in) | (B, S/P, H, D) | no: a rotation's gradient is the opposite rotation of the output's gradient |
+    | position_ids | (B, S/P) | yes: the angles are recomputed per tile |
+    | fp32 angles, x copy | (B, n, H, D) per tile | no |
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, position_ids: Tensor, theta: float) -> Tensor:
+        ctx.save_for_backward(position_ids)
+        ctx.theta = theta
+        return rotary_forward(x, position_ids, theta)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
+        (position_ids,) = ctx.saved_tensors
+        return rotary_forward(grad_out.contiguous(), position_ids, ctx.theta, inverse=True), None, None
+
+
+def rotary(x: Tensor, position_ids: Tensor, theta: float) -> Tensor:
+    """RoPE of ``x (B, S, H, D)`` at ``position_ids (B, S)`` over token tiles, keeping nothing of ``x``."""
+    return RotaryFunction.apply(x, position_ids, theta)

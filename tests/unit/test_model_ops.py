@@ -1,0 +1,93 @@
+"""The reference Llama's tiled RMSNorm and RoPE (lightning_fpdt/models/ops.py): exact gradients, the plain forms'
+values, several tiles equal to one, and nothing large saved for backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_fpdt.models import ops
+
+
+def plain_rms_norm(x, weight, eps):
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def plain_rotary(x, position_ids, theta):
+    acc = torch.promote_types(x.dtype, torch.float32)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, x.shape[-1], 2, dtype=acc) / x.shape[-1]))
+    angles = position_ids.to(acc)[..., None] * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]
+    x_c = x.to(acc)
+    x1, x2 = x_c.chunk(2, dim=-1)
+    return (x_c * angles.cos() + torch.cat((-x2, x1), dim=-1) * angles.sin()).to(x.dtype)
+
+
+@pytest.fixture(params=[None, 4 * 64 * 8], ids=["one-tile", "many-tiles"])
+def tile_bytes(request, monkeypatch):
+    """Run each test with one tile and with tiles of a few tokens (TILE_BYTES shrunk)."""
+    if request.param is not None:
+        monkeypatch.setattr(ops, "TILE_BYTES", request.param)
+    return request.param
+
+
+def test_rms_norm_gradcheck_and_plain_values(tile_bytes):
+    """fp64 gradcheck of input and weight; values and gradients equal the plain autograd form's."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 37, 64, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(64, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: ops.rms_norm(a, b, 1e-5), (x, w))
+    g = torch.randn(2, 37, 64, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(ops.rms_norm(x, w, 1e-5), (x, w), g)
+    want = torch.autograd.grad(plain_rms_norm(x, w, 1e-5), (x, w), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)  # fp64: the same maths, another summation order
+
+
+def test_rms_norm_bf16_matches_plain_form(tile_bytes):
+    """bf16 input, fp32 weight (bf16-mixed master) and bf16 weight: the forward is the plain form's to the bit (the
+    same fp32 ops per token); gradients within bf16 rounding (the plain form sums the weight gradient in bf16)."""
+    gen = torch.Generator().manual_seed(1)
+    for weight_dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 29, 64, generator=gen).bfloat16().requires_grad_()
+        w = (1 + 0.1 * torch.randn(64, generator=gen)).to(weight_dtype).requires_grad_()
+        out, ref = ops.rms_norm(x, w, 1e-5), plain_rms_norm(x, w, 1e-5)
+        assert out.dtype == ref.dtype and torch.equal(out, ref)
+        g = torch.randn(out.shape, generator=gen).to(out.dtype)
+        for a, b in zip(torch.autograd.grad(out, (x, w), g), torch.autograd.grad(ref, (x, w), g)):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # bf16: 8 mantissa bits, sums of ~87 products
+
+
+def test_rotary_gradcheck_and_plain_values(tile_bytes):
+    """fp64 gradcheck (the backward is the inverse rotation); bf16 values equal the plain form's to the bit."""
+    gen = torch.Generator().manual_seed(2)
+    position_ids = torch.randint(0, 100_000, (2, 23), generator=gen)
+    x = torch.randn(2, 23, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a: ops.rotary(a, position_ids, 500_000.0), (x,))
+    torch.testing.assert_close(ops.rotary(x, position_ids, 500_000.0), plain_rotary(x, position_ids, 500_000.0),
+                               rtol=1e-12, atol=1e-12)
+    xb = torch.randn(2, 23, 4, 8, generator=gen).bfloat16()
+    assert torch.equal(ops.rotary(xb, position_ids, 500_000.0), plain_rotary(xb, position_ids, 500_000.0))
+
+
+def test_nothing_large_is_saved_for_backward():
+    """RMSNorm saves its input, weight and one fp32 per token; RoPE only the position ids (the plain forms save fp32
+    copies of their inputs)."""
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    x = torch.randn(2, 16, 64).bfloat16().requires_grad_()
+    w = torch.ones(64, requires_grad=True)
+    q = torch.randn(2, 16, 4, 8).bfloat16().requires_grad_()
+    position_ids = torch.arange(16).expand(2, -1)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ops.rms_norm(x, w, 1e-5)
+    assert saved == [((2, 16, 64), torch.bfloat16), ((64,), torch.float32), ((32,), torch.float32)]
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ops.rotary(q, position_ids, 10_000.0)
+    assert saved == [((2, 16), torch.int64)]

@@ -31,9 +31,10 @@ def _tiles(num_tokens: int, width: int) -> list[tuple[int, int]]:
 
 
 # ---- RMSNorm ---------------------------------------------------------------------------------------------------------
-def rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """``(weight · (x / rms(x)).to(x.dtype), rstd)``; ``rstd`` fp32 (fp64 for fp64 inputs), one per token."""
-    acc = torch.promote_types(x.dtype, torch.float32)
+def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, acc: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    """``(weight · (x / rms(x)).to(x.dtype), rstd)``; ``rstd`` in ``acc`` (default fp32, fp64 for fp64 inputs; Hugging
+    Face's norms compute in fp32 whatever the input), one per token."""
+    acc = acc or torch.promote_types(x.dtype, torch.float32)
     flat = x.reshape(-1, x.shape[-1])  # (N, hidden)
     out = torch.empty(flat.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     rstd = torch.empty(flat.shape[0], dtype=acc, device=x.device)
@@ -78,8 +79,8 @@ class RMSNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        out, rstd = rms_norm_forward(x, weight, eps)
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float, acc: Optional[torch.dtype]) -> Tensor:
+        out, rstd = rms_norm_forward(x, weight, eps, acc)
         ctx.save_for_backward(x, weight, rstd)
         return out
 
@@ -89,12 +90,35 @@ class RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         grad_x, grad_w = rms_norm_backward(grad_out, x, weight, rstd, input_grad=ctx.needs_input_grad[0],
                                            weight_grad=ctx.needs_input_grad[1])
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``weight · (x / sqrt(mean(x²) + eps))``, the mean square in fp32 (fp64 for fp64), over token tiles."""
-    return RMSNormFunction.apply(x, weight, eps)
+def rms_norm(x: Tensor, weight: Tensor, eps: float, acc: Optional[torch.dtype] = None) -> Tensor:
+    """``weight · (x / sqrt(mean(x²) + eps))``, the mean square in fp32 (fp64 for fp64, or ``acc``), over token
+    tiles."""
+    return RMSNormFunction.apply(x, weight, eps, acc)
+
+
+HF_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+"""Hugging Face norm classes whose forward is ``weight * (x.float() * rsqrt(mean(x²) + eps)).to(x.dtype)``."""
+
+
+def tile_hf_rms_norms(model: torch.nn.Module) -> int:
+    """Give the model's Hugging Face RMSNorms of :data:`HF_RMS_NORMS` the tiled forward (the same values: fp32 math
+    as theirs); returns how many. Their own forward keeps an fp32 copy of the input for backward."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in HF_RMS_NORMS and not getattr(module, "_fpdt_tiled_norm", False):
+            def forward(hidden_states: Tensor, _norm: torch.nn.Module = module, _own=module.forward) -> Tensor:
+                if hidden_states.dtype == torch.float64:
+                    # fp64 runs are references (tests): HF's own arithmetic, to the last bit of its fp32 backward
+                    return _own(hidden_states)
+                return rms_norm(hidden_states, _norm.weight, _norm.variance_epsilon, torch.float32)
+
+            module.forward = forward
+            module._fpdt_tiled_norm = True
+            count += 1
+    return count
 
 
 # ---- RoPE ------------------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_fpdt.models.ops import tile_hf_rms_norms
 from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention
 from lightning_fpdt.sequence.head_chunks import install_head_groups
 from lightning_fpdt.sequence.layout import IGNORE_INDEX
@@ -208,6 +209,8 @@ def install_hf_model(model: nn.Module, context: SequenceParallelContext) -> None
     model.fpdt_reduce_loss = loss_reduction(context)
     model.loss_function = loss_function
     _inject_position_ids(model, context)
+    # same values, but one fp32 per token kept for backward instead of an fp32 copy of the input (models/ops.py)
+    tile_hf_rms_norms(model)
 
 
 def _inject_position_ids(model: nn.Module, context: SequenceParallelContext) -> None:

@@ -91,3 +91,47 @@ def test_nothing_large_is_saved_for_backward():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         ops.rotary(q, position_ids, 10_000.0)
     assert saved == [((2, 16), torch.int64)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_hf_rms_norms_tiled_with_the_same_values(family):
+    """Hugging Face Llama / Qwen3 norms (Qwen3's q/k norms too) get the tiled forward: fp32 logits equal to the bit,
+    gradients within fp32 summation order; installed once."""
+    import copy
+
+    import transformers
+
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, attn_implementation="sdpa")
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **sizes))
+    ref = copy.deepcopy(model)
+    norms = 2 * 2 + 1 + (2 * 2 if family == "qwen3" else 0)  # two per layer, the final one, q/k norms per layer
+    assert ops.tile_hf_rms_norms(model) == norms and ops.tile_hf_rms_norms(model) == 0
+    ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(5))
+    out, out_ref = model(ids, labels=ids), ref(ids, labels=ids)
+    assert torch.equal(out.logits, out_ref.logits)
+    out.loss.backward()
+    out_ref.loss.backward()
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6, msg=name)  # fp32: summation order only
+
+
+def test_hf_rms_norm_keeps_its_own_forward_in_fp64():
+    """fp64 (the tests' references) runs Hugging Face's own norm arithmetic: gradients equal to the bit."""
+    import copy
+
+    import transformers
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="sdpa")).double()
+    ref = copy.deepcopy(model)
+    ops.tile_hf_rms_norms(model)
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(6))
+    model(ids, labels=ids).loss.backward()
+    ref(ids, labels=ids).loss.backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, r.grad)

@@ -22,11 +22,16 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_fpdt.callbacks.tiled_mlp import VALUE_UNUSED_IN_RECOMPUTE
 from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention
 from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention
 from lightning_fpdt.sequence.host_stash import StashFactory
 
 _WRAPPED = "_fpdt_activation_offload"
+RESIDUAL_MLP_BLOCKS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+"""Blocks whose ``mlp`` output only feeds the residual add that ends the block (the reference Llama's and these
+Hugging Face families'): in the recompute nothing reads that value, so a TiledMLP there skips computing it and its
+backward recomputes the tiles as always: the MLP forward runs twice per step, not three times."""
 
 
 class _BlockCheckpoints:
@@ -37,6 +42,8 @@ class _BlockCheckpoints:
         self.prefetch = prefetch
         self.forward_order: list[int] = []  # stash keys of this step's blocks, in forward order
         self.attentions: list[FPDTAttention] = []  # told to keep what the recompute needs (no attention recompute)
+        self.recomputing = False
+        """True while a block's forward is recomputed in backward (read by TiledMLP, see RESIDUAL_MLP_BLOCKS)."""
         self._stash = None
 
     def stash(self, device: torch.device):
@@ -91,8 +98,12 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         stash.release(ctx.key)
         stash.free(ctx.key)
         others = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x for x in ctx.others]
-        with torch.enable_grad():
-            outputs = ctx.run(ctx.spec, (hidden, *others))
+        owner.recomputing = True
+        try:
+            with torch.enable_grad():
+                outputs = ctx.run(ctx.spec, (hidden, *others))
+        finally:
+            owner.recomputing = False
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if isinstance(o, Tensor) and o.requires_grad and g is not None]
         # backward (not autograd.grad): the block's parameters accumulate their gradients here
@@ -174,6 +185,8 @@ class ActivationOffload(Callback):
         self._owner = _BlockCheckpoints(self.stashes, self.prefetch)
         for key, block in enumerate(blocks):
             _wrap_block(block, self._owner, key)
+            if type(block).__name__ in RESIDUAL_MLP_BLOCKS and isinstance(getattr(block, "mlp", None), nn.Module):
+                setattr(block.mlp, VALUE_UNUSED_IN_RECOMPUTE, self._owner)
         # attentions told to record their first pass (and not run again); none when the recompute runs them
         self._owner.attentions = [] if self.recompute_attention else sorted(_fpdt_attentions(model), key=id)
 

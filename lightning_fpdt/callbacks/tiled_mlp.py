@@ -30,6 +30,9 @@ under this."""
 INTERMEDIATE_BUFFERS = 3
 """Buffers of ``intermediate_size`` width per token in a gated MLP: gate, up, and act(gate) · up."""
 _TILED = "_fpdt_tiled_mlp"
+VALUE_UNUSED_IN_RECOMPUTE = "_fpdt_mlp_value_unused_in_recompute"
+"""Set on an MLP by ActivationOffload: an object whose ``recomputing`` is true while the block's checkpoint
+recomputes it, in a block where nothing reads the MLP's output value then (it only feeds the residual add)."""
 
 
 # ---- shared by the tiled callbacks --------------------------------------------------------------------------------
@@ -153,15 +156,23 @@ class TiledMLPFunction(torch.autograd.Function):
     ============  ==================  ============================  ==================================================
 
     The MLP must act on each token separately and deterministically (no dropout: a recomputed tile would draw a
-    different mask). Autocast state is recorded in forward and restored for the recomputation.
+    different mask). Autocast state is recorded in forward and restored for the recomputation. With
+    ``compute_value=False`` (a block checkpoint's recompute in which nothing reads the output, see
+    ``ActivationOffload``) the forward returns zeros and computes nothing: the backward recomputes the tiles anyway.
     """
 
     @staticmethod
-    def forward(ctx: Any, fn: Callable[[Tensor], Tensor], num_tiles: int, x: Tensor, *params: Tensor) -> Tensor:
+    def forward(
+        ctx: Any, fn: Callable[[Tensor], Tensor], num_tiles: int, compute_value: bool, x: Tensor, *params: Tensor
+    ) -> Tensor:
         ctx.fn, ctx.num_tiles, ctx.params = fn, num_tiles, params
         device_type = x.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         ctx.save_for_backward(x)
+        if not compute_value:
+            # a checkpoint's recompute where nothing reads this value: only the graph matters, and the backward
+            # recomputes every tile itself (an MLP maps hidden to hidden)
+            return torch.zeros_like(x)
         return tiled_mlp_forward(fn, x, num_tiles)
 
     @staticmethod
@@ -170,12 +181,15 @@ class TiledMLPFunction(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         device_type, enabled, dtype = ctx.autocast
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):  # the backward thread has its own state
-            grad_x = tiled_mlp_backward(ctx.fn, x, grad_out, ctx.num_tiles, input_needs_grad=ctx.needs_input_grad[2],
+            grad_x = tiled_mlp_backward(ctx.fn, x, grad_out, ctx.num_tiles, input_needs_grad=ctx.needs_input_grad[3],
                                         params=ctx.params)
-        return (None, None, grad_x) + (None,) * len(ctx.params)
+        return (None, None, None, grad_x) + (None,) * len(ctx.params)
 
 
-def tiled_mlp(fn: Callable[[Tensor], Tensor], x: Tensor, *, num_tiles: int, params: Iterable[Tensor] = ()) -> Tensor:
+def tiled_mlp(
+    fn: Callable[[Tensor], Tensor], x: Tensor, *, num_tiles: int, params: Iterable[Tensor] = (),
+    compute_value: bool = True,
+) -> Tensor:
     """``fn(x)`` computed over ``num_tiles`` token tiles, keeping only ``x`` for backward.
 
     Args:
@@ -184,10 +198,13 @@ def tiled_mlp(fn: Callable[[Tensor], Tensor], x: Tensor, *, num_tiles: int, para
         x: ``(..., S, hidden)``.
         num_tiles: tiles over all tokens of ``x`` (capped at the token count).
         params: the trainable parameters ``fn`` uses (so the output requires grad when only they do).
+        compute_value: ``False`` returns zeros of ``x``'s shape with the same graph: for a checkpoint's recompute in
+            which nothing reads the output (the backward recomputes the tiles anyway); ``fn`` must map ``x``'s width to
+            itself.
     """
     if num_tiles < 1:
         raise ValueError(f"tiled_mlp(num_tiles={num_tiles}): give a positive number of tiles")
-    return TiledMLPFunction.apply(fn, num_tiles, x, *params)
+    return TiledMLPFunction.apply(fn, num_tiles, compute_value, x, *params)
 
 
 # ---- finding and switching MLPs -----------------------------------------------------------------------------------
@@ -243,7 +260,10 @@ def _tile(mlp: nn.Module, num_tiles: Union[Literal["auto"], int]) -> None:
         tiles = num_tiles
         if tiles == "auto":
             tiles = auto_mlp_tiles(x.numel() // x.shape[-1], intermediate or x.shape[-1], x.element_size())
-        return tiled_mlp(fn, x, num_tiles=tiles, params=[p for p in mlp.parameters() if p.requires_grad])
+        recompute = getattr(mlp, VALUE_UNUSED_IN_RECOMPUTE, None)
+        skip = recompute is not None and recompute.recomputing and torch.is_grad_enabled()
+        return tiled_mlp(fn, x, num_tiles=tiles, params=[p for p in mlp.parameters() if p.requires_grad],
+                         compute_value=not skip)
 
     mlp.forward = tiled_forward
     setattr(mlp, _TILED, True)

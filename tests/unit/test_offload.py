@@ -123,6 +123,36 @@ def test_recompute_attention_holds_one_layer_stash():
     assert pools[True] < 0.5 * pools[False]
 
 
+@pytest.mark.parametrize("known_block", [True, False])
+def test_recompute_skips_the_tiled_mlp_value_in_residual_blocks(known_block):
+    """TiledMLP under ActivationOffload: in a Llama-family block (the MLP output only feeds the residual add) the
+    recompute does not compute the MLP's value, so each token passes the MLP twice per step (first pass, tile
+    recompute in backward), not three times; in a block class it does not know, three times. Gradients exact."""
+    from lightning_fpdt.callbacks.tiled_mlp import apply_tiled_mlp
+    from lightning_fpdt.models.llama import LlamaDecoderLayer
+
+    class PostNormLayer(LlamaDecoderLayer):  # an unknown block class: its MLP value may be read after the MLP
+        pass
+
+    plain, model = _models()
+    if not known_block:
+        for layer in model.model.layers:
+            layer.__class__ = PostNormLayer
+    rows = []
+    for layer in model.model.layers:
+        layer.mlp.gate_proj.register_forward_hook(lambda m, args, out: rows.append(args[0].numel() // args[0].shape[-1]))
+    for m in (plain, model):
+        install_reference_llama(m, SequenceParallelContext(group=None, attention=FPDTAttention(num_chunks=2, backend="math")))
+    apply_tiled_mlp(model, num_tiles=3)
+    ActivationOffload(offload=False).fpdt_transform(model, find_blocks(model))
+    _train_steps(plain, steps=1)
+    _train_steps(model, steps=1)
+    tokens = 2 * 16  # batch 2 x 16 tokens, 3 layers
+    assert sum(rows) == (2 if known_block else 3) * 3 * tokens
+    for (name, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12, msg=name)  # fp64: the same products
+
+
 def test_activation_offload_option_messages():
     """prefetch < 0 and a model without blocks are refused by name."""
     with pytest.raises(ValueError, match="prefetch must be >= 0 blocks, got -1"):

@@ -13,6 +13,7 @@ from lightning_fpdt.sequence import (
     fpdt_attention,
 )
 from lightning_fpdt.sequence.all_to_all import group_rank, group_size
+from tests.dist.attention_checks import assert_matches_reference, draw_inputs, reference
 from tests.reference import causal_attention
 
 # (num_heads, num_kv_heads) per sequence-parallel size: MHA, GQA with kv heads scattered (Hkv % P == 0), GQA with kv
@@ -34,20 +35,11 @@ def _check_attention(seq_len: int, num_chunks: int, heads: tuple[int, int], dtyp
                      offload: bool = False, offload_dq: bool = False):
     """One case on every rank: shard, run, gather, compare output and q/k/v gradients with the reference."""
     sp_size, rank = group_size(None), group_rank(None)
-    num_heads, num_kv_heads = heads
-    batch, head_dim = 2, 8
     gen = torch.Generator().manual_seed(seed)  # every rank draws the same full inputs
-    q = torch.randn(batch, seq_len, num_heads, head_dim, generator=gen, dtype=torch.float64)
-    k = torch.randn(batch, seq_len, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
-    v = torch.randn(batch, seq_len, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
-    grad_out = torch.randn(batch, seq_len, num_heads, head_dim, generator=gen, dtype=torch.float64)
-
-    ref_inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref_out = causal_attention(*ref_inputs)
-    ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad_out)
+    q, k, v, grad_out = draw_inputs(gen, batch=2, seq_len=seq_len, heads=heads, head_dim=8)
+    ref_out, ref_grads = reference(causal_attention, q, k, v, grad_out)
 
     layout = SequenceLayout(sp_size, rank, num_chunks)
-    padded = layout.padded_length(seq_len)
     # pad tokens sit after every real token, so causality keeps them out of the real tokens' results
     local = [layout.shard(layout.pad(x.to(dtype), dim=1)).requires_grad_() for x in (q, k, v)]
     local_grad_out = layout.shard(layout.pad(grad_out.to(dtype), dim=1))  # zero on pad tokens
@@ -55,16 +47,8 @@ def _check_attention(seq_len: int, num_chunks: int, heads: tuple[int, int], dtyp
     out = fpdt_attention(*local, group=None, num_chunks=num_chunks, backend=backend, stashes=stashes)
     grads = torch.autograd.grad(out, local, local_grad_out)
 
-    tol = TOLERANCE[dtype]
-    full_out = layout.gather(out.detach(), None)
-    assert full_out.shape[1] == padded
     case = f"S={seq_len} P={sp_size} u={num_chunks} heads={heads} {dtype} {backend} offload={offload}/{offload_dq}"
-    torch.testing.assert_close(full_out[:, :seq_len].double(), ref_out.detach(), **tol, msg=lambda m: f"{case} out: {m}")
-    for name, grad, ref_grad in zip("qkv", grads, ref_grads):
-        full = layout.gather(grad, None)
-        torch.testing.assert_close(full[:, :seq_len].double(), ref_grad, **tol, msg=lambda m: f"{case} d{name}: {m}")
-        # no real query attends a pad key, and pad queries get no output gradient
-        assert torch.count_nonzero(full[:, seq_len:]) == 0, f"{case} d{name} nonzero on pad tokens"
+    assert_matches_reference(layout, seq_len, out, grads, ref_out, ref_grads, TOLERANCE[dtype], case)
 
 
 def run_attention_cases(cases: list[dict]) -> None:

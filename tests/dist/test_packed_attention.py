@@ -9,6 +9,7 @@ import torch
 from lightning_fpdt.sequence import SequenceLayout, StashFactory, fpdt_attention
 from lightning_fpdt.sequence.all_to_all import group_rank, group_size
 from lightning_fpdt.sequence.documents import DocumentBoundaries
+from tests.dist.attention_checks import assert_matches_reference, draw_inputs, reference
 from tests.reference import documents_separately
 
 # fp64: parallel and reference differ only in summation order (blockwise merge, per-segment sums), ~1e-15 relative;
@@ -27,16 +28,10 @@ def check_packed(seq_len: int, num_chunks: int, heads: tuple[int, int], starts: 
                  dtype: torch.dtype = torch.float64, backend: str = "math", offload: bool = False) -> None:
     """One case on every rank: shard, run with the documents, gather, compare output and q/k/v gradients."""
     sp_size, rank = group_size(None), group_rank(None)
-    num_heads, num_kv_heads = heads
-    batch, head_dim = len(starts), 8
+    batch = len(starts)
     gen = torch.Generator().manual_seed(seed)  # every rank draws the same full inputs
-    q = torch.randn(batch, seq_len, num_heads, head_dim, generator=gen, dtype=torch.float64)
-    k, v = (torch.randn(batch, seq_len, num_kv_heads, head_dim, generator=gen, dtype=torch.float64) for _ in "kv")
-    grad_out = torch.randn(batch, seq_len, num_heads, head_dim, generator=gen, dtype=torch.float64)
-
-    ref_inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref_out = documents_separately(*ref_inputs, starts)
-    ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad_out)
+    q, k, v, grad_out = draw_inputs(gen, batch=batch, seq_len=seq_len, heads=heads, head_dim=8)
+    ref_out, ref_grads = reference(documents_separately, q, k, v, grad_out, starts)
 
     layout = SequenceLayout(sp_size, rank, num_chunks)
     documents = DocumentBoundaries(tuple(tuple(row) for row in starts), seq_len).padded(layout.padded_length(seq_len))
@@ -49,15 +44,8 @@ def check_packed(seq_len: int, num_chunks: int, heads: tuple[int, int], starts: 
                          stashes=StashFactory(offload=offload, offload_dq=offload))
     grads = torch.autograd.grad(out, local, local_grad_out)
 
-    tol = TOLERANCE[dtype]
     case = f"S={seq_len} P={sp_size} u={num_chunks} heads={heads} starts={starts} {dtype} {backend}"
-    full_out = layout.gather(out.detach(), None)
-    torch.testing.assert_close(full_out[:, :seq_len].double(), ref_out.detach(), **tol,
-                               msg=lambda m: f"{case} out: {m}")
-    for name, grad, ref_grad in zip("qkv", grads, ref_grads):
-        full = layout.gather(grad, None)
-        torch.testing.assert_close(full[:, :seq_len].double(), ref_grad, **tol, msg=lambda m: f"{case} d{name}: {m}")
-        assert torch.count_nonzero(full[:, seq_len:]) == 0, f"{case} d{name} nonzero on pad tokens"
+    assert_matches_reference(layout, seq_len, out, grads, ref_out, ref_grads, TOLERANCE[dtype], case)
 
 
 def _cases(sp_size: int) -> list[dict]:

@@ -12,6 +12,7 @@ from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, StashFactory
 from lightning_fpdt.sequence.integrations import SequenceParallelContext, install_reference_llama
 from lightning_fpdt.strategy.parallelize import find_blocks
 from lightning_fpdt.sequence.ring import RingComm, new_sequence_groups, ring_attention
+from tests.dist.attention_checks import assert_matches_reference, draw_inputs, reference
 from tests.reference import causal_attention
 
 # fp64: parallel and reference differ only in summation order (~1e-15 relative); 1e-10 catches any wrong index or
@@ -25,16 +26,9 @@ def _check_ring(groups, ring_size: int, seq_len: int, heads: tuple[int, int], dt
                 seed: int, through_module: bool = False, offload: bool = False) -> None:
     """Shard with the ring layout, run, gather; compare output and q/k/v gradients with the reference."""
     sp_size, rank = dist.get_world_size(), dist.get_rank()  # ring-major groups over the world: sp rank = rank
-    num_heads, num_kv_heads = heads
-    batch, head_dim = 2, 4
     gen = torch.Generator().manual_seed(seed)  # every rank draws the same full inputs
-    q = torch.randn(batch, seq_len, num_heads, head_dim, generator=gen, dtype=torch.float64)
-    k = torch.randn(batch, seq_len, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
-    v = torch.randn(batch, seq_len, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
-    grad_out = torch.randn(batch, seq_len, num_heads, head_dim, generator=gen, dtype=torch.float64)
-    ref_inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref_out = causal_attention(*ref_inputs)
-    ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad_out)
+    q, k, v, grad_out = draw_inputs(gen, batch=2, seq_len=seq_len, heads=heads, head_dim=4)
+    ref_out, ref_grads = reference(causal_attention, q, k, v, grad_out)
 
     layout = SequenceLayout(sp_size, rank, 1, ring_size=ring_size)
     # pad tokens sit after every real token, so causality keeps them out of the real tokens' results
@@ -46,16 +40,8 @@ def _check_ring(groups, ring_size: int, seq_len: int, heads: tuple[int, int], dt
         out = ring_attention(*local, group=groups, backend=backend, stashes=StashFactory(offload=offload))
     grads = torch.autograd.grad(out, local, local_grad_out)
 
-    tol = TOLERANCE[dtype]
     case = f"S={seq_len} U={sp_size // ring_size} R={ring_size} heads={heads} {dtype} {backend} offload={offload}"
-    full_out = layout.gather(out.detach(), None)
-    assert full_out.shape[1] == layout.padded_length(seq_len)
-    torch.testing.assert_close(full_out[:, :seq_len].double(), ref_out.detach(), **tol,
-                               msg=lambda m: f"{case} out: {m}")
-    for name, grad, ref_grad in zip("qkv", grads, ref_grads):
-        full = layout.gather(grad, None)
-        torch.testing.assert_close(full[:, :seq_len].double(), ref_grad, **tol, msg=lambda m: f"{case} d{name}: {m}")
-        assert torch.count_nonzero(full[:, seq_len:]) == 0, f"{case} d{name} nonzero on pad tokens"
+    assert_matches_reference(layout, seq_len, out, grads, ref_out, ref_grads, TOLERANCE[dtype], case)
 
 
 def run_ring_cases(ring_size: int, cases: list[dict]) -> None:

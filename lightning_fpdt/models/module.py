@@ -29,6 +29,11 @@ from lightning_fpdt.sequence.layout import IGNORE_INDEX, SequenceLayout
 _MODEL_INPUTS = ("input_ids", "position_ids")
 
 
+def _field(output: Any, name: str) -> Tensor:
+    """A model's ``loss`` or ``logits``: the output itself when it is a tensor, else its attribute ``name``."""
+    return output if isinstance(output, Tensor) else getattr(output, name)
+
+
 def targets_of(batch: dict[str, Tensor]) -> Tensor:
     """Per-token targets of a batch: the strategy's ``shift_labels`` (shifted on the global sequence before
     sharding), else ``labels`` (or the input ids) shifted here on the whole, unsharded sequence."""
@@ -47,8 +52,10 @@ def token_loss_sum(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
 class CausalLM(L.LightningModule):
     """Training, evaluation and optimizer of a causal LM held in ``self.model``; subclasses build the model.
 
-    Subclasses implement :meth:`model_loss` (the model computing its own loss, which the fpdt strategy has switched
-    to the sequence group's token mean, tiled by ``TiledLoss`` when present) and :meth:`model_logits`.
+    Subclasses build ``self.model``: a causal LM taking ``input_ids``, ``position_ids`` and ``labels`` /
+    ``shift_labels``, returning the loss or logits as a tensor (the reference Llama) or in an output's ``loss`` /
+    ``logits`` (Hugging Face). :meth:`model_loss` is the model computing its own loss, which the fpdt strategy has
+    switched to the sequence group's token mean, tiled by ``TiledLoss`` when present.
 
     Args:
         lr: AdamW peak learning rate.
@@ -86,12 +93,14 @@ class CausalLM(L.LightningModule):
         self.val_perplexity, self.val_accuracy = TokenPerplexity(), TokenAccuracy()
         self.test_perplexity, self.test_accuracy = TokenPerplexity(), TokenAccuracy()
 
-    # ---- what subclasses provide ----------------------------------------------------------------------------------
+    # ---- the model's own loss and logits ---------------------------------------------------------------------------
     def model_loss(self, batch: dict[str, Tensor]) -> Tensor:
-        raise NotImplementedError
+        inputs = {k: batch[k] for k in (*_MODEL_INPUTS, "labels", "shift_labels") if k in batch}
+        inputs.setdefault("labels", batch["input_ids"])
+        return _field(self.model(**inputs), "loss")
 
     def model_logits(self, batch: dict[str, Tensor]) -> Tensor:
-        raise NotImplementedError
+        return _field(self.model(**{k: batch[k] for k in _MODEL_INPUTS if k in batch}), "logits")
 
     # ---- steps ----------------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -199,14 +208,6 @@ class LlamaLM(CausalLM):
             torch.manual_seed(seed)
             self.model = LlamaForCausalLM(config)
 
-    def model_loss(self, batch: dict[str, Tensor]) -> Tensor:
-        inputs = {k: batch[k] for k in (*_MODEL_INPUTS, "labels", "shift_labels") if k in batch}
-        inputs.setdefault("labels", batch["input_ids"])
-        return self.model(**inputs)
-
-    def model_logits(self, batch: dict[str, Tensor]) -> Tensor:
-        return self.model(**{k: batch[k] for k in _MODEL_INPUTS if k in batch})
-
 
 class HFCausalLM(CausalLM):
     """A Hugging Face ``AutoModelForCausalLM`` by name or path, pretrained weights when available.
@@ -248,14 +249,6 @@ class HFCausalLM(CausalLM):
             model_name_or_path, from_pretrained=from_pretrained, config_overrides=config_overrides,
             dtype=dtype, trust_remote_code=trust_remote_code, seed=seed,
         )
-
-    def model_loss(self, batch: dict[str, Tensor]) -> Tensor:
-        inputs = {k: batch[k] for k in (*_MODEL_INPUTS, "labels", "shift_labels") if k in batch}
-        inputs.setdefault("labels", batch["input_ids"])
-        return self.model(**inputs).loss
-
-    def model_logits(self, batch: dict[str, Tensor]) -> Tensor:
-        return self.model(**{k: batch[k] for k in _MODEL_INPUTS if k in batch}).logits
 
 
 def build_hf_model(

@@ -13,7 +13,7 @@ from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload
 from lightning_fpdt.callbacks.tiled_loss import TiledLoss
 from lightning_fpdt.callbacks.tiled_mlp import TiledMLP
-from tests.dist.training import VOCAB, build_model, full_state, trainer_kwargs
+from tests.dist.training import VOCAB, LitLM, build_model, full_state, trainer_kwargs
 
 # fp32, as in test_strategy_parity: the parallel run sums the same products in another order (~1e-7 relative per
 # op); after 2 SGD steps of a 2-layer model parameters agree to ~1e-6. A token attending across a document, a lost
@@ -63,21 +63,11 @@ def packed_loss(kind: str, model: torch.nn.Module, batch: dict[str, torch.Tensor
     return model(**batch)
 
 
-class LitPacked(L.LightningModule):
-    def __init__(self, kind: str, seed: int, lr: float) -> None:
-        super().__init__()
-        self.kind, self.lr = kind, lr
-        self.model = build_model(kind, seed)
-        self.losses: list[float] = []
+class LitPacked(LitLM):
+    """LitLM whose batches carry document ids (which a Hugging Face model does not take)."""
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return packed_loss(self.kind, self.model, batch)
-
-    def on_train_batch_end(self, outputs: dict[str, torch.Tensor], batch, batch_idx: int) -> None:
-        self.losses.append(outputs["loss"].item())
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 def separate_documents_training(kind: str, dataset: PackedDataset, *, seed: int, lr: float, steps: int,

@@ -602,6 +602,23 @@ def check_document_ids(shared: FPDTAttention, document_ids: Optional[Tensor]) ->
         )
 
 
+def check_exact_call(*, attention_mask: Optional[Tensor], dropout: float, sliding_window: Optional[int]) -> None:
+    """Refuse what the fpdt attention cannot compute exactly in a model's attention call (a Hugging Face module's,
+    whole or in head groups): a mask, attention dropout, a sliding window."""
+    if attention_mask is not None:
+        raise ValueError(
+            "the fpdt attention is causal over the whole sequence and takes no attention mask: drop padding "
+            "(right-pad and set the padded labels to -100) instead of passing an attention_mask with zeros"
+        )
+    if dropout:
+        raise ValueError(f"attention dropout ({dropout}) is not supported by the fpdt attention: set it to 0")
+    if sliding_window:
+        raise ValueError(
+            "sliding-window attention is not supported by the fpdt attention: disable it in the model config "
+            "(e.g. use_sliding_window=False, or sliding_window=None for Mistral) for full causal attention"
+        )
+
+
 class LayerAttention:
     """One layer's handle on a shared :class:`FPDTAttention` (see there)."""
 

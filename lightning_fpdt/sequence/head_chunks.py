@@ -38,7 +38,13 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from lightning_fpdt.sequence.all_to_all import group_size
-from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention, _in_backward, check_document_ids, check_heads
+from lightning_fpdt.sequence.fpdt import (
+    FPDTAttention,
+    _in_backward,
+    check_document_ids,
+    check_exact_call,
+    check_heads,
+)
 from lightning_fpdt.sequence.planning import AttentionGeometry
 
 
@@ -394,22 +400,13 @@ def _reference_llama_forward(module: nn.Module, x: Tensor, position_ids: Tensor,
 def _hf_forward(module: nn.Module, hidden_states: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]] = None,
                 attention_mask: Optional[Tensor] = None, cache: Any = None, **kwargs: Any) -> tuple[Tensor, None]:
     """A transformers ``*Attention.forward`` (Llama, Qwen2, Qwen3, Mistral) in head groups; refuses what the fpdt
-    attention cannot compute exactly, as ``integrations._hf_attention`` does."""
-    if attention_mask is not None:
-        raise ValueError(
-            "the fpdt attention is causal over the whole sequence and takes no attention mask: drop padding "
-            "(right-pad and set the padded labels to -100) instead of passing an attention_mask with zeros"
-        )
+    attention cannot compute exactly (:func:`~lightning_fpdt.sequence.fpdt.check_exact_call`, as the whole-layer
+    attention function of the integrations does)."""
+    check_exact_call(attention_mask=attention_mask,
+                     dropout=getattr(module, "attention_dropout", 0.0) if module.training else 0.0,
+                     sliding_window=_sliding_window(module))
     if cache is not None or kwargs.get("past_key_values") is not None:
         raise ValueError("head_chunks > 1 runs without a KV cache: call the model with use_cache=False")
-    if module.training and getattr(module, "attention_dropout", 0.0):
-        raise ValueError(f"attention dropout ({module.attention_dropout}) is not supported by the fpdt attention: "
-                         f"set it to 0")
-    if _sliding_window(module):
-        raise ValueError(
-            "sliding-window attention is not supported by the fpdt attention: disable it in the model config "
-            "(e.g. use_sliding_window=False, or sliding_window=None for Mistral) for full causal attention"
-        )
     if position_embeddings is None:
         raise ValueError(f"{type(module).__name__} was called without position_embeddings (cos, sin)")
     y = module._fpdt_attention(module, hidden_states, tuple(position_embeddings))

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_fpdt.models.ops import tile_hf_rms_norms
-from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention
+from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention, check_exact_call
 from lightning_fpdt.sequence.head_chunks import install_head_groups
 from lightning_fpdt.sequence.layout import IGNORE_INDEX
 
@@ -149,18 +149,8 @@ def _hf_attention(
             f"{type(module).__name__} uses attn_implementation='fpdt' but was not prepared by the fpdt strategy; "
             f"train it with Trainer(strategy='fpdt')"
         )
-    if attention_mask is not None:
-        raise ValueError(
-            "the fpdt attention is causal over the whole sequence and takes no attention mask: drop padding "
-            "(right-pad and set the padded labels to -100) instead of passing an attention_mask with zeros"
-        )
-    if dropout:
-        raise ValueError(f"attention dropout ({dropout}) is not supported by the fpdt attention: set it to 0")
-    if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None):
-        raise ValueError(
-            "sliding-window attention is not supported by the fpdt attention: disable it in the model config "
-            "(e.g. use_sliding_window=False) for full causal attention"
-        )
+    check_exact_call(attention_mask=attention_mask, dropout=dropout,
+                     sliding_window=kwargs.get("sliding_window") or getattr(module, "sliding_window", None))
     if getattr(module, "is_causal", True) is False:
         raise ValueError(f"{type(module).__name__} is not causal; the fpdt attention is causal only")
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=True, scale=scaling)

@@ -54,6 +54,7 @@ def rms_norm_backward(
     flat, grad = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, x.shape[-1])
     grad_x = torch.empty_like(flat) if input_grad else None
     grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight_grad else None
+    weight_acc = weight.to(acc)
     for start, end in _tiles(flat.shape[0], flat.shape[1]):
         r = rstd[start:end, None]
         normed = flat[start:end].to(acc) * r  # (n, hidden), the fp32 normalised input
@@ -61,7 +62,7 @@ def rms_norm_backward(
         if grad_w is not None:
             grad_w += (dy * normed.to(x.dtype).to(acc)).sum(0)  # the forward multiplied the weight by n in x's dtype
         if grad_x is not None:
-            g = dy * weight.to(acc)
+            g = dy * weight_acc
             grad_x[start:end] = (r * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)
     return (grad_x.view_as(x) if grad_x is not None else None,
             grad_w.to(weight.dtype) if grad_w is not None else None)

@@ -84,6 +84,7 @@ from lightning_fpdt.planner import (
 )
 from lightning_fpdt.sequence.planning import stash_bytes
 from lightning_fpdt.sequence.layout import SequenceLayout
+from lightning_fpdt.strategy.fpdt import usable_total_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ holds scripts, not a package: its siblings
 from step_profile import StepProfiler  # noqa: E402
@@ -139,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "of every layer's (for lengths where the full depth's stashes exceed host memory)")
     parser.add_argument("--cpu-offload-params", action="store_true",
                         help="FSDP2 CPUOffloadPolicy in every system (Llama-3-8B's states do not fit one 80 GB GPU)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="cap each process's GPU memory here (torch.cuda.set_per_process_memory_fraction; the "
+                             "fpdt planner follows the cap): an 80 GB card's 79 GiB run on a larger card")
     parser.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
     parser.add_argument("--attention-backend", choices=["auto", "cudnn", "flash", "efficient", "math"], default="auto",
                         help="fpdt: FPDTStrategy(attention_backend=...); modelparallel, ring: sdpa_kernel(...)")
@@ -204,6 +208,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                 "ring: torch's context parallelism dispatches only the CUDA SDPA kernels (flash, efficient, cuDNN) to "
                 "ring attention; on CPU it fails in aten._scaled_dot_product_flash_attention_for_cpu. Run it on GPUs"
             )
+    if args.gpu_memory_gib is not None and (args.gpu_memory_gib <= 0 or args.accelerator != "cuda"):
+        raise ValueError(f"--gpu-memory-gib ({args.gpu_memory_gib}) caps a GPU's memory: give a positive number of "
+                         "GiB on --accelerator cuda, or drop it")
     if args.cpu_offload_params and args.accelerator != "cuda":
         raise ValueError("--cpu-offload-params needs a GPU: FSDP2's CPUOffloadPolicy pins the sharded parameters for "
                          "the accelerator (_fsdp_param._init_sharded_param fails without one); drop it on CPU")
@@ -666,6 +673,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda", local_rank) if args.accelerator == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if args.gpu_memory_gib is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * GIB / total), device)
     if not dist.is_initialized() and (world_size > 1 or args.system == "ring"):
         # Lightning reuses it (one process: Lightning makes its own); ring needs one even on one GPU (mesh, all-reduce)
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -680,6 +690,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_flops(card, "bf16" if args.precision.startswith("bf16") else "fp32") if device.type == "cuda" else None
     card_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    usable_memory = usable_total_bytes(device) if device.type == "cuda" else None  # the card's, or the cap
 
     info: dict[str, Any] = {}
     status, limit, error, ballast = "ok", None, None, None
@@ -718,7 +729,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     record: dict[str, Any] = {
         "kind": "run", "system": args.system, "status": status, "limit": limit, "error": error,
-        "card": card, "card_memory_bytes": card_memory, "gpus": world_size, "gpus_per_node": gpus_per_node,
+        "card": card, "card_memory_bytes": card_memory, "gpu_memory_cap_bytes": usable_memory if
+        args.gpu_memory_gib is not None else None, "gpus": world_size, "gpus_per_node": gpus_per_node,
         "model": args.model, "geometry": dataclasses.asdict(full_geometry), "layers": layers_run(args),
         "full_layers": full_geometry.num_layers, "seq_len": args.seq_len, "batch_size": 1,
         "chunks": info.get("chunks"), "sequence_parallel_size": info.get("sequence_parallel_size"),
@@ -756,7 +768,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.check_host:
         record["host_check"] = host_check(args, num_gpus=world_size, gpus_per_node=gpus_per_node, resolved=info,
-                                          gpu_memory_bytes=card_memory, available_bytes=available_host)
+                                          gpu_memory_bytes=usable_memory, available_bytes=available_host)
     return record
 
 

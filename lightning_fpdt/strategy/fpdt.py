@@ -313,7 +313,7 @@ class FPDTStrategy(ModelParallelStrategy):
         if self.parallel_devices is None or self.root_device.type != "cuda":
             return None
         if self._free_bytes is None:
-            self._free_bytes = torch.cuda.mem_get_info(self.root_device)[0]
+            self._free_bytes = usable_free_bytes(self.root_device)
         return self._free_bytes
 
     def num_chunks_for(self, seq_len: int, batch_size: int = 1) -> int:
@@ -514,7 +514,7 @@ class FPDTStrategy(ModelParallelStrategy):
             tiled_loss=any(isinstance(cb, TiledLoss) for cb in callbacks),
             precision=self.precision_plugin.precision, cpu_offload_params=self._cpu_offload_params,
             head_chunks=self._head_chunks,
-            gpu_memory_gib=torch.cuda.get_device_properties(self.root_device).total_memory / 2**30,
+            gpu_memory_gib=usable_total_bytes(self.root_device) / 2**30,
         )
         try:
             check_host_memory(plan, available)
@@ -684,6 +684,18 @@ def memory_transforms(trainer: "pl.Trainer") -> list:
     (tiled MLP, tiled loss, activation checkpointing + offload; DESIGN.md §5)."""
     declaring = [cb for cb in trainer.callbacks if callable(getattr(cb, "fpdt_transform", None))]
     return [cb.fpdt_transform for cb in sorted(declaring, key=lambda cb: cb.fpdt_transform_order)]
+
+
+def usable_total_bytes(device: torch.device) -> int:
+    """The GPU memory this process may use: the card's, times ``torch.cuda.set_per_process_memory_fraction``."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return int(total * torch.cuda.get_per_process_memory_fraction(device))
+
+
+def usable_free_bytes(device: torch.device) -> int:
+    """Free GPU memory for planning: what the card has free, and no more than the process's cap leaves."""
+    free = torch.cuda.mem_get_info(device)[0]
+    return max(0, min(free, usable_total_bytes(device) - torch.cuda.memory_reserved(device)))
 
 
 def _retie_weights(module: torch.nn.Module) -> None:

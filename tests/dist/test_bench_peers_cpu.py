@@ -136,6 +136,9 @@ def test_cuda_only_options_are_checked_on_cpu():
     with pytest.raises(ValueError, match="--cpu-offload-params needs a GPU"):
         peers.validate(peers.parse_args(["--system", "modelparallel", "--model", "tiny", "--cpu-offload-params",
                                          "--accelerator", "cpu"]), world_size=1)
+    with pytest.raises(ValueError, match=r"--gpu-memory-gib \(79.0\) caps a GPU's memory"):
+        peers.validate(peers.parse_args(["--system", "fpdt", "--model", "tiny", "--gpu-memory-gib", "79",
+                                         "--accelerator", "cpu"]), world_size=1)
     with pytest.raises(ValueError, match="between 1 and the depth of tiny"):
         peers.validate(peers.parse_args(["--system", "fpdt", "--model", "tiny", "--layers", "3"]), world_size=1)
     args = peers.parse_args(["--system", "modelparallel", "--model", "tiny", "--rotate-method", "alltoall",

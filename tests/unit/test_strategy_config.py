@@ -220,3 +220,21 @@ def test_planner_offloads_and_chunks_by_memory():
     # partial dQ of 1M tokens on 4 ranks: 4 · 262144 · 32 · 128 bytes = 4 GiB, over 1/8 of 16 GiB but not of 70
     assert choose_offload_dq(geometry, batch_size=1, seq_len=1 << 20, sp_size=4, free_bytes=16 * 2**30)
     assert not choose_offload_dq(geometry, batch_size=1, seq_len=1 << 20, sp_size=4, free_bytes=free)
+
+
+def test_planning_follows_the_per_process_memory_cap(monkeypatch):
+    """An 80 GB card's budget run on a 139 GiB card: the planner sees the cap, not the card."""
+    from types import SimpleNamespace
+
+    from lightning_fpdt.strategy.fpdt import usable_free_bytes, usable_total_bytes
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=139 * gib))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 79 / 139)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (120 * gib, 139 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 * gib)
+    device = torch.device("cuda", 0)
+    assert usable_total_bytes(device) == 79 * gib
+    assert usable_free_bytes(device) == 69 * gib  # the cap less what this process holds, below the card's free 120
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (50 * gib, 139 * gib))
+    assert usable_free_bytes(device) == 50 * gib  # other processes took more than the cap leaves

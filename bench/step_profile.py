@@ -12,6 +12,11 @@ prints the table. Device time is grouped by kernel kind:
 | copy host->device / device->host / device->device | the profiler's ``Memcpy HtoD`` / ``DtoH`` / ``DtoD`` |
 | other | everything else (elementwise, norms, softmax of the loss, reductions) |
 
+Only device-side events count: the profiler also gives every CPU operator (``aten::mm``, ``aten::copy_``, the
+``Optimizer.step`` annotation) the device time of the kernels it launched, which would count each kernel twice.
+CUPTI's "Command Buffer Full" (the host blocked on a full launch queue: the device was busy, not idle) is listed
+apart as ``launch queue full`` and not counted as device work.
+
 "busy" is the sum of the attention, matmul and other kernels' time, i.e. the compute stream's work if nothing of it
 overlaps; ``wall − busy`` is then what the step waited (copies and communication not hidden, host stalls, launch
 gaps). Copies and communication run on their own streams, so their time may overlap compute: it is listed, not
@@ -35,6 +40,7 @@ CATEGORIES = {
 }
 COPIES = {"memcpy htod": "copy host->device", "memcpy dtoh": "copy device->host", "memcpy dtod": "copy device->device"}
 COMPUTE = ("attention", "matmul", "other")
+HOST_STALLS = {"command buffer full": "launch queue full"}
 
 
 def category(name: str) -> str:
@@ -49,6 +55,11 @@ def category(name: str) -> str:
     return "other"
 
 
+def _on_device(event: Any) -> bool:
+    device_type = getattr(event, "device_type", None)
+    return device_type is None or device_type != torch.autograd.DeviceType.CPU
+
+
 def _device_time_us(event: Any) -> float:
     # torch >= 2.4 names it device time; older releases cuda time
     return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0) or 0)
@@ -58,9 +69,14 @@ def summarize(events: Any, wall_s: float, *, top: int = 12) -> dict[str, Any]:
     """Device seconds per category, the busy fraction and the top kernels of ``prof.key_averages()``."""
     seconds: dict[str, float] = {}
     kernels = []
+    stalls: dict[str, float] = {}
     for event in events:
         device_us = _device_time_us(event)
-        if device_us <= 0:
+        if device_us <= 0 or not _on_device(event):
+            continue
+        if event.key.lower() in HOST_STALLS:
+            label = HOST_STALLS[event.key.lower()]
+            stalls[label] = stalls.get(label, 0.0) + device_us / 1e6
             continue
         label = category(event.key)
         seconds[label] = seconds.get(label, 0.0) + device_us / 1e6
@@ -73,6 +89,7 @@ def summarize(events: Any, wall_s: float, *, top: int = 12) -> dict[str, Any]:
         "busy_s": busy,
         "busy_fraction": busy / wall_s if wall_s > 0 else None,
         "wait_s": max(wall_s - busy, 0.0),
+        "host_stalls_s": stalls,
         "top_kernels": [
             {"seconds": s, "calls": count, "category": label, "name": name[:120]} for s, count, label, name in kernels[:top]
         ],
@@ -83,6 +100,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"profiled step: wall {summary['wall_s']:.3f} s, compute kernels {summary['busy_s']:.3f} s "
              f"({100 * (summary['busy_fraction'] or 0):.1f}%), waiting {summary['wait_s']:.3f} s"]
     lines += [f"  {name:<22} {value:8.3f} s" for name, value in summary["device_s"].items()]
+    lines += [f"  {name:<22} {value:8.3f} s (host)" for name, value in summary.get("host_stalls_s", {}).items()]
     lines.append("  top kernels:")
     lines += [f"  {k['seconds']:8.3f} s {k['calls']:6d}x {k['category']:<14} {k['name']}" for k in summary["top_kernels"]]
     return "\n".join(lines)

@@ -314,10 +314,14 @@ def test_step_profile_categories_and_summary():
     }
     for name, expected in names.items():
         assert step_profile.category(name) == expected, name
-    events = [SimpleNamespace(key=name, count=2, self_device_time_total=us)
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(key=name, count=2, self_device_time_total=us, device_type=cuda)
               for name, us in zip(names, (400_000, 300_000, 50_000, 20_000, 10_000, 100_000))]
-    events.append(SimpleNamespace(key="aten::mm", count=5, self_device_time_total=0))  # CPU-side op: no device time
+    # a CPU operator carries its kernels' device time too: counting it would count the matmul twice
+    events.append(SimpleNamespace(key="aten::mm", count=5, self_device_time_total=300_000, device_type=cpu))
+    events.append(SimpleNamespace(key="Command Buffer Full", count=9, self_device_time_total=70_000, device_type=cuda))
     summary = step_profile.summarize(events, wall_s=1.0, top=3)
+    assert summary["host_stalls_s"] == {"launch queue full": pytest.approx(0.07)}
     assert summary["busy_s"] == pytest.approx(0.8) and summary["wait_s"] == pytest.approx(0.2)
     assert summary["device_s"]["communication"] == pytest.approx(0.05)
     assert [k["category"] for k in summary["top_kernels"]] == ["attention", "matmul", "other"]

@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional, Union
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_fpdt.data.metrics import TokenAccuracy, TokenPerplexity
@@ -183,7 +183,14 @@ class LlamaLM(CausalLM):
     Args:
         name: a named size of :class:`LlamaConfig` (``"tiny"``, ``"llama3-1b"``, ``"llama3-8b"``).
         config_overrides: config fields to change, e.g. ``{"num_layers": 2, "vocab_size": 96}``.
-        seed: seed of the weight initialisation (the same on every rank; the global RNG is left alone).
+        seed: seed of the weight initialisation (the same on every rank; the global RNG is left alone). Unused with
+            ``meta_init`` (a seed other than 0 warns).
+        meta_init: build the model on the meta device (no memory, no init) instead of in fp32 on the CPU of every
+            process (Llama-3-8B: 32 GB and minutes of init per process). The strategy then materialises each rank's
+            FSDP2 shards on its device and initialises them with the model's own ``reset_parameters`` (Linear and
+            Embedding weights ~ N(0, initializer_range), norms 1) from the global RNG: seed it with
+            ``seed_everything``. The values differ from the CPU init of the same ``seed``. Needs a strategy that
+            materialises meta modules (``fpdt``).
         lr, weight_decay, warmup_steps, decay, accuracy: see :class:`CausalLM`.
         **overrides: more config fields, for Python callers (``LlamaLM("tiny", num_layers=2)``).
     """
@@ -194,6 +201,7 @@ class LlamaLM(CausalLM):
         *,
         config_overrides: Optional[dict[str, Any]] = None,
         seed: int = 0,
+        meta_init: bool = False,
         lr: float = 3e-4,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
@@ -204,9 +212,18 @@ class LlamaLM(CausalLM):
         super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, decay=decay, accuracy=accuracy)
         self.save_hyperparameters()
         config = LlamaConfig.from_name(name, **{**(config_overrides or {}), **overrides})
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.model = LlamaForCausalLM(config)
+        if meta_init:
+            if seed != 0:
+                rank_zero_warn(
+                    f"LlamaLM: seed ({seed}) has no effect with meta_init=True: the strategy initialises the shards "
+                    f"from the global RNG; seed that with seed_everything({seed})"
+                )
+            with torch.device("meta"):  # shapes only: the strategy allocates and initialises the shards
+                self.model = LlamaForCausalLM(config)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                self.model = LlamaForCausalLM(config)
 
 
 class HFCausalLM(CausalLM):

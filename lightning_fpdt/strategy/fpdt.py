@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -294,8 +295,9 @@ class FPDTStrategy(ModelParallelStrategy):
         )
         self._geometry = attention_geometry(find_model(self.model), self.precision_plugin.precision)
         if on_meta:
-            _materialize_distributed_module(self.model, self.root_device)
-            find_model(self.model).apply(_retie_weights)
+            # FSDP2 offloading keeps the sharded parameters in host memory and refuses them anywhere else
+            device = torch.device("cpu") if self._cpu_offload_params else self.root_device
+            _materialize(self.model, device, rank=self.global_rank)
         if not self._cpu_offload_params:
             self.model_to_device()
         self.barrier()
@@ -704,3 +706,35 @@ def _retie_weights(module: torch.nn.Module) -> None:
     if callable(tie) and getattr(getattr(module, "config", None), "tie_word_embeddings", False):
         tie()
 
+
+def _materialize(module: torch.nn.Module, device: torch.device, *, rank: int) -> None:
+    """Allocate the meta parameters and buffers of ``module`` on ``device`` (FSDP2 DTensors: each rank only its
+    shards) and initialise them: with the model's own ``reset_parameters`` when it has one (the reference Llama's
+    N(0, initializer_range) and norms at 1; per submodule, ``nn.Linear`` would give its Kaiming init instead), else
+    with each submodule's (Lightning's ``_materialize_distributed_module``)."""
+    model = find_model(module)
+    reset = getattr(model, "reset_parameters", None)
+    with _distinct_shard_draws(device, rank=rank):
+        if callable(reset):
+            module.to_empty(device=device)  # on the root, as Lightning's helper: nothing left on meta
+            reset()
+        else:
+            _materialize_distributed_module(module, device)
+    model.apply(_retie_weights)
+
+
+@contextmanager
+def _distinct_shard_draws(device: torch.device, *, rank: int) -> Generator[None, None, None]:
+    """Random ops on DTensors draw each rank's shard at its own offset of one shared stream on CUDA-like devices, but
+    shards in host memory from each rank's CPU generator as it stands (DTensor's ``OffsetBasedRNGTracker`` refuses
+    the CPU), so ranks seeded alike would draw equal shards. For those each rank draws from a stream of its own,
+    derived from the global RNG, which is left where it was (the flat FSDP2 mesh gives no two ranks the same
+    shard)."""
+    if device.type != "cpu":
+        yield
+        return
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # DTensor warns that its random ops may not fully support a CPU mesh: the per-rank stream is the answer
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        torch.manual_seed(int(torch.randint(2**62, ())) + rank)
+        yield

@@ -13,7 +13,9 @@ prints the table. Device time is grouped by kernel kind:
 | other | everything else (elementwise, norms, softmax of the loss, reductions) |
 
 Only device-side events count: the profiler also gives every CPU operator (``aten::mm``, ``aten::copy_``, the
-``Optimizer.step`` annotation) the device time of the kernels it launched, which would count each kernel twice.
+``Optimizer.step`` annotation) the device time of the kernels it launched, which would count each kernel twice, and a
+user annotation (``record_function``, Lightning's ``Optimizer.step#AdamW.step``) also appears as a device-side range
+over the kernels it spans.
 CUPTI's "Command Buffer Full" (the host blocked on a full launch queue: the device was busy, not idle) is listed
 apart as ``launch queue full`` and not counted as device work.
 
@@ -56,6 +58,8 @@ def category(name: str) -> str:
 
 
 def _on_device(event: Any) -> bool:
+    if getattr(event, "is_user_annotation", False):
+        return False
     device_type = getattr(event, "device_type", None)
     return device_type is None or device_type != torch.autograd.DeviceType.CPU
 

@@ -319,6 +319,8 @@ def test_step_profile_categories_and_summary():
               for name, us in zip(names, (400_000, 300_000, 50_000, 20_000, 10_000, 100_000))]
     # a CPU operator carries its kernels' device time too: counting it would count the matmul twice
     events.append(SimpleNamespace(key="aten::mm", count=5, self_device_time_total=300_000, device_type=cpu))
+    events.append(SimpleNamespace(key="Optimizer.step#AdamW.step", count=1, self_device_time_total=900_000,
+                                  device_type=cuda, is_user_annotation=True))  # a range over the kernels above
     events.append(SimpleNamespace(key="Command Buffer Full", count=9, self_device_time_total=70_000, device_type=cuda))
     summary = step_profile.summarize(events, wall_s=1.0, top=3)
     assert summary["host_stalls_s"] == {"launch queue full": pytest.approx(0.07)}

@@ -28,8 +28,11 @@ from torch.distributed.tensor import DTensor
 from lightning_fpdt.callbacks.tiled_mlp import check_num_tiles, tile_bounds, transform_without_fpdt
 from lightning_fpdt.sequence.layout import IGNORE_INDEX
 
-AUTO_TILE_BYTES = 256 * 2**20
-"""``num_tiles="auto"``: one tile's fp32 logits (``tokens × vocab × 4`` bytes) stay under this."""
+AUTO_TILE_BYTES = 2**30
+"""``num_tiles="auto"``: one tile's fp32 logits (``tokens × vocab × 4`` bytes) stay under this. Each tile reads and
+writes the whole fp32 lm_head gradient once (2 GiB for Llama-3-8B): at 2,048 tokens a tile (a 128K vocabulary) that
+is ~15% of the tile's matmul time on an H100/H200, at 256 MiB (512 tokens) it was ~55% (bench/peers.py
+--profile-step at 64K, 4 GPUs)."""
 WEIGHT_GRAD_SLICE_BYTES = 64 * 2**20
 """A low-precision lm_head gradient is accumulated into its fp32 buffer in vocabulary slices of at most this many
 bytes (a whole ``(V, hidden)`` temporary would be 1 GiB for Llama-3 in bf16)."""
@@ -74,12 +77,31 @@ def _cross_entropy_tile(
     if grad_weight is not None:
         if weight.dtype == acc:
             grad_weight.addmm_(grad_logits.T, h_tile)  # (V, n) @ (n, hidden)
+        elif _accumulates_in_place(grad_weight.device, weight.dtype, acc):
+            # cuBLAS adds the low-precision product to the fp32 buffer in its epilogue: no rounded temporary, no
+            # separate (mixed-dtype, unvectorised) add kernel per vocabulary slice
+            torch.addmm(grad_weight, grad_logits.T, h_tile, acc, out=grad_weight)
         else:
             vocab_slice = max(1, WEIGHT_GRAD_SLICE_BYTES // (weight.shape[1] * weight.element_size()))
             for v0 in range(0, weight.shape[0], vocab_slice):
                 v1 = v0 + vocab_slice
                 grad_weight[v0:v1].add_(grad_logits[:, v0:v1].T @ h_tile)  # fp32 sum of low-precision products
     return loss_sum
+
+
+@functools.lru_cache(maxsize=None)
+def _accumulates_in_place(device: torch.device, dtype: torch.dtype, acc: torch.dtype) -> bool:
+    """Whether ``torch.addmm(c, a, b, acc, out=c)`` (``a, b`` in ``dtype``, ``c`` in ``acc``) runs here: CUDA builds
+    of torch >= 2.8 have it; CPU builds do not."""
+    if device.type != "cuda":
+        return False
+    a = torch.ones(8, 8, dtype=dtype, device=device)
+    c = torch.ones(8, 8, dtype=acc, device=device)
+    try:
+        torch.addmm(c, a, a, acc, out=c)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool((c == 9).all())
 
 
 def tiled_cross_entropy_forward(

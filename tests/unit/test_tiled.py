@@ -57,7 +57,7 @@ def test_auto_tiles_keep_one_tile_under_256_mib():
     """'auto': Llama-3-8B MLP at 256K tokens in bf16 needs 84 tiles; its 128K-vocab loss at 512K tokens 1002."""
     assert auto_mlp_tiles(262144, 14336, 2) == 84  # 262144 · 14336 · 3 · 2 B / 256 MiB
     assert auto_mlp_tiles(16, 128, 4) == 1
-    assert auto_loss_tiles(524288, 128256) == 1002  # 524288 · 128256 · 4 B / 256 MiB, rounded up
+    assert auto_loss_tiles(524288, 128256) == 251  # 524288 · 128256 · 4 B / 1 GiB, rounded up
     assert auto_loss_tiles(3, 64) == 1
 
 

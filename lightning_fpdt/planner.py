@@ -101,8 +101,12 @@ product's gradient and the gradients of act(gate) and up. 4 of them are saved by
 bench/memory_tiles.py: the untiled MLP at 256K tokens needs 5.7 per token, the tiled one 6.6 per tile token."""
 UNTILED_LOSS_BYTES_PER_LOGIT = 12
 """fp32 logits, the saved log-softmax and its gradient at the peak of the untiled cross-entropy's backward."""
-LOSS_TILE_BYTES_PER_LOGIT = 6
-"""One loss tile: its fp32 logits (turned into the gradient in place) and their copy in the weight's dtype."""
+LOSS_TILE_BYTES_PER_LOGIT = 8
+"""One loss tile: its fp32 logits (turned into the gradient in place) and logsumexp's fp32 temporary of the same size
+(the bf16 matmul output and the gradient's bf16 copy are smaller and not alive with both). bench/memory_tiles.py on
+an H100: 8.0 bytes per tile logit at 16K and at 512K tokens."""
+MLP_GRAD_SUM_BYTES = 4
+"""``TiledMLP`` sums each weight's gradient over the tiles in fp32 (``tiled_mlp_backward``): bytes per weight."""
 ROPE_TABLES = 4
 """fp32 ``(B, N, D)`` tables a layer saves for backward: cos and sin, for q and for k."""
 
@@ -424,7 +428,8 @@ def mlp_op_bytes(
     "peak"): output, input gradient, weight gradients and the intermediates (all tokens, or one tile)."""
     rows = mlp_tile_tokens(num_tokens, intermediate_size, dtype_bytes) if tiled else num_tokens
     io = 2 * num_tokens * hidden_size * dtype_bytes + 3 * hidden_size * intermediate_size * dtype_bytes
-    return io + MLP_BACKWARD_BUFFERS * rows * intermediate_size * dtype_bytes
+    sums = 3 * hidden_size * intermediate_size * MLP_GRAD_SUM_BYTES if tiled else 0
+    return io + sums + MLP_BACKWARD_BUFFERS * rows * intermediate_size * dtype_bytes
 
 
 def loss_op_bytes(num_tokens: int, hidden_size: int, vocab_size: int, *, tiled: bool, dtype_bytes: int = 2) -> int:
@@ -573,9 +578,12 @@ def _components(
             phase="attention forward", formula="norm + output sum + one group's q, k, v, out and working set")
     mlp_rows = mlp_tile_tokens(N, g.intermediate_size, b) if o.tiled_mlp else N
     mlp_work = MLP_BACKWARD_BUFFERS * mlp_rows * g.intermediate_size * b - mlp_saved
+    if o.tiled_mlp:  # the fp32 sums of the gate, up and down weight gradients over the tiles
+        mlp_work += 3 * g.hidden_size * g.intermediate_size * MLP_GRAD_SUM_BYTES
     add("layer activations (recompute)", recompute, phase="MLP backward", formula="norms, attention out, rope, MLP")
     add("MLP backward", 2 * A + mlp_work, phase="MLP backward",
-        formula=f"grads in/out + {'one tile' if o.tiled_mlp else 'all tokens'} x {MLP_BACKWARD_BUFFERS} x I")
+        formula=f"grads in/out + {'one tile' if o.tiled_mlp else 'all tokens'} x {MLP_BACKWARD_BUFFERS} x I"
+        + (" + fp32 weight-gradient sums" if o.tiled_mlp else ""))
     add("layer activations (at attention)", (norm + rope) if o.activation_checkpointing else 0,
         phase="attention backward", formula="first norm, rope")
     backward_chunks = attention_backward_bytes(attention, num_chunks=o.chunks, offload=o.offload,

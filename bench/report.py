@@ -39,7 +39,8 @@ TARGET_VS_RING_THROUGHPUT = 1.3
 
 # ---- reading -------------------------------------------------------------------------------------------------------
 def load_records(paths: Iterable[str]) -> list[dict[str, Any]]:
-    """Every record of the JSONL files, in file order; a line that is not a JSON object is skipped with a warning."""
+    """Every record of the JSONL files in the order they were made (their ``time``; file order where equal or
+    missing), so "the latest" is the latest run; a line that is not a JSON object is skipped with a warning."""
     records = []
     for path in paths:
         with open(path) as f:
@@ -55,6 +56,7 @@ def load_records(paths: Iterable[str]) -> list[dict[str, Any]]:
                     warnings.warn(f"{path}:{number}: not a bench/peers.py record; skipped")
                     continue
                 records.append(record)
+    records.sort(key=lambda record: str(record.get("time") or ""))
     return records
 
 
@@ -191,10 +193,19 @@ def max_lengths(records: list[dict[str, Any]]) -> dict[tuple[str, int, str], dic
             limit = first_fail.get("limit") or first_fail.get("status")
             if first_fail.get("status") == "ok":
                 limit = "host (planned, full depth)"
-        out[(card, gpus, model)][system] = {
+        entry = {
             "max": best and best["seq_len"], "fail": first_fail and first_fail["seq_len"],
             "exact": first_fail is not None, "limit": limit, "record": best or first_fail, "system": system,
         }
+        # where the host binds, the GPU's own limit is shown beside it: the longest step that ran, the first that did not
+        ran = [r for r in group if r.get("status") == "ok"]
+        gpu_best = max(ran, key=lambda r: r["seq_len"]) if ran else None
+        if gpu_best is not None and gpu_best["seq_len"] > longest:
+            gpu_failed = sorted((r["seq_len"] for r in group if r.get("status") != "ok"
+                                 and r["seq_len"] > gpu_best["seq_len"]))
+            entry.update(host_max=longest, gpu_max=gpu_best["seq_len"], gpu_record=gpu_best,
+                         gpu_fail=gpu_failed[0] if gpu_failed else None)
+        out[(card, gpus, model)][system] = entry
     return dict(out)
 
 
@@ -314,10 +325,13 @@ def render_markdown(records: list[dict[str, Any]], *, plots: Optional[list[str]]
                 cells.append("not run")
                 continue
             fits = length(entry["max"]) if entry["max"] else "none"
-            gpu_fail = f"{length(entry['fail'])} failed" if entry["fail"] else "nothing longer failed"
+            gpu_fail_len = entry["gpu_fail"] if "gpu_fail" in entry else entry["fail"]
+            gpu_fail = f"{length(gpu_fail_len)} failed" if gpu_fail_len else "nothing longer failed"
             if entry.get("host_max") is not None and entry["host_max"] < (entry.get("gpu_max") or 0):
-                outcome = (f"{fits} (host: full depth planned to fit up to {length(entry['host_max'])}; GPU: "
-                           f"{length(entry['gpu_max'])} ran, {gpu_fail})")
+                host = (f"full depth planned to fit up to {length(entry['host_max'])}" if entry["host_max"] else
+                        "the full depth's pinned memory fits no length run")
+                gpu_ref = f" {commands.ref(entry['gpu_record'])}" if "gpu_record" in entry else ""
+                outcome = f"{fits} (host: {host}; GPU: {length(entry['gpu_max'])} ran{gpu_ref}, {gpu_fail})"
             elif entry["exact"]:
                 outcome = f"{fits}; {gpu_fail} ({entry['limit']})"
             else:

@@ -99,7 +99,8 @@ def test_report_names_every_figure_with_its_command(tmp_path):
     # 4 GPUs: 2M ran but the full depth's host memory does not fit, so 1M is the longest trainable length; ring's
     # single run is a lower bound only, so the ratio over it says nothing
     four_gpus = row("| NVIDIA H100 80GB HBM3 | 4 | llama3-8b |")
-    assert "1,048,576; 2,097,152 failed (host (planned, full depth))" in four_gpus
+    assert ("1,048,576 (host: full depth planned to fit up to 1,048,576; GPU: 2,097,152 ran [4], nothing longer "
+            "failed)") in four_gpus
     assert "≥ 262,144 (nothing longer run)" in four_gpus and "? (no failing length for ring)" in four_gpus
     assert row("maximum length, fpdt / ring, 4 GPUs").endswith("| not conclusive |")
     # targets: 1 GPU met, MFU 47% missed, throughput 1.30x met, the 4-GPU length (1M < 2M) missed

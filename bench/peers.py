@@ -618,18 +618,20 @@ def command_line(argv: list[str], gpus_per_node: int, world_size: int) -> str:
 
 
 def summarize(info: dict[str, Any], *, geometry_run: ModelGeometry, seq_len: int, world_size: int,
-              peak: Optional[float]) -> dict[str, Any]:
-    """Median step time (of the steps after the first, when there are any), tokens/s, TFLOP/s per GPU, MFU."""
+              peak: Optional[float], profile_step: Optional[int] = None) -> dict[str, Any]:
+    """Median step time (of the steps after the first, when there are any, and not the profiled one: the profiler
+    slows the step it records, more so the more kernels a step launches), tokens/s, TFLOP/s per GPU, MFU."""
     times = [t for t in info.get("step_times_s", []) if t is not None]
     if not times:
         return dict(step_time_s=None, timed_steps=0, tokens_per_s=None, tflops_per_gpu=None, mfu=None)
-    timed = times[1:] or times
+    after_warm_up = [t for i, t in enumerate(times) if i > 0 and i != profile_step]
+    timed = after_warm_up or times[1:] or times
     step_time = statistics.median(timed)
     tokens = info["tokens_per_step"]
     flops = tokens * flops_per_token(geometry_run, seq_len, "causal")
     tflops = flops / step_time / world_size / 1e12
     return dict(
-        step_time_s=step_time, timed_steps=len(times) - 1 if len(times) > 1 else 0,
+        step_time_s=step_time, timed_steps=len(timed) if len(times) > 1 else 0,
         tokens_per_s=tokens / step_time, tflops_per_gpu=tflops, mfu=None if peak is None else tflops * 1e12 / peak,
     )
 
@@ -748,7 +750,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "steps": args.steps, "steps_done": len(info.get("step_times_s", [])),
         "step_times_s": info.get("step_times_s", []), "tokens_per_step": info.get("tokens_per_step"),
-        **summarize(info, geometry_run=geometry_run, seq_len=args.seq_len, world_size=world_size, peak=peak),
+        **summarize(info, geometry_run=geometry_run, seq_len=args.seq_len, world_size=world_size, peak=peak,
+                    profile_step=args.profile_step),
+        "profile_step": args.profile_step,
         "flop_convention": "causal", "flops_per_token": flops_per_token(geometry_run, args.seq_len, "causal"),
         "peak_flops": peak,
         "losses": info.get("losses", []), "first_loss": (info.get("losses") or [None])[0],

@@ -334,3 +334,19 @@ def test_step_profile_categories_and_summary():
     with pytest.raises(RuntimeError, match=r"stop\(1\) called before start\(1\)"):
         profiler.stop(1)
 
+
+
+def test_step_time_leaves_out_the_warm_up_and_the_profiled_step():
+    """The profiler slows the step it records (more for the system launching more kernels): a step time that
+    included it would compare a profiled step of one system with an unprofiled one of the other."""
+    from lightning_fpdt.flops import ModelGeometry
+
+    geometry = ModelGeometry(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                             intermediate_size=128, vocab_size=96)
+    info = {"step_times_s": [3.0, 0.44, 0.49, 0.46], "tokens_per_step": 1000}
+    common = dict(geometry_run=geometry, seq_len=1000, world_size=1, peak=None)
+    assert peers.summarize(info, **common)["step_time_s"] == pytest.approx(0.46)
+    profiled = peers.summarize(info, **common, profile_step=2)
+    assert profiled["step_time_s"] == pytest.approx(0.45) and profiled["timed_steps"] == 2
+    only = peers.summarize({"step_times_s": [3.0, 0.49], "tokens_per_step": 1000}, **common, profile_step=1)
+    assert only["step_time_s"] == pytest.approx(0.49) and only["timed_steps"] == 1  # nothing else to time

@@ -1,5 +1,5 @@
 """Head-group chunking on a real GPU (marker gpu): bf16 parity with the whole-layer attention through the cuDNN/flash
-kernels and host offload, and a lower peak of the attention block."""
+kernels and host offload, and lower peaks of the attention module."""
 
 import copy
 
@@ -26,10 +26,10 @@ def _layer(head_chunks: int, *, seq_len: int, offload: bool = True):
     return layer, attention
 
 
-def _step(layer, x, grad_out, position_ids, attention_only: bool):
+def _step(layer, x, grad_out, position_ids):
     x = x.clone().requires_grad_()
     layer.zero_grad(set_to_none=True)
-    y = layer.self_attn(layer.input_layernorm(x), position_ids) if attention_only else layer(x, position_ids)
+    y = layer(x, position_ids)
     y.backward(grad_out)
     return y.detach().float(), x.grad.float(), {n: p.grad.float() for n, p in layer.named_parameters()
                                                 if p.grad is not None}
@@ -48,7 +48,7 @@ def test_bf16_groups_match_whole_layer(checkpoint):
         layer, attention = _layer(head_chunks, seq_len=seq_len)
         if checkpoint:
             ActivationOffload().fpdt_transform(layer, [layer])
-        results.append(_step(layer, x, grad_out, position_ids, attention_only=False))
+        results.append(_step(layer, x, grad_out, position_ids))
         assert attention.kernel_calls == head_chunks  # the backward replays every group's attention
     (y1, dx1, g1), (y4, dx4, g4) = results
     # bf16: the grouped output projection and input gradient round G partial sums to bf16 (one ulp, 2^-8 relative,
@@ -63,8 +63,25 @@ def test_bf16_groups_match_whole_layer(checkpoint):
         close(g4[name], g1[name], name)
 
 
-def test_attention_block_peak_is_lower_with_groups():
-    """At 64K tokens the attention block's peak (projections, RoPE, FPDT, output projection, backward) drops with G."""
+def _attention_peaks(layer, h, grad_out, position_ids) -> tuple[int, int]:
+    """Peak bytes above what is allocated before the call: of the attention module's forward on ``h``, and of its
+    forward + backward."""
+    h.grad = None
+    layer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y = layer.self_attn(h, position_ids)
+    torch.cuda.synchronize()
+    forward = torch.cuda.max_memory_allocated() - base
+    y.backward(grad_out)
+    torch.cuda.synchronize()
+    return forward, torch.cuda.max_memory_allocated() - base
+
+
+def test_attention_peaks_are_lower_with_groups():
+    """At 64K tokens the attention module's peaks (projections, RoPE, FPDT, output projection; forward, and forward
+    + backward) drop by at least the full-width q/k/v/out with G = 4."""
     seq_len = 65536
     gen = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(1, seq_len, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -73,16 +90,28 @@ def test_attention_block_peak_is_lower_with_groups():
     peaks = {}
     for head_chunks in (1, 4):
         layer, _ = _layer(head_chunks, seq_len=seq_len)
-        _step(layer, x, grad_out, position_ids, attention_only=True)  # warm-up: pinned buffers, kernels
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        _step(layer, x, grad_out, position_ids, attention_only=True)
-        torch.cuda.synchronize()
-        peaks[head_chunks] = torch.cuda.max_memory_allocated() - base
-        del layer
-    # G = 4 saves 3/4 of the full-width q/k/v/out (64K × (16 + 2·8 + 16) × 64 × 2 B = 384 MiB: 288 MiB), of the fp32
-    # partial dQ (256 MiB: 192) and of RoPE's fp32 temporaries of q and k (several hundred MiB), and adds the
-    # hidden-sized output and input-gradient sums (128 MiB each): well over the half of q/k/v/out asked for here
+        with torch.no_grad():
+            h = layer.input_layernorm(x).requires_grad_()
+        _attention_peaks(layer, h, grad_out, position_ids)  # warm-up: pinned buffers, kernels
+        peaks[head_chunks] = _attention_peaks(layer, h, grad_out, position_ids)
+        del layer, h
+    # The norm stays outside the measure: its backward holds five fp32 copies of its input (64K × 1024 × 4 B = 256
+    # MiB each; models/ops.py, one tile) whatever G is, and sets the peak of norm + attention for G = 4 (1798 MiB by
+    # the CPU live-byte count, 1792 on an H100). Since the norm and RoPE went tiled (49a4831: no fp32 copy of the
+    # norm's input kept through the block, RoPE's fp32 copies live only inside its own call), G = 1's peak in RoPE
+    # (then in its forward, now in its backward) fell from 2224 to 1826 MiB (1820 on the H100), just above it: this
+    # test failed while it measured the norm too.
+    # In the attention module, in MiB (the CPU count of tests/unit/test_head_chunks.py at this length), with
+    # q/k/v/out = 64K × (16 + 2·8 + 16) × 64 × 2 B = 384:
+    # - forward: G = 1 peaks in RoPE of q, on q, k, v and the rotated q (384), RoPE's four fp32 copies of q (1024)
+    #   and its cos/sin (32): 1440. G = 4 holds a quarter of the per-head ones (352), cos/sin and the hidden-sized
+    #   sum of the group outputs (128): 512.
+    # - forward + backward: G = 1 peaks in RoPE's backward of dq, on the output (128), dq and its rotation (256), dv
+    #   and the rotated dk (128), four fp32 copies of dq (1024), cos/sin and dWo: 1570. G = 4 peaks in a group's
+    #   backward, on seven hidden-sized buffers (the output, the running dx, the group's output projection redone,
+    #   its projections' dx products and their sums: 896) and the weight gradients: 937.
+    # So G = 4 saves 928 and 633 MiB; asked of both: at least the full-width q/k/v/out (twice what was asked of
+    # norm + attention). tests/unit/test_head_chunks.py also bounds G = 4's forward by a quarter of G = 1's.
     qkv_out = seq_len * (16 + 2 * 8 + 16) * 64 * 2
-    assert peaks[1] - peaks[4] >= qkv_out // 2, {g: p / 2**20 for g, p in peaks.items()}
+    saved = [one - four for one, four in zip(peaks[1], peaks[4])]
+    assert min(saved) >= qkv_out, {g: [p / 2**20 for p in peak] for g, peak in peaks.items()}

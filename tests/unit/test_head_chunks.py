@@ -10,9 +10,10 @@ import torch
 
 import lightning_fpdt.sequence.fpdt as fpdt_module
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload
-from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
-from lightning_fpdt.sequence import FPDTAttention, check_head_groups
+from lightning_fpdt.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
+from lightning_fpdt.sequence import FPDTAttention, check_head_groups, install_head_groups
 from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention, grouped_geometry
+from lightning_fpdt.sequence.host_stash import HostBufferPool
 from lightning_fpdt.sequence.integrations import (
     SequenceParallelContext,
     install,
@@ -21,6 +22,7 @@ from lightning_fpdt.sequence.integrations import (
 )
 from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.strategy.parallelize import find_blocks
+from tests.live_bytes import LiveBytes
 
 # fp64 throughout: grouping changes only the summation order of the output projection (G partial products instead
 # of one) and of the input gradient (G contributions), ~1e-16 relative each; 1e-10 catches any wrong head, row or
@@ -232,6 +234,61 @@ def test_no_full_width_activation_is_kept_or_attended(monkeypatch):
     b, s, hidden, width = 2, 16, 48, 8 * 8
     assert widest[1] == b * s * width  # ungrouped: the attention output, saved by o_proj
     assert widest[4] == b * s * hidden  # grouped: the layer input and the MLP's hidden-sized activations only
+
+
+def _attention_peaks(head_chunks: int, seq_len: int) -> tuple[int, int]:
+    """Peak live bytes (above what exists before) of the GPU test's attention module in bf16: of its forward, and
+    of forward + backward; the input is the norm's output (a leaf), the stash offloaded as there."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=2048, num_layers=1, num_heads=16,
+                         num_kv_heads=8, head_dim=64)
+    layer = LlamaDecoderLayer(config).to(torch.bfloat16)
+    attention = FPDTAttention(num_chunks=8, offload=True, head_chunks=head_chunks)
+    if head_chunks > 1:
+        install_head_groups(layer.self_attn, attention)
+    else:
+        layer.self_attn.attention_fn = attention.for_layer()
+    gen = torch.Generator().manual_seed(20)
+    x = torch.randn(1, seq_len, 1024, dtype=torch.bfloat16, generator=gen)
+    grad_out = torch.randn(1, seq_len, 1024, dtype=torch.bfloat16, generator=gen)
+    position_ids = torch.arange(seq_len).unsqueeze(0)
+    with torch.no_grad():
+        h = layer.input_layernorm(x).requires_grad_()
+    tracker = LiveBytes()
+    acquire = HostBufferPool.acquire
+
+    def host_buffer(pool, *args):  # pinned host memory on a GPU: not in its device count
+        with tracker.untracked():
+            return acquire(pool, *args)
+
+    with pytest.MonkeyPatch.context() as patch, tracker:
+        patch.setattr(HostBufferPool, "acquire", host_buffer)
+        y = layer.self_attn(h, position_ids)
+        forward = tracker.peak
+        y.backward(grad_out)
+    assert attention.kernel_calls == head_chunks
+    return forward, tracker.peak
+
+
+def test_groups_lower_the_attention_peaks():
+    """G = 4 vs G = 1, bf16 at the GPU test's geometry (live bytes on the CPU): the attention module's forward holds
+    a quarter of G = 1's per-head buffers, and its forward peak and forward + backward peak each drop by at least
+    the full-width q/k/v/out."""
+    seq_len, hidden, head_dim = 8192, 1024, 64
+    peaks = {head_chunks: _attention_peaks(head_chunks, seq_len) for head_chunks in (1, 4)}
+    # tests/gpu/test_head_chunks_cuda.py at 1/8 of its length (the same single RoPE tile), in MiB: q/k/v/out =
+    # 8K × (16 + 2·8 + 16) × 64 × 2 B = 48. Forward: G = 1 peaks in RoPE of q on q, k, v, the rotated q (48), RoPE's
+    # four fp32 copies of q (128) and its cos/sin (4): 180; G = 4 on a quarter of the per-head ones (44), cos/sin
+    # and the hidden-sized sum of the group outputs (16): 64. Forward + backward: G = 1 peaks in RoPE's backward of
+    # dq (the output 16, dq and its rotation 32, dv and the rotated dk 16, four fp32 copies of dq 128, cos/sin, dWo):
+    # 198; G = 4 in a group's backward on seven hidden-sized buffers (the output, the running dx, the group's output
+    # projection redone, its projections' dx products and sums) and the weight gradients: 124.5. The CPU flash
+    # kernel, like cuDNN's, keeps no scores.
+    qkv_out = seq_len * (16 + 2 * 8 + 16) * head_dim * 2
+    group_sum, cos_sin = seq_len * hidden * 2, 2 * seq_len * head_dim * 4
+    mib = {g: [p / 2**20 for p in peak] for g, peak in peaks.items()}
+    assert peaks[4][0] <= peaks[1][0] / 4 + group_sum + cos_sin, mib
+    assert min(one - four for one, four in zip(peaks[1], peaks[4])) >= qkv_out, mib
 
 
 def test_head_group_validation_names_the_fix():

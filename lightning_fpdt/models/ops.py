@@ -55,15 +55,22 @@ def rms_norm_backward(
     grad_x = torch.empty_like(flat) if input_grad else None
     grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight_grad else None
     weight_acc = weight.to(acc)
+    # At most three fp32 tile buffers at once (the normalised input, dy turned into dx, one temporary), each op in
+    # place where the plain expression would allocate: the same arithmetic in the same order, so the same values.
     for start, end in _tiles(flat.shape[0], flat.shape[1]):
         r = rstd[start:end, None]
-        normed = flat[start:end].to(acc) * r  # (n, hidden), the fp32 normalised input
-        dy = grad[start:end].to(acc)
+        normed = torch.empty((end - start, flat.shape[1]), dtype=acc, device=flat.device)
+        torch.mul(flat[start:end], r, out=normed)  # the fp32 normalised input, without an fp32 copy of x first
+        dy = grad[start:end].to(acc, copy=True)  # owned: turned into dx in place below
         if grad_w is not None:
-            grad_w += (dy * normed.to(x.dtype).to(acc)).sum(0)  # the forward multiplied the weight by n in x's dtype
+            if x.dtype == acc:
+                grad_w += (dy * normed).sum(0)
+            else:  # the forward multiplied the weight by n in x's dtype
+                grad_w += normed.to(x.dtype).to(acc).mul_(dy).sum(0)
         if grad_x is not None:
-            g = dy * weight_acc
-            grad_x[start:end] = (r * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)
+            g = dy.mul_(weight_acc)
+            mean = (g * normed).mean(-1, keepdim=True)
+            grad_x[start:end] = g.sub_(normed.mul_(mean)).mul_(r)  # r · (g − n · mean(g · n))
     return (grad_x.view_as(x) if grad_x is not None else None,
             grad_w.to(weight.dtype) if grad_w is not None else None)
 

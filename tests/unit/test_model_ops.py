@@ -135,3 +135,46 @@ def test_hf_rms_norm_keeps_its_own_forward_in_fp64():
     ref(ids, labels=ids).loss.backward()
     for p, r in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p.grad, r.grad)
+
+
+def _rms_norm_backward_out_of_place(grad_out, x, weight, rstd):
+    """The backward's formula written plainly (every op allocating), one tile: what the in-place one must equal."""
+    acc = rstd.dtype
+    flat, dy = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, x.shape[-1]).to(acc)
+    r = rstd[:, None]
+    normed = flat.to(acc) * r
+    grad_w = (dy * normed.to(x.dtype).to(acc)).sum(0)
+    g = dy * weight.to(acc)
+    grad_x = (r * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)
+    return grad_x.view_as(x), grad_w.to(weight.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_backward_in_place_is_the_plain_formula_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 33, 64, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(64, generator=gen)).to(dtype)
+    grad_out = torch.randn(2, 33, 64, generator=gen).to(dtype)
+    _, rstd = ops.rms_norm_forward(x, w, 1e-5)
+    x_before, grad_before = x.clone(), grad_out.clone()
+    got = ops.rms_norm_backward(grad_out, x, w, rstd, input_grad=True, weight_grad=True)
+    want = _rms_norm_backward_out_of_place(grad_out, x, w, rstd)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(x, x_before) and torch.equal(grad_out, grad_before)  # the in-place ops touch only its own buffers
+
+
+def test_rms_norm_backward_holds_three_fp32_tile_buffers():
+    """One tile of 512 tokens × 1024 (2 MiB in fp32): besides dx and the weight gradient, the backward holds at most
+    three fp32 tile buffers at once (the normalised input, dy turned into dx, one temporary) and the bf16 rounding of
+    the normalised input (half a buffer); the out-of-place form held five (10 MiB here against 7)."""
+    from tests.live_bytes import LiveBytes
+
+    x = torch.randn(512, 1024).bfloat16()
+    w = torch.ones(1024)
+    grad_out = torch.randn(512, 1024).bfloat16()
+    _, rstd = ops.rms_norm_forward(x, w, 1e-5)
+    with LiveBytes() as live:
+        ops.rms_norm_backward(grad_out, x, w, rstd, input_grad=True, weight_grad=True)
+    tile = 512 * 1024 * 4
+    outputs = x.numel() * x.element_size() + 2 * 1024 * 4  # dx (bf16), the fp32 weight sum and its fp32 cast copy
+    assert live.peak <= outputs + 3.5 * tile + 64 * 1024, live.report()

@@ -37,8 +37,9 @@ Transient phases (one at a time; the largest counts)::
     attention backward = norm + rope + A + N·H·D·b + N·(H + 2·Hkv)·D·b + attention_backward_bytes
                                                            (grads of the residual and of the attention output,
                                                            dq, dk, dv, the FPDT backward's chunks)
-                         G > 1: 2·A (output grad, input-grad sum) + (out, its grad, dq, dk, dv)/G + one group's
-                         backward chunks; the groups' outputs count as kept outputs, and no layer saves out or RoPE
+                         G > 1: 2·A (output grad, the running input grad, which each group's projections add
+                         into in place) + (out-sized dout and rotated dq, dq, dk, dv)/G + one group's backward
+                         chunks; the groups' outputs count as kept outputs, and no layer saves out or RoPE
     loss               = final norm + tiled: A + V·h·4 + 6·n·V  |  untiled: 12·N·V (fp32 logits, log-softmax, grad)
     end of backward    = V·h·b (embedding grad) + Θ_rest·reduce·(1 + 1/W)   (the root unit's reduce-scatter)
 
@@ -592,9 +593,13 @@ def _components(
         add("attention backward", A + N * attn_width * b + N * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * b
             + backward_chunks, phase="attention backward", formula="grads + dq, dk, dv + FPDT backward chunks")
     else:
+        # a group's backward (sequence/head_chunks.py) holds no other hidden-sized tensor: the output projection
+        # is differentiated by hand and the q/k/v projections' input gradients are added into dx in place; at its
+        # peak (RoPE's backward of dq) the group's dout, dq and rotated dq, dk and dv are alive: (out + qkv)/G
         add("attention backward", 2 * A + (N * attn_width * b + qkv_out) // G + backward_chunks,
             phase="attention backward",
-            formula="output grad + input grad sum + one group's out, grads, dq, dk, dv + its FPDT backward chunks")
+            formula="output grad + running input grad + one group's dout, dq and its rotation, dk, dv"
+            " + its FPDT backward chunks")
     if o.tiled_loss:
         loss = A + V * h * 4 + LOSS_TILE_BYTES_PER_LOGIT * loss_tile_tokens(N, V) * V
         formula = "hidden grad + fp32 lm_head grad + one tile"

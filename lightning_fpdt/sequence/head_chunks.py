@@ -11,10 +11,11 @@ Groups are GQA-aware: query head ``i`` reads kv head ``i // (H/Hkv)``, so the co
 all-to-all'd once, in its group. ``G`` must therefore divide ``Hkv``, and each group's heads must split over the
 ``P`` ranks as a whole layer's do (:func:`check_head_groups`).
 
-The backward does not keep any group's activations: it recomputes each group's projections from the saved layer
-input (two cheap matmuls) and replays its attention from the stash of the forward (:class:`LayerAttention`'s
-``record``/replay, one handle per group), so the attention itself is never recomputed, also under ``ActivationOffload``
-(whose first, no-grad forward records every group; its recompute sums the output projection from the kept outputs).
+The backward does not keep any group's activations: it recomputes each group's q/k/v projections from the saved layer
+input (cheap matmuls; the linear ends, output projection included, are differentiated by hand into one running input
+gradient) and replays its attention from the stash of the forward (:class:`LayerAttention`'s ``record``/replay, one
+handle per group), so the attention itself is never recomputed, also under ``ActivationOffload`` (whose first,
+no-grad forward records every group; its recompute sums the output projection from the kept outputs).
 
 Three layers as elsewhere in ``sequence/``: the loops (:func:`head_groups_forward`, :func:`head_groups_backward`),
 a thin ``autograd.Function``, and :class:`HeadGroupedAttention` with :func:`install_head_groups`, which the
@@ -35,6 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call
 
 from lightning_fpdt.sequence.all_to_all import group_size
@@ -105,6 +107,7 @@ def grouped_geometry(geometry: AttentionGeometry, head_chunks: int) -> Attention
 
 # ---- one attention module's weights, by role -----------------------------------------------------------------------
 Q_ROWS, KV_ROWS, O_COLUMNS, WHOLE = "q", "kv", "o", "whole"
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
 
 @dataclass(frozen=True)
@@ -178,11 +181,21 @@ class HeadGroupedAttention:
     def project(self, module: nn.Module, x: Tensor, aux: Sequence[Tensor], p: dict[str, Tensor]
                 ) -> tuple[Tensor, Tensor, Tensor]:
         """Group q, k, v from the layer input: ``(B, S/P, hidden) -> (B, S/P, H/G, D), 2 × (B, S/P, Hkv/G, D)``."""
+        return self.rotate(module, *self.linear(x, p), aux, p)
+
+    @staticmethod
+    def linear(x: Tensor, p: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """The group's q, k, v projections: ``(B, S/P, hidden) -> (B, S/P, H/G·D), 2 × (B, S/P, Hkv/G·D)``."""
+        return tuple(F.linear(x, p[f"{name}.weight"], p.get(f"{name}.bias")) for name in _PROJECTIONS)
+
+    def rotate(self, module: nn.Module, q: Tensor, k: Tensor, v: Tensor, aux: Sequence[Tensor], p: dict[str, Tensor]
+               ) -> tuple[Tensor, Tensor, Tensor]:
+        """Projections to attention inputs: split into heads, the q/k norms (Qwen3), RoPE."""
         lay = self.layout
-        b, s, _ = x.shape
-        q = F.linear(x, p["q_proj.weight"], p.get("q_proj.bias")).view(b, s, lay.group_heads, lay.head_dim)
-        k = F.linear(x, p["k_proj.weight"], p.get("k_proj.bias")).view(b, s, lay.group_kv_heads, lay.head_dim)
-        v = F.linear(x, p["v_proj.weight"], p.get("v_proj.bias")).view(b, s, lay.group_kv_heads, lay.head_dim)
+        b, s, _ = q.shape
+        q = q.view(b, s, lay.group_heads, lay.head_dim)
+        k = k.view(b, s, lay.group_kv_heads, lay.head_dim)
+        v = v.view(b, s, lay.group_kv_heads, lay.head_dim)
         normed = {"q_norm": q, "k_norm": k}
         for norm in self.family.norms:  # the module's own norm, run with this call's (leaf) weights
             weights = {name[len(norm) + 1:]: t for name, t in p.items() if name.startswith(norm + ".")}
@@ -245,40 +258,72 @@ def head_groups_forward(layer: HeadGroupedAttention, module: nn.Module, x: Tenso
 def head_groups_backward(layer: HeadGroupedAttention, module: nn.Module, grad_y: Tensor, x: Tensor,
                          aux: Sequence[Tensor], params: Sequence[Tensor], needs_grad: Sequence[bool]
                          ) -> tuple[Optional[Tensor], list[Optional[Tensor]], list[Optional[Tensor]]]:
-    """The group loop of the backward: per group, recompute q, k, v from ``x`` (with a graph), take the attention
-    output back from the recorded first pass (its backward runs on the stashed chunks: no attention recompute), redo
-    the group's output projection and backpropagate ``grad_y`` through that group alone. Returns the gradients of
-    ``x``, of the ``aux`` tensors (RoPE inputs) and of ``params``; ``needs_grad`` flags ``(x, *aux, *params)``."""
+    """The group loop of the backward: per group, recompute the q, k, v projections from ``x``, take the attention
+    output back from the recorded first pass (its backward runs on the stashed chunks: no attention recompute) and
+    backpropagate ``grad_y`` through that group alone. Returns the gradients of ``x``, of the ``aux`` tensors (RoPE
+    inputs) and of ``params``; ``needs_grad`` flags ``(x, *aux, *params)``.
+
+    The linear ends are differentiated by hand, so no hidden-sized (B, S/P, hidden) tensor is made per group: the
+    output projection is not run again (``d out_g = grad_y @ Wo[:, cols_g]``, ``dWo[:, cols_g] = grad_yᵀ @ out_g``),
+    and each projection's input gradient is added into one running ``dx`` by ``addmm_`` (autograd would return each
+    as a fresh tensor and sum them out of place). Autograd runs only from the attention output back to the
+    projections' outputs (the replay, RoPE, the q/k norms), which are asked for as gradient edges: neither the
+    projections nor the attention output are held through it by a reference of this loop. Each ``addmm_`` rounds its
+    product and the running sum once, in ``dx``'s dtype (3·G roundings in all; autograd's out-of-place sums rounded
+    each product, each of two sums and the running sum: 6·G)."""
     needs_x, needs_aux, needs_params = needs_grad[0], needs_grad[1:1 + len(aux)], needs_grad[1 + len(aux):]
-    x_leaf = x.detach().requires_grad_(needs_x)
+    # a graph root only: the projections' own backward (the linear on x_leaf) never runs, and saves nothing new
+    x_leaf = x.detach().requires_grad_()
     aux_leaves = [a.detach().requires_grad_(n) for a, n in zip(aux, needs_aux)]
-    grad_x: Optional[Tensor] = None
+    names = [name for name, _ in layer.family.roles]
+    needs = dict(zip(names, needs_params))
+    x_2d = x_leaf.detach().view(-1, x.shape[-1])  # (B·S/P, hidden)
+    grad_y_2d = grad_y.view(-1, grad_y.shape[-1])  # (B·S/P, hidden)
+    grad_x = torch.zeros_like(x_2d) if needs_x else None  # (B·S/P, hidden): the one running input gradient
     grad_aux: list[Optional[Tensor]] = [None] * len(aux)
     # full-size parameter gradients (weight-sized, small next to activations); each group writes its rows/columns
-    grad_params = [torch.zeros_like(p) if n else None for p, n in zip(params, needs_params)]
-    roles = [role for _, role in layer.family.roles]
+    grads = {name: torch.zeros_like(p) if needs[name] else None for name, p in zip(names, params)}
+    # the q/k norms' weights: leaves of each group's graph (shared by all groups, so their gradients are summed)
+    norm_names = [name for name, role in layer.family.roles if role == WHOLE]
     for group, handle in enumerate(layer.handles):
-        leaves = {name: p.detach().requires_grad_(n)
-                  for (name, p), n in zip(layer.group_params(params, group).items(), needs_params)}
+        p = {name: t.detach() for name, t in layer.group_params(params, group).items()}
+        norm_leaves = {name: p[name].requires_grad_(needs[name]) for name in norm_names}
         with torch.enable_grad():
-            q, k, v = layer.project(module, x_leaf, aux_leaves, leaves)
-            out = handle(q, k, v, causal=True, scale=layer.family.scale)  # the replay (inside a backward)
-            y = layer.output(out, leaves)
-        del q, k, v, out
-        inputs = [t for t in (x_leaf, *aux_leaves, *leaves.values()) if t.requires_grad]
-        grads = iter(torch.autograd.grad(y, inputs, grad_y))
-        del y  # the group's graph goes with it
-        if needs_x:
-            g = next(grads)
-            grad_x = g if grad_x is None else grad_x.add_(g)
+            projected = layer.linear(x_leaf, p)  # (B, S/P, H/G·D), 2 × (B, S/P, Hkv/G·D)
+            edges = [get_gradient_edge(t) for t in projected]
+            q, k, v = layer.rotate(module, *projected, aux_leaves, {**p, **norm_leaves})
+            del projected  # freed once RoPE has read them (Qwen3's norms save theirs)
+            out = handle(q, k, v, causal=True, scale=layer.family.scale)  # (B, S/P, H/G, D): the replay
+        del q, k, v
+        w_o = p["o_proj.weight"]  # (hidden, H/G·D), a column block of Wo
+        if needs["o_proj.weight"]:
+            grads_o = layer.layout.slice(grads["o_proj.weight"], O_COLUMNS, group)
+            grads_o.addmm_(grad_y_2d.t(), out.detach().view(-1, w_o.shape[1]))
+        out_edge, out_shape = get_gradient_edge(out), out.shape
+        del out  # the attention's backward holds it until it has run, no longer
+        inputs = [*edges, *(a for a in aux_leaves if a.requires_grad),
+                  *(t for t in norm_leaves.values() if t.requires_grad)]
+        grad_out = (grad_y_2d @ w_o).view(out_shape)  # (B, S/P, H/G, D)
+        results = iter(torch.autograd.grad([out_edge], inputs, [grad_out]))
+        del grad_out, edges, out_edge  # the group's graph goes with them
+        for name, result in zip(_PROJECTIONS, results):
+            grad_2d = result.view(-1, result.shape[-1])  # (B·S/P, H/G·D or Hkv/G·D)
+            role = Q_ROWS if name == "q_proj" else KV_ROWS
+            if needs_x:
+                grad_x.addmm_(grad_2d, p[f"{name}.weight"])
+            if needs[f"{name}.weight"]:
+                layer.layout.slice(grads[f"{name}.weight"], role, group).addmm_(grad_2d.t(), x_2d)
+            if needs.get(f"{name}.bias"):
+                layer.layout.slice(grads[f"{name}.bias"], role, group).add_(grad_2d.sum(0))
         for i, n in enumerate(needs_aux):
             if n:
-                g = next(grads)
-                grad_aux[i] = g if grad_aux[i] is None else grad_aux[i].add_(g)
-        for i, (n, role) in enumerate(zip(needs_params, roles)):
-            if n:
-                layer.layout.slice(grad_params[i], role, group).add_(next(grads))
-    return grad_x, grad_aux, grad_params
+                result = next(results)
+                grad_aux[i] = result if grad_aux[i] is None else grad_aux[i].add_(result)
+        for name in norm_names:
+            if needs[name]:
+                grads[name].add_(next(results))
+        del results, result, grad_2d  # this group's dq, dk, dv: not alive through the next group's backward
+    return (None if grad_x is None else grad_x.view(x.shape)), grad_aux, list(grads.values())
 
 
 class _HeadGroupedFunction(torch.autograd.Function):
@@ -295,9 +340,10 @@ class _HeadGroupedFunction(torch.autograd.Function):
     | group chunks | (B, H/(G·P), C, D) per chunk | heads | in the group's handle's stash (host when offloading) |
     | out_g | (B, S/P, H/G, D) | sequence | kept by the group's handle (host memory when offloading) for its replay |
     | y (out) | (B, S/P, h) | sequence | no: the sum over groups of ``out_g @ Wo[:, cols_g]ᵀ`` |
+    | dx | (B, S/P, h) | sequence | backward only: one buffer, each group's q/k/v projections add into it in place |
 
-    So besides ``x`` and the stash, the device holds one group's q, k, v, out (and in backward their gradients) at a
-    time: ``1/G`` of the full-width buffers. The attention runs once per group per step: the backward replays it.
+    So besides ``x`` and the stash, the device holds one group's q, k, v, out (and in backward their gradients, with
+    ``dy`` and ``dx`` the only hidden-sized tensors) at a time: ``1/G`` of the full-width buffers. The attention runs once per group per step: the backward replays it.
     """
 
     @staticmethod

@@ -107,11 +107,14 @@ def test_attention_peaks_are_lower_with_groups():
     #   and its cos/sin (32): 1440. G = 4 holds a quarter of the per-head ones (352), cos/sin and the hidden-sized
     #   sum of the group outputs (128): 512.
     # - forward + backward: G = 1 peaks in RoPE's backward of dq, on the output (128), dq and its rotation (256), dv
-    #   and the rotated dk (128), four fp32 copies of dq (1024), cos/sin and dWo: 1570. G = 4 peaks in a group's
-    #   backward, on seven hidden-sized buffers (the output, the running dx, the group's output projection redone,
-    #   its projections' dx products and their sums: 896) and the weight gradients: 937.
-    # So G = 4 saves 928 and 633 MiB; asked of both: at least the full-width q/k/v/out (twice what was asked of
-    # norm + attention). tests/unit/test_head_chunks.py also bounds G = 4's forward by a quarter of G = 1's.
+    #   and the rotated dk (128), four fp32 copies of dq (1024), cos/sin and dWo: 1570. G = 4 peaks in RoPE's
+    #   backward of a group's dq, on two hidden-sized buffers (the output and the running dx: 256), RoPE's four fp32
+    #   copies of the group's dq and cos/sin (288), the group's dout, dq and its rotation, rotated dk and dv (128) and
+    #   the weight gradients (6): 678. (937 while the group backward re-ran its output projection and summed its
+    #   projections' input gradients out of place: seven hidden-sized buffers, 896.)
+    # So G = 4 saves 928 and 892 MiB; asked of both: at least the full-width q/k/v/out (twice what was asked of
+    # norm + attention). tests/unit/test_head_chunks.py also bounds G = 4's forward by a quarter of G = 1's, and its
+    # forward + backward by the sum above at 8K.
     qkv_out = seq_len * (16 + 2 * 8 + 16) * 64 * 2
     saved = [one - four for one, four in zip(peaks[1], peaks[4])]
     assert min(saved) >= qkv_out, {g: [p / 2**20 for p in peak] for g, peak in peaks.items()}

@@ -236,9 +236,10 @@ def test_no_full_width_activation_is_kept_or_attended(monkeypatch):
     assert widest[4] == b * s * hidden  # grouped: the layer input and the MLP's hidden-sized activations only
 
 
-def _attention_peaks(head_chunks: int, seq_len: int) -> tuple[int, int]:
+def _attention_peaks(head_chunks: int, seq_len: int) -> tuple[int, int, list]:
     """Peak live bytes (above what exists before) of the GPU test's attention module in bf16: of its forward, and
-    of forward + backward; the input is the norm's output (a leaf), the stash offloaded as there."""
+    of forward + backward, and what was alive at the latter; the input is the norm's output (a leaf), the stash
+    offloaded as there."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=2048, num_layers=1, num_heads=16,
                          num_kv_heads=8, head_dim=64)
@@ -267,7 +268,7 @@ def _attention_peaks(head_chunks: int, seq_len: int) -> tuple[int, int]:
         forward = tracker.peak
         y.backward(grad_out)
     assert attention.kernel_calls == head_chunks
-    return forward, tracker.peak
+    return forward, tracker.peak, tracker.at_peak
 
 
 def test_groups_lower_the_attention_peaks():
@@ -275,20 +276,48 @@ def test_groups_lower_the_attention_peaks():
     a quarter of G = 1's per-head buffers, and its forward peak and forward + backward peak each drop by at least
     the full-width q/k/v/out."""
     seq_len, hidden, head_dim = 8192, 1024, 64
-    peaks = {head_chunks: _attention_peaks(head_chunks, seq_len) for head_chunks in (1, 4)}
+    peaks = {head_chunks: _attention_peaks(head_chunks, seq_len)[:2] for head_chunks in (1, 4)}
     # tests/gpu/test_head_chunks_cuda.py at 1/8 of its length (the same single RoPE tile), in MiB: q/k/v/out =
     # 8K × (16 + 2·8 + 16) × 64 × 2 B = 48. Forward: G = 1 peaks in RoPE of q on q, k, v, the rotated q (48), RoPE's
     # four fp32 copies of q (128) and its cos/sin (4): 180; G = 4 on a quarter of the per-head ones (44), cos/sin
     # and the hidden-sized sum of the group outputs (16): 64. Forward + backward: G = 1 peaks in RoPE's backward of
     # dq (the output 16, dq and its rotation 32, dv and the rotated dk 16, four fp32 copies of dq 128, cos/sin, dWo):
-    # 198; G = 4 in a group's backward on seven hidden-sized buffers (the output, the running dx, the group's output
-    # projection redone, its projections' dx products and sums) and the weight gradients: 124.5. The CPU flash
-    # kernel, like cuDNN's, keeps no scores.
+    # 198; G = 4 in RoPE's backward of a group's dq, on two hidden-sized buffers (the output and the running dx, 32),
+    # a quarter of those per-head ones (52), the group's dout (4) and the weight gradients (6): 90 (see
+    # test_group_backward_keeps_two_hidden_sized_buffers). The CPU flash kernel, like cuDNN's, keeps no scores.
     qkv_out = seq_len * (16 + 2 * 8 + 16) * head_dim * 2
     group_sum, cos_sin = seq_len * hidden * 2, 2 * seq_len * head_dim * 4
     mib = {g: [p / 2**20 for p in peak] for g, peak in peaks.items()}
     assert peaks[4][0] <= peaks[1][0] / 4 + group_sum + cos_sin, mib
     assert min(one - four for one, four in zip(peaks[1], peaks[4])) >= qkv_out, mib
+
+
+def test_group_backward_keeps_two_hidden_sized_buffers():
+    """G = 4, bf16: the group backward holds two hidden-sized buffers, the output and the running dx (the output
+    projection is differentiated by hand, the projections' dx added into dx in place), and peaks below their sum
+    with one group's RoPE backward."""
+    seq_len, hidden, head_dim, heads, kv_heads, groups = 8192, 1024, 64, 16, 8, 4
+    _, peak, alive = _attention_peaks(groups, seq_len)
+    # In MiB at 8K tokens. The peak is in RoPE's backward of a group's dq (4 query heads, 2 kv heads), on
+    # - two hidden-sized buffers, 8K × 1024 × 2 B = 16 each: the module's output (the caller holds it) and the one
+    #   running dx: 32. (Before: seven at the peak, in the group's dx sum: also the output projection redone to be
+    #   differentiated, the three projections' dx products and autograd's two out-of-place sums of them: 124.5.)
+    # - RoPE's four fp32 copies of the group's dq, 4 × 8K × 4 × 64 × 4 B = 32, and its fp32 cos/sin, 2 × 8K × 64 × 4
+    #   B = 4: 36 (models/ops.py, one tile at this length);
+    # - the group's bf16 dout, dq and its rotation (8K × 4 × 64 × 2 B = 4 each), the rotated dk and dv (2 each): 16.
+    #   The recomputed projections and the replayed output are gone by then (asked for as gradient edges);
+    # - the q, k, v, o weight gradients, (2 · 1024 + 2 · 512) × 1024 × 2 B: 6.
+    # 90 in all, and 128 bytes of RoPE's inverse frequencies: the bound is asserted to the KiB (the count is exact).
+    tokens_bytes = seq_len * head_dim * 2  # one head of the local sequence in bf16
+    group_q, group_kv = heads // groups * tokens_bytes, kv_heads // groups * tokens_bytes
+    two_hidden = 2 * seq_len * hidden * 2
+    rope = 4 * 2 * group_q + 2 * seq_len * head_dim * 4  # fp32 copies of dq (twice its bf16 bytes), cos/sin
+    group_grads = 3 * group_q + 2 * group_kv  # dout, dq, rotated dq; rotated dk, dv
+    weight_grads = (2 * heads + 2 * kv_heads) * head_dim * hidden * 2
+    hidden_sized = [a for a in alive if a.nbytes == seq_len * hidden * 2]
+    report = [(a.nbytes / 2**20, a.op, a.shape, a.site) for a in alive]
+    assert len(hidden_sized) == 2, report
+    assert peak <= two_hidden + rope + group_grads + weight_grads + 2**10, (peak / 2**20, report)
 
 
 def test_head_group_validation_names_the_fix():

@@ -138,14 +138,18 @@ def rotary_forward(x: Tensor, position_ids: Tensor, theta: float, *, inverse: bo
     # fp32 at least: bf16 angles are wrong by whole radians at long positions
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=acc) / head_dim))  # (D/2,)
     out = torch.empty_like(x)
-    seq_len = x.shape[1]
+    seq_len, half = x.shape[1], head_dim // 2
+    # two fp32 tile buffers at once (x and its rotate-half), each op in place: x·cos + rotate_half(x)·sin, the same
+    # arithmetic in the same order as the plain expression
     for start, end in _tiles(seq_len, x.shape[0] * x.shape[2] * head_dim):
         angles = position_ids[:, start:end].to(acc)[..., None] * inv_freq  # (B, n, D/2)
         angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # (B, n, 1, D), broadcast over heads
         sin = -angles.sin() if inverse else angles.sin()
-        x_c = x[:, start:end].to(acc)
-        x1, x2 = x_c.chunk(2, dim=-1)
-        out[:, start:end] = (x_c * angles.cos() + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+        x_c = x[:, start:end].to(acc, copy=True)  # owned: turned into the output in place
+        rotated = torch.empty_like(x_c)  # rotate_half(x) = (-x2, x1)
+        torch.neg(x_c[..., half:], out=rotated[..., :half])
+        rotated[..., half:].copy_(x_c[..., :half])
+        out[:, start:end] = x_c.mul_(angles.cos()).add_(rotated.mul_(sin))
     return out
 
 
@@ -156,7 +160,7 @@ class RotaryFunction(torch.autograd.Function):
     |---|---|---|
     | x (in) | (B, S/P, H, D) | no: a rotation's gradient is the opposite rotation of the output's gradient |
     | position_ids | (B, S/P) | yes: the angles are recomputed per tile |
-    | fp32 angles, x copy | (B, n, H, D) per tile | no |
+    | fp32 angles, x copy and its rotate-half | (B, n, H, D) per tile | no: two tile buffers while a tile runs |
     """
 
     @staticmethod

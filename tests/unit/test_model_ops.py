@@ -178,3 +178,44 @@ def test_rms_norm_backward_holds_three_fp32_tile_buffers():
     tile = 512 * 1024 * 4
     outputs = x.numel() * x.element_size() + 2 * 1024 * 4  # dx (bf16), the fp32 weight sum and its fp32 cast copy
     assert live.peak <= outputs + 3.5 * tile + 64 * 1024, live.report()
+
+
+def _rotary_out_of_place(x, position_ids, theta, inverse=False):
+    """RoPE written plainly (every op allocating), one tile: what the in-place loop must equal."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=acc) / d))
+    angles = position_ids.to(acc)[..., None] * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]
+    sin = -angles.sin() if inverse else angles.sin()
+    x_c = x.to(acc)
+    x1, x2 = x_c.chunk(2, dim=-1)
+    return (x_c * angles.cos() + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rotary_in_place_is_the_plain_formula_bit_for_bit(dtype, inverse):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 40, 3, 16, generator=gen).to(dtype)
+    position_ids = torch.randint(0, 100_000, (2, 40), generator=gen)
+    x_before = x.clone()
+    got = ops.rotary_forward(x, position_ids, 500_000.0, inverse=inverse)
+    assert torch.equal(got, _rotary_out_of_place(x, position_ids, 500_000.0, inverse))
+    assert torch.equal(x, x_before)
+
+
+def test_rotary_holds_two_fp32_tile_buffers():
+    """One tile of 256 tokens × 8 heads × 128 (1 MiB in fp32): besides the output, the forward (and so the backward,
+    the same function) holds two fp32 tile buffers at once, x and its rotate-half; the plain expression held four
+    (4.75 MiB here against 2.9)."""
+    from tests.live_bytes import LiveBytes
+
+    x = torch.randn(1, 256, 8, 128).bfloat16()
+    position_ids = torch.arange(256)[None]
+    with LiveBytes() as live:
+        ops.rotary_forward(x, position_ids, 500_000.0)
+    tile = 256 * 8 * 128 * 4
+    output = x.numel() * x.element_size()
+    angles = 4 * 256 * 128 * 4  # (B, n, 1, D) fp32: the angles, their cos and sin (and the half-width angles)
+    assert live.peak <= output + 2 * tile + angles, live.report()

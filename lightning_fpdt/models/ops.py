@@ -6,8 +6,8 @@ temporaries of q's size while it runs. Here both run tile by tile over the token
 
 | op | saved for backward | transient |
 |---|---|---|
-| :func:`rms_norm` | its input (a tensor the graph holds anyway: the block input or the residual stream), the weight, ``rstd`` (one fp32 per token) | one tile's fp32 buffers |
-| :func:`rotary` | nothing but ``position_ids``: RoPE is a rotation, its backward is the rotation by the opposite angle | one tile's fp32 buffers |
+| :func:`rms_norm` | its input (a tensor the graph holds anyway: the block input or the residual stream), the weight, ``rstd`` (one fp32 per token) | one tile's fp32 buffers: three in forward, three (and a bf16 one) in backward |
+| :func:`rotary` | nothing but ``position_ids``: RoPE is a rotation, its backward is the rotation by the opposite angle | two fp32 buffers of one tile (x and its rotate-half) and per-token angle tables |
 
 The results equal the plain forms' (same fp32 math per token); only the summation order of the norm weight's
 gradient differs (per tile, then over tiles, in fp32).

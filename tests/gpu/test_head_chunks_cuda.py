@@ -95,24 +95,21 @@ def test_attention_peaks_are_lower_with_groups():
         _attention_peaks(layer, h, grad_out, position_ids)  # warm-up: pinned buffers, kernels
         peaks[head_chunks] = _attention_peaks(layer, h, grad_out, position_ids)
         del layer, h
-    # The norm stays outside the measure: its backward holds five fp32 copies of its input (64K × 1024 × 4 B = 256
-    # MiB each; models/ops.py, one tile) whatever G is, and sets the peak of norm + attention for G = 4 (1798 MiB by
-    # the CPU live-byte count, 1792 on an H100). Since the norm and RoPE went tiled (49a4831: no fp32 copy of the
-    # norm's input kept through the block, RoPE's fp32 copies live only inside its own call), G = 1's peak in RoPE
-    # (then in its forward, now in its backward) fell from 2224 to 1826 MiB (1820 on the H100), just above it: this
-    # test failed while it measured the norm too.
-    # In the attention module, in MiB (the CPU count of tests/unit/test_head_chunks.py at this length), with
-    # q/k/v/out = 64K × (16 + 2·8 + 16) × 64 × 2 B = 384:
-    # - forward: G = 1 peaks in RoPE of q, on q, k, v and the rotated q (384), RoPE's four fp32 copies of q (1024)
-    #   and its cos/sin (32): 1440. G = 4 holds a quarter of the per-head ones (352), cos/sin and the hidden-sized
-    #   sum of the group outputs (128): 512.
-    # - forward + backward: G = 1 peaks in RoPE's backward of dq, on the output (128), dq and its rotation (256), dv
-    #   and the rotated dk (128), four fp32 copies of dq (1024), cos/sin and dWo: 1570. G = 4 peaks in RoPE's
-    #   backward of a group's dq, on two hidden-sized buffers (the output and the running dx: 256), RoPE's four fp32
-    #   copies of the group's dq and cos/sin (288), the group's dout, dq and its rotation, rotated dk and dv (128) and
-    #   the weight gradients (6): 678. (937 while the group backward re-ran its output projection and summed its
-    #   projections' input gradients out of place: seven hidden-sized buffers, 896.)
-    # So G = 4 saves 928 and 892 MiB; asked of both: at least the full-width q/k/v/out (twice what was asked of
+    # The norm stays outside the measure: its backward holds fp32 tile buffers of its input (64K × 1024 × 4 B = 256
+    # MiB each; models/ops.py, one tile; five until the third session, three and a bf16 one since) whatever G is,
+    # and set the peak of norm + attention for G = 4 (1798 MiB by the CPU live-byte count, 1792 on an H100). Since
+    # the norm and RoPE went tiled (49a4831), G = 1's peak in RoPE fell from 2224 to 1826 MiB (1820 on the H100),
+    # just above it: this test failed while it measured the norm too.
+    # In the attention module (q/k/v/out = 64K × (16 + 2·8 + 16) × 64 × 2 B = 384 MiB), by the CPU count of
+    # tests/unit/test_head_chunks.py, which is exact at 8K and scales with the tokens here (one RoPE tile at both):
+    # - forward: G = 1 peaks in RoPE of q, on q, k, v and the rotated q, RoPE's two fp32 tile buffers of q and its
+    #   per-token tables: 118 MiB at 8K, about 944 here. G = 4 holds a quarter of the per-head ones, the same tables
+    #   and the hidden-sized sum of the group outputs: 50 at 8K, about 400 here.
+    # - forward + backward: G = 1 peaks in RoPE's backward of dq: 152 at 8K, about 1217 here. G = 4 peaks in RoPE's
+    #   backward of a group's dq, on two hidden-sized buffers (the output and the running dx), RoPE's buffers of the
+    #   group's dq, the group's dout, dq, rotated dk and dv, and the weight gradients: 76 at 8K, about 608 here.
+    #   (With RoPE's four fp32 copies and the old group backward: 1440 / 1570 for G = 1, 512 / 937 for G = 4.)
+    # So G = 4 saves about 544 and 609 MiB; asked of both: at least the full-width q/k/v/out (twice what was asked of
     # norm + attention). tests/unit/test_head_chunks.py also bounds G = 4's forward by a quarter of G = 1's, and its
     # forward + backward by the sum above at 8K.
     qkv_out = seq_len * (16 + 2 * 8 + 16) * 64 * 2

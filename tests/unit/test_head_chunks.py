@@ -279,16 +279,16 @@ def test_groups_lower_the_attention_peaks():
     peaks = {head_chunks: _attention_peaks(head_chunks, seq_len)[:2] for head_chunks in (1, 4)}
     # tests/gpu/test_head_chunks_cuda.py at 1/8 of its length (the same single RoPE tile), in MiB: q/k/v/out =
     # 8K × (16 + 2·8 + 16) × 64 × 2 B = 48. Forward: G = 1 peaks in RoPE of q on q, k, v, the rotated q (48), RoPE's
-    # four fp32 copies of q (128) and its cos/sin (4): 180; G = 4 on a quarter of the per-head ones (44), cos/sin
-    # and the hidden-sized sum of the group outputs (16): 64. Forward + backward: G = 1 peaks in RoPE's backward of
-    # dq (the output 16, dq and its rotation 32, dv and the rotated dk 16, four fp32 copies of dq 128, cos/sin, dWo):
-    # 198; G = 4 in RoPE's backward of a group's dq, on two hidden-sized buffers (the output and the running dx, 32),
-    # a quarter of those per-head ones (52), the group's dout (4) and the weight gradients (6): 90 (see
-    # test_group_backward_keeps_two_hidden_sized_buffers). The CPU flash kernel, like cuDNN's, keeps no scores.
+    # two fp32 tile buffers of q (64: q and its rotate-half) and its per-token tables (angles, cos, sin: 6): 118;
+    # G = 4 on a quarter of the per-head ones (28), the same per-token tables (6) and the hidden-sized sum of the
+    # group outputs (16): 50. Forward + backward: G = 1 peaks in RoPE's backward of dq (the output 16, dq and its
+    # rotation 32, dv and the rotated dk 16, two fp32 buffers of dq 64, the tables, dWo): 152; G = 4 in RoPE's
+    # backward of a group's dq: 76 (see test_group_backward_keeps_two_hidden_sized_buffers). The CPU flash kernel,
+    # like cuDNN's, keeps no scores. (With RoPE's four fp32 copies: 180 / 198 for G = 1, 64 / 90 for G = 4.)
     qkv_out = seq_len * (16 + 2 * 8 + 16) * head_dim * 2
-    group_sum, cos_sin = seq_len * hidden * 2, 2 * seq_len * head_dim * 4
+    group_sum, rope_tables = seq_len * hidden * 2, 3 * seq_len * head_dim * 4  # per token: not split by G
     mib = {g: [p / 2**20 for p in peak] for g, peak in peaks.items()}
-    assert peaks[4][0] <= peaks[1][0] / 4 + group_sum + cos_sin, mib
+    assert peaks[4][0] <= peaks[1][0] / 4 + group_sum + rope_tables, mib
     assert min(one - four for one, four in zip(peaks[1], peaks[4])) >= qkv_out, mib
 
 
@@ -302,16 +302,17 @@ def test_group_backward_keeps_two_hidden_sized_buffers():
     # - two hidden-sized buffers, 8K × 1024 × 2 B = 16 each: the module's output (the caller holds it) and the one
     #   running dx: 32. (Before: seven at the peak, in the group's dx sum: also the output projection redone to be
     #   differentiated, the three projections' dx products and autograd's two out-of-place sums of them: 124.5.)
-    # - RoPE's four fp32 copies of the group's dq, 4 × 8K × 4 × 64 × 4 B = 32, and its fp32 cos/sin, 2 × 8K × 64 × 4
-    #   B = 4: 36 (models/ops.py, one tile at this length);
+    # - RoPE's two fp32 tile buffers of the group's dq (dq and its rotate-half), 2 × 8K × 4 × 64 × 4 B = 16, and its
+    #   per-token fp32 tables (angles, cos, sin), 3 × 8K × 64 × 4 B = 6: 22 (models/ops.py, one tile at this length);
     # - the group's bf16 dout, dq and its rotation (8K × 4 × 64 × 2 B = 4 each), the rotated dk and dv (2 each): 16.
     #   The recomputed projections and the replayed output are gone by then (asked for as gradient edges);
     # - the q, k, v, o weight gradients, (2 · 1024 + 2 · 512) × 1024 × 2 B: 6.
-    # 90 in all, and 128 bytes of RoPE's inverse frequencies: the bound is asserted to the KiB (the count is exact).
+    # 76 in all, and 128 bytes of RoPE's inverse frequencies: the bound is asserted to the KiB (the count is exact).
+    # (90 while RoPE held four fp32 copies.)
     tokens_bytes = seq_len * head_dim * 2  # one head of the local sequence in bf16
     group_q, group_kv = heads // groups * tokens_bytes, kv_heads // groups * tokens_bytes
     two_hidden = 2 * seq_len * hidden * 2
-    rope = 4 * 2 * group_q + 2 * seq_len * head_dim * 4  # fp32 copies of dq (twice its bf16 bytes), cos/sin
+    rope = 2 * 2 * group_q + 3 * seq_len * head_dim * 4  # two fp32 buffers of dq (twice its bf16 bytes), tables
     group_grads = 3 * group_q + 2 * group_kv  # dout, dq, rotated dq; rotated dk, dv
     weight_grads = (2 * heads + 2 * kv_heads) * head_dim * hidden * 2
     hidden_sized = [a for a in alive if a.nbytes == seq_len * hidden * 2]

@@ -343,7 +343,8 @@ class _HeadGroupedFunction(torch.autograd.Function):
     | dx | (B, S/P, h) | sequence | backward only: one buffer, each group's q/k/v projections add into it in place |
 
     So besides ``x`` and the stash, the device holds one group's q, k, v, out (and in backward their gradients, with
-    ``dy`` and ``dx`` the only hidden-sized tensors) at a time: ``1/G`` of the full-width buffers. The attention runs once per group per step: the backward replays it.
+    ``dy`` and ``dx`` the only hidden-sized tensors) at a time: ``1/G`` of the full-width buffers. The attention runs
+    once per group per step: the backward replays it.
     """
 
     @staticmethod

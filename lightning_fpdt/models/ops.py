@@ -6,7 +6,7 @@ temporaries of q's size while it runs. Here both run tile by tile over the token
 
 | op | saved for backward | transient |
 |---|---|---|
-| :func:`rms_norm` | its input (a tensor the graph holds anyway: the block input or the residual stream), the weight, ``rstd`` (one fp32 per token) | one tile's fp32 buffers: three in forward, three (and a bf16 one) in backward |
+| :func:`rms_norm` | its input (a tensor the graph holds anyway: the block input or the residual stream), the weight, ``rstd`` (one fp32 per token) | one tile's fp32 buffers: two in forward, three (and a bf16 one) in backward |
 | :func:`rotary` | nothing but ``position_ids``: RoPE is a rotation, its backward is the rotation by the opposite angle | two fp32 buffers of one tile (x and its rotate-half) and per-token angle tables |
 
 The results equal the plain forms' (same fp32 math per token); only the summation order of the norm weight's
@@ -39,9 +39,9 @@ def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, acc: Optional[torch.
     out = torch.empty(flat.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     rstd = torch.empty(flat.shape[0], dtype=acc, device=x.device)
     for start, end in _tiles(flat.shape[0], flat.shape[1]):
-        x32 = flat[start:end].to(acc)
+        x32 = flat[start:end].to(acc, copy=True)  # owned: normalised in place (two fp32 tile buffers at most)
         rstd[start:end] = torch.rsqrt(x32.pow(2).mean(-1) + eps)
-        out[start:end] = weight * (x32 * rstd[start:end, None]).to(x.dtype)
+        out[start:end] = weight * x32.mul_(rstd[start:end, None]).to(x.dtype)
     return out.view(*x.shape[:-1], x.shape[-1]), rstd
 
 

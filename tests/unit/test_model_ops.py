@@ -219,3 +219,17 @@ def test_rotary_holds_two_fp32_tile_buffers():
     output = x.numel() * x.element_size()
     angles = 4 * 256 * 128 * 4  # (B, n, 1, D) fp32: the angles, their cos and sin (and the half-width angles)
     assert live.peak <= output + 2 * tile + angles, live.report()
+
+
+def test_rms_norm_forward_holds_two_fp32_tile_buffers():
+    """One tile of 512 tokens × 1024 (2 MiB in fp32): besides the output and rstd, the forward holds two fp32 tile
+    buffers at once (x in fp32, normalised in place, and its square); the plain expression held three."""
+    from tests.live_bytes import LiveBytes
+
+    x = torch.randn(512, 1024).bfloat16()
+    w = torch.ones(1024).bfloat16()
+    with LiveBytes() as live:
+        ops.rms_norm_forward(x, w, 1e-5)
+    tile = 512 * 1024 * 4
+    outputs = x.numel() * x.element_size() + 512 * 4  # the bf16 output, rstd
+    assert live.peak <= outputs + 2 * tile + 64 * 1024, live.report()

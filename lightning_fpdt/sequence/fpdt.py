@@ -58,6 +58,22 @@ def check_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
     )
 
 
+def replicate_kv_heads(k: Tensor, v: Tensor, repeat: int) -> tuple[Tensor, Tensor]:
+    """``(B, n, Hkv, D) -> (B, n, Hkv·repeat, D)`` before the all-to-all (``repeat`` from :func:`check_heads`): rank
+    ``p`` then receives kv head ``p // repeat``, the one its query heads read."""
+    if repeat == 1:
+        return k, v
+    return k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+
+
+def sum_kv_replicas(dk: Tensor, dv: Tensor, repeat: int) -> tuple[Tensor, Tensor]:
+    """The backward of :func:`replicate_kv_heads`: ``(B, n, Hkv·repeat, D) -> (B, n, Hkv, D)``, a replicated kv
+    head's gradient being the sum over its replicas."""
+    if repeat == 1:
+        return dk, dv
+    return dk.unflatten(2, (-1, repeat)).sum(3), dv.unflatten(2, (-1, repeat)).sum(3)
+
+
 def merge_partial(
     out: Optional[Tensor], lse: Optional[Tensor], block_out: Tensor, block_lse: Tensor
 ) -> tuple[Tensor, Tensor]:
@@ -247,9 +263,7 @@ def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan, stash: ChunkStash
             stash.prefetch(("k", kv_chunks[0]))  # overlaps the all-to-all below
             stash.prefetch(("v", kv_chunks[0]))
         q_i, k_i, v_i = _chunk(plan, q, i), _chunk(plan, k, i), _chunk(plan, v, i)  # (B, c, H|Hkv, D)
-        if plan.kv_repeat > 1:
-            # (B, c, Hkv, D) -> (B, c, P, D): rank p receives kv head p // kv_repeat, the one its q heads read
-            k_i, v_i = (x.repeat_interleave(plan.kv_repeat, dim=2) for x in (k_i, v_i))
+        k_i, v_i = replicate_kv_heads(k_i, v_i, plan.kv_repeat)  # (B, c, Hkv, D) -> (B, c, P, D) when P > Hkv
         # (B, c, H, D) -reshape-> (B, c, P, H/P, D) -all_to_all-> (P, B, H/P, c, D) -> (B, H/P, C, D); k, v alike
         q_heads, k_heads, v_heads = seq_to_head([q_i, k_i, v_i], plan.group)
         stash.put(("k", i), k_heads)
@@ -343,9 +357,7 @@ def fpdt_backward(
         dq_i, dk_i, dv_i = head_to_seq(
             [dq_j.to(q_meta.dtype), dk_acc.to(kv_meta.dtype), dv_acc.to(kv_meta.dtype)], plan.group
         )
-        if plan.kv_repeat > 1:
-            # (B, c, Hkv·r, D) -> (B, c, Hkv, D): a replicated kv head's gradient is the sum over its replicas
-            dk_i, dv_i = (g.unflatten(2, (-1, plan.kv_repeat)).sum(3) for g in (dk_i, dv_i))
+        dk_i, dv_i = sum_kv_replicas(dk_i, dv_i, plan.kv_repeat)
         _chunk(plan, dq_local, j).copy_(dq_i)
         _chunk(plan, dk_local, j).copy_(dk_i)
         _chunk(plan, dv_local, j).copy_(dv_i)

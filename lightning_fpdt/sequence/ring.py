@@ -30,7 +30,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fpdt.sequence.all_to_all import head_to_seq, seq_to_head
-from lightning_fpdt.sequence.fpdt import _make_plan, _Plan, check_heads, fpdt_attention, merge_partial
+from lightning_fpdt.sequence.fpdt import (
+    _make_plan, _Plan, check_heads, fpdt_attention, merge_partial, replicate_kv_heads, sum_kv_replicas,
+)
 from lightning_fpdt.sequence.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.kernels import BlockKernel, accumulation_dtype
 from lightning_fpdt.sequence.layout import SequenceLayout
@@ -207,9 +209,7 @@ def hybrid_forward(
     """All-to-all over the Ulysses group, the ring, all-to-all back; returns the local output. When
     ``save_for_backward``, stashes the head-sharded ``q``, ``kv``, ``out`` and ``lse`` (host memory when offloading:
     then only one layer's shares are on the device in backward)."""
-    if plan.kv_repeat > 1:
-        # (B, S/P, Hkv, D) -> (B, S/P, U, D): Ulysses rank j receives kv head j // kv_repeat, the one its q heads read
-        k, v = (x.repeat_interleave(plan.kv_repeat, dim=2) for x in (k, v))
+    k, v = replicate_kv_heads(k, v, plan.kv_repeat)  # (B, S/P, Hkv, D) -> (B, S/P, U, D) when U > Hkv
     # (B, S/P, H, D) -reshape-> (B, S/P, U, H/U, D) -all_to_all-> (U, B, H/U, S/P, D) -> (B, H/U, S/R, D); k, v alike
     q_heads, k_heads, v_heads = seq_to_head([q, k, v], plan.ulysses_group)
     kv = torch.stack([k_heads, v_heads])  # (2, B, hk, S/R, D)
@@ -240,9 +240,7 @@ def hybrid_backward(dout: Tensor, plan: _RingPlan, stash: ChunkStash) -> tuple[T
     dq_local, dk_local, dv_local = head_to_seq(
         [dq.to(q_dtype), dkv[0].to(kv_dtype), dkv[1].to(kv_dtype)], plan.ulysses_group
     )
-    if plan.kv_repeat > 1:
-        # (B, S/P, Hkv·r, D) -> (B, S/P, Hkv, D): a replicated kv head's gradient is the sum over its replicas
-        dk_local, dv_local = (g.unflatten(2, (-1, plan.kv_repeat)).sum(3) for g in (dk_local, dv_local))
+    dk_local, dv_local = sum_kv_replicas(dk_local, dv_local, plan.kv_repeat)
     return dq_local, dk_local, dv_local
 
 

@@ -23,9 +23,9 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_fpdt.callbacks.tiled_mlp import VALUE_UNUSED_IN_RECOMPUTE
-from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention
-from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention
+from lightning_fpdt.sequence.fpdt import FPDTAttention
 from lightning_fpdt.sequence.host_stash import StashFactory
+from lightning_fpdt.sequence.integrations import installed_attentions
 
 _WRAPPED = "_fpdt_activation_offload"
 RESIDUAL_MLP_BLOCKS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
@@ -204,10 +204,4 @@ class ActivationOffload(Callback):
 
 def _fpdt_attentions(model: nn.Module) -> set[FPDTAttention]:
     """The shared FPDT attention objects the model's layers call."""
-    found = set()
-    for module in model.modules():
-        for name in ("attention_fn", "_fpdt_attention"):
-            handle = getattr(module, name, None)
-            if isinstance(handle, (LayerAttention, HeadGroupedAttention)):
-                found.add(handle.shared)
-    return found
+    return {handle.shared for handle in installed_attentions(model)}

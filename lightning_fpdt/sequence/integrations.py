@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_fpdt.models.ops import tile_hf_rms_norms
 from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention, check_exact_call
-from lightning_fpdt.sequence.head_chunks import install_head_groups
+from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention, install_head_groups
 from lightning_fpdt.sequence.layout import IGNORE_INDEX
 
 HF_ATTENTION_NAME = "fpdt"
@@ -80,6 +80,13 @@ class SequenceParallelContext:
     """Global position ids of the local tokens of the current batch; injected when a model call omits them."""
     loss_reduced: bool = False
     """Set when an installed loss produced the group mean, so the strategy does not re-weight it again."""
+
+
+def installed_attentions(model: nn.Module) -> list[Union[LayerAttention, HeadGroupedAttention]]:
+    """The attention handles installed in ``model``: a module's ``attention_fn`` (the reference Llama, plain SDPA
+    blocks) or ``_fpdt_attention`` (Hugging Face, head groups), one per attention layer."""
+    handles = (getattr(module, name, None) for module in model.modules() for name in ("attention_fn", "_fpdt_attention"))
+    return [h for h in handles if isinstance(h, (LayerAttention, HeadGroupedAttention))]
 
 
 # ---- the reference Llama ----------------------------------------------------------------------------------------

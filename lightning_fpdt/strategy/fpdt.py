@@ -27,9 +27,9 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_fpdt.sequence.documents import DocumentBoundaries, document_starts_mask, has_position_resets
-from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention
+from lightning_fpdt.sequence.fpdt import FPDTAttention
 from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention, check_head_groups, grouped_geometry
-from lightning_fpdt.sequence.integrations import SequenceParallelContext, sequence_parallel_loss
+from lightning_fpdt.sequence.integrations import SequenceParallelContext, installed_attentions, sequence_parallel_loss
 from lightning_fpdt.sequence.kernels import check_backend_name
 from lightning_fpdt.sequence.layout import IGNORE_INDEX, SequenceLayout
 from lightning_fpdt.sequence.planning import (
@@ -162,9 +162,9 @@ class FPDTStrategy(ModelParallelStrategy):
         self._context: Optional[SequenceParallelContext] = None
         self._padding_logged = False
         self.last_batch_geometry: Optional[tuple[int, int, int]] = None
+        """``(batch_size, seq_len, padded_seq_len)`` of the global sequence of the last batch sharded."""
         self.last_batch_attention_length: Optional[float] = None
         """``Σ L_d² / S`` of the last batch's packed documents (FLOP counts); ``None``: one document per sequence."""
-        """``(batch_size, seq_len, padded_seq_len)`` of the global sequence of the last batch sharded."""
         self._valid_tokens_local: Union[Tensor, int] = 0
         self._pending_rng_states: Optional[dict[str, Any]] = None
         self._watchdog: Optional[RankWatchdog] = None
@@ -646,8 +646,8 @@ def attention_geometry(model: torch.nn.Module, precision: str) -> Optional[Atten
         return None
     hidden = getattr(config, "hidden_size", None)
     head_dim = getattr(config, "head_dim", None) or (hidden // heads[0] if hidden else None)
-    handles = [getattr(m, name, None) for m in model.modules() for name in ("attention_fn", "_fpdt_attention")]
-    layers = sum(isinstance(h, (LayerAttention, HeadGroupedAttention)) for h in handles)
+    handles = installed_attentions(model)
+    layers = len(handles)
     head_chunks = max((h.layout.num_groups for h in handles if isinstance(h, HeadGroupedAttention)), default=1)
     if not head_dim or not layers:
         return None

@@ -1,7 +1,6 @@
 """Head-group chunking on a real GPU (marker gpu): bf16 parity with the whole-layer attention through the cuDNN/flash
 kernels and host offload, and lower peaks of the attention module."""
 
-import copy
 
 import pytest
 import torch

@@ -127,6 +127,9 @@ class DocumentBoundaries:
     """Per sequence of the batch: ascending start offsets, the first 0."""
     seq_len: int
     """The global sequence length these offsets describe."""
+    _block_plans: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    """Cache of :meth:`block_plans`: the chunk loops ask for each block several times per layer (which kv chunks a
+    q chunk reads, then the block itself, in forward and backward), and every layer asks for the same blocks."""
     _packed_rows: dict = field(default_factory=dict, init=False, compare=False, repr=False)
     """Cache of :meth:`packed_rows` (every layer of a batch asks for the same blocks)."""
 
@@ -208,17 +211,20 @@ class DocumentBoundaries:
         The FPDT schedule has only diagonal blocks (equal ranges) and blocks whose keys all precede their queries.
         An empty list means no item needs the block.
         """
-        (q0, q1), (k0, k1) = q_range, kv_range
-        assert (q0, q1) == (k0, k1) or k1 <= q0, "blocks are diagonal or below the diagonal"
-        assert 0 <= q0 < q1 <= self.seq_len and 0 <= k0 < k1 <= self.seq_len
-        plans: list[BlockPlan] = []
-        for b, row in enumerate(self.starts):
-            segments = self._segments(row, q0, q1, k0, k1)
-            if plans and plans[-1].segments == segments and plans[-1].batch_end == b:
-                plans[-1] = BlockPlan(plans[-1].batch_start, b + 1, segments)
-            else:
-                plans.append(BlockPlan(b, b + 1, segments))
-        return [plan for plan in plans if plan.segments]
+        key = (q_range, kv_range)
+        if key not in self._block_plans:
+            (q0, q1), (k0, k1) = q_range, kv_range
+            assert (q0, q1) == (k0, k1) or k1 <= q0, "blocks are diagonal or below the diagonal"
+            assert 0 <= q0 < q1 <= self.seq_len and 0 <= k0 < k1 <= self.seq_len
+            plans: list[BlockPlan] = []
+            for b, row in enumerate(self.starts):
+                segments = self._segments(row, q0, q1, k0, k1)
+                if plans and plans[-1].segments == segments and plans[-1].batch_end == b:
+                    plans[-1] = BlockPlan(plans[-1].batch_start, b + 1, segments)
+                else:
+                    plans.append(BlockPlan(b, b + 1, segments))
+            self._block_plans[key] = [plan for plan in plans if plan.segments]
+        return self._block_plans[key]
 
     def packed_rows(self, q_range: tuple[int, int], kv_range: tuple[int, int], device: torch.device) -> PackedRows:
         """The segments of :meth:`block_plans` as one varlen call over the whole batch (built once per block)."""

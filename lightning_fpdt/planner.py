@@ -74,7 +74,7 @@ from typing import Any, Literal, Optional, Union
 
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.models.llama import NAMED_CONFIGS, LlamaConfig
-from lightning_fpdt.sequence.head_chunks import check_head_groups, grouped_geometry
+from lightning_fpdt.sequence.head_chunks import grouped_geometry
 from lightning_fpdt.sequence.planning import (
     AttentionGeometry,
     choose_chunks,
@@ -463,19 +463,13 @@ def _resolve_options(
     ring_size: Union[str, int] = "auto",
     head_chunks: int = 1,
 ) -> PlanOptions:
-    from lightning_fpdt.strategy.mesh import resolve_ring_size, resolve_sizes  # the strategy package imports Lightning
+    from lightning_fpdt.strategy.mesh import resolve_sequence_sizes  # the strategy package imports Lightning
 
-    heads = (geometry.num_heads, geometry.num_kv_heads)
-    if head_chunks > 1:  # each head group splits over the ranks (as the strategy resolves it)
-        explicit = sequence_parallel_size if isinstance(sequence_parallel_size, int) else 1
-        check_head_groups(*heads, head_chunks, explicit)
-        heads = (heads[0] // head_chunks, heads[1] // head_chunks)
-    dp, sp = resolve_sizes(world_size=num_gpus, devices_per_node=gpus_per_node, data_parallel_size="auto",
-                           sequence_parallel_size=sequence_parallel_size, heads=heads, ring_size=ring_size)
-    ring = resolve_ring_size(sequence_parallel_size=sp, ring_size=ring_size, heads=heads)
-    if ring > 1 and head_chunks > 1:
-        raise ValueError(f"head_chunks ({head_chunks}) is not composed with a ring (ring_size {ring}) yet: set "
-                         f"head_chunks=1, or a sequence_parallel_size the head groups allow without a ring")
+    dp, sp, ring = resolve_sequence_sizes(
+        world_size=num_gpus, devices_per_node=gpus_per_node, data_parallel_size="auto",
+        sequence_parallel_size=sequence_parallel_size, ring_size=ring_size,
+        heads=(geometry.num_heads, geometry.num_kv_heads), head_chunks=head_chunks,
+    )
     if ring > 1:  # as the strategy resolves them ("auto" -> 1 / off: not composed with, or not needed by, the ring)
         chunks = 1 if chunks == "auto" else chunks
         offload_dq = False if offload_dq == "auto" else offload_dq

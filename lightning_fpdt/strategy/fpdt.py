@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_fpdt.sequence.documents import DocumentBoundaries, document_starts_mask, has_position_resets
 from lightning_fpdt.sequence.fpdt import FPDTAttention
-from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention, check_head_groups, grouped_geometry
+from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention, grouped_geometry
 from lightning_fpdt.sequence.integrations import SequenceParallelContext, installed_attentions, sequence_parallel_loss
 from lightning_fpdt.sequence.kernels import check_backend_name
 from lightning_fpdt.sequence.layout import IGNORE_INDEX, SequenceLayout
@@ -42,8 +42,7 @@ from lightning_fpdt.sequence.planning import (
 from lightning_fpdt.strategy.mesh import (
     attention_group,
     build_mesh,
-    resolve_ring_size,
-    resolve_sizes,
+    resolve_sequence_sizes,
     ring_size_of,
     sequence_mesh,
 )
@@ -227,28 +226,21 @@ class FPDTStrategy(ModelParallelStrategy):
         self._watchdog.start()
         assert self.lightning_module is not None
         heads = attention_heads(self.lightning_module)
-        if heads is not None and self._head_chunks > 1:
-            # each head group is split over the ranks: "auto" picks, and check_heads checks, per group
-            sp = self._sequence_parallel_size
-            check_head_groups(*heads, self._head_chunks, sp if isinstance(sp, int) else 1)
-            rank_zero_info(f"fpdt: {heads[0]} query / {heads[1]} kv heads in {self._head_chunks} head groups")
-            heads = (heads[0] // self._head_chunks, heads[1] // self._head_chunks)
-        dp, sp = resolve_sizes(
+        # with head groups each group's heads split over the ranks: the sizes are resolved per group
+        dp, sp, ring = resolve_sequence_sizes(
             world_size=self.world_size,
             devices_per_node=self.num_processes,
             data_parallel_size=self._data_parallel_size,
             sequence_parallel_size=self._sequence_parallel_size,
-            heads=heads,
             ring_size=self._ring_size,
+            heads=heads,
+            head_chunks=self._head_chunks,
         )
-        ring = resolve_ring_size(sequence_parallel_size=sp, ring_size=self._ring_size, heads=heads)
+        if heads is not None and self._head_chunks > 1:
+            rank_zero_info(f"fpdt: {heads[0]} query / {heads[1]} kv heads in {self._head_chunks} head groups")
+            heads = (heads[0] // self._head_chunks, heads[1] // self._head_chunks)
         if ring > 1:
             self._check_ring_options(ring)
-        if ring > 1 and self._head_chunks > 1:
-            raise ValueError(
-                f"head_chunks={self._head_chunks} is not composed with a ring (ring_size {ring}) yet: set "
-                f"head_chunks=1, or a sequence_parallel_size the head groups allow without a ring"
-            )
         self._data_parallel_size, self._sequence_parallel_size = dp, sp
         # with a ring only the Ulysses groups (U consecutive ranks) all-to-all; the ring's P2P may cross hosts
         warn_if_sequence_groups_span_hosts(

@@ -15,6 +15,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_fpdt.sequence.fpdt import check_heads
+from lightning_fpdt.sequence.head_chunks import check_head_groups
 
 MESH_AXES = ("data_parallel", "sequence_parallel")
 RING_MESH_AXES = ("data_parallel", "ring", "ulysses")
@@ -69,6 +70,33 @@ def resolve_sizes(
         )
     resolve_ring_size(sequence_parallel_size=sequence_parallel_size, ring_size=ring_size, heads=heads)
     return data_parallel_size, sequence_parallel_size
+
+
+def resolve_sequence_sizes(
+    *,
+    world_size: int,
+    devices_per_node: int,
+    data_parallel_size: Union[str, int],
+    sequence_parallel_size: Union[str, int],
+    ring_size: Union[str, int],
+    heads: Optional[tuple[int, int]],
+    head_chunks: int = 1,
+) -> tuple[int, int, int]:
+    """``(dp, sp, R)`` as the strategy runs them, and as the planner plans them: with ``head_chunks`` G > 1 each head
+    group's ``H/G`` query and ``Hkv/G`` kv heads split over the ranks, so the sizes are resolved for one group's
+    heads (:func:`check_head_groups` names the valid G first), and G is refused with a ring (not composed yet)."""
+    if heads is not None and head_chunks > 1:
+        explicit = sequence_parallel_size if isinstance(sequence_parallel_size, int) else 1
+        check_head_groups(*heads, head_chunks, explicit)
+        heads = (heads[0] // head_chunks, heads[1] // head_chunks)
+    dp, sp = resolve_sizes(world_size=world_size, devices_per_node=devices_per_node,
+                           data_parallel_size=data_parallel_size, sequence_parallel_size=sequence_parallel_size,
+                           heads=heads, ring_size=ring_size)
+    ring = resolve_ring_size(sequence_parallel_size=sp, ring_size=ring_size, heads=heads)
+    if ring > 1 and head_chunks > 1:
+        raise ValueError(f"head_chunks ({head_chunks}) is not composed with a ring (ring_size {ring}) yet: set "
+                         f"head_chunks=1, or a sequence_parallel_size the head groups allow without a ring")
+    return dp, sp, ring
 
 
 def resolve_ring_size(

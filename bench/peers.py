@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention-backend", choices=["auto", "cudnn", "flash", "efficient", "math"], default="auto",
                         help="fpdt: FPDTStrategy(attention_backend=...); modelparallel, ring: sdpa_kernel(...)")
     parser.add_argument("--chunks", type=_auto_or_int, default="auto", help="fpdt: FPDT chunks per rank")
+    parser.add_argument("--head-chunks", type=int, default=1,
+                        help="fpdt: FPDTStrategy(head_chunks=G), attention in G head groups (lower attention peaks)")
     parser.add_argument("--offload", choices=["on", "off", "auto"], default="on", help="fpdt: attention chunk offload")
     parser.add_argument("--rotate-method", choices=["allgather", "alltoall"], default="allgather",
                         help="ring: how the kv shards travel (torch's set_rotate_method)")
@@ -223,6 +225,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                          "flash or math")
     ignored = {
         "--chunks": (args.chunks, "auto", "fpdt"), "--offload": (args.offload, "on", "fpdt"),
+        "--head-chunks": (args.head_chunks, 1, "fpdt"),
         "--rotate-method": (args.rotate_method, "allgather", "ring"),
         "--ring-kv-heads": (args.ring_kv_heads, "native", "ring"),
     }
@@ -300,7 +303,7 @@ def host_check(
         precision=args.precision, cpu_offload_params=args.cpu_offload_params,
         gpu_memory_gib=(gpu_memory_bytes or 80 * GIB) / GIB,
         host_memory_gib=None if available_bytes is None else available_bytes / GIB,
-        recompute_attention=fpdt and args.recompute_attention,
+        recompute_attention=fpdt and args.recompute_attention, head_chunks=args.head_chunks if fpdt else 1,
     )
     return {
         "layers": plan.geometry.num_layers,
@@ -471,7 +474,7 @@ def train_lightning(args: argparse.Namespace, *, device: torch.device, world_siz
     if args.system == "fpdt":
         module = LlamaLM(args.model, lr=args.lr, seed=args.seed, num_layers=layers)
         strategy = FPDTStrategy(chunks=args.chunks, offload={"on": True, "off": False, "auto": "auto"}[args.offload],
-                                attention_backend=args.attention_backend,
+                                attention_backend=args.attention_backend, head_chunks=args.head_chunks,
                                 cpu_offload_params=args.cpu_offload_params)
         callbacks: list[L.Callback] = [ActivationOffload(recompute_attention=args.recompute_attention), TiledMLP(),
                                        TiledLoss()]
@@ -742,7 +745,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "attention_backend": args.attention_backend, "ballast": args.ballast,
             **({"offload": info.get("offload", args.offload), "offload_dq": info.get("offload_dq"),
                 "callbacks": ["ActivationOffload", "TiledMLP", "TiledLoss", "MFUMonitor"],
-                "recompute_attention": args.recompute_attention}
+                "recompute_attention": args.recompute_attention, "head_chunks": args.head_chunks}
                if args.system == "fpdt" else {"activation_checkpointing": "checkpoint_wrapper (non-reentrant)",
                                               "loss": "untiled"}),
             **({"rotate_method": args.rotate_method, "kv_heads": args.ring_kv_heads, "load_balance": "head-tail"}

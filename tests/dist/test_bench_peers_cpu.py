@@ -18,13 +18,16 @@ COMMON = ["--model", "tiny", "--layers", "1", "--seq-len", str(SEQ_LEN), "--step
 
 
 def train_both_systems() -> dict[str, dict]:
-    """Every rank: one fpdt run (2 chunks, attention offload on) and one modelparallel run of the same model and data."""
+    """Every rank: one fpdt run (2 chunks, attention offload on), one more in 2 head groups, and one modelparallel run
+    of the same model and data."""
     peers = load_bench("peers")
     records = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # MFUMonitor: no peak FLOP/s for a CPU
         for system, extra in (("fpdt", ["--chunks", "2"]), ("modelparallel", [])):
             records[system] = peers.run(peers.parse_args(["--system", system, *COMMON, *extra]))
+        grouped = peers.parse_args(["--system", "fpdt", *COMMON, "--chunks", "2", "--head-chunks", "2"])
+        records["fpdt head groups"] = peers.run(grouped)
     return records
 
 
@@ -32,7 +35,8 @@ def test_fpdt_and_modelparallel_records(dist_pool):
     """Both systems: status ok on every rank, figures filled in, same first loss (same init, same first sample)."""
     ranks = dist_pool(2).run(train_both_systems)
     for rank, records in enumerate(ranks):
-        for system, record in records.items():
+        for name, record in records.items():
+            system = name.split()[0]
             json.dumps(record)  # a JSON line as written
             assert record["status"] == "ok" and record["ranks_answered"] == [0, 1], (rank, system)
             assert record["gpus"] == 2 and record["layers"] == 1 and record["full_layers"] == 2
@@ -57,6 +61,9 @@ def test_fpdt_and_modelparallel_records(dist_pool):
     # order (~1e-7 relative); 1e-4 still catches a wrong shift, a lost chunk or a different sample (~1e-1)
     assert fpdt["first_loss"] == pytest.approx(modelparallel["first_loss"], abs=1e-4)
     assert ranks[1]["fpdt"]["first_loss"] == fpdt["first_loss"]  # the group's loss, the same on both ranks
+    grouped = ranks[0]["fpdt head groups"]  # --head-chunks reaches the strategy: the same loss, in another order
+    assert grouped["options"]["head_chunks"] == 2 and fpdt["options"]["head_chunks"] == 1
+    assert grouped["first_loss"] == pytest.approx(fpdt["first_loss"], abs=1e-4)
     # the records feed the report: the figures appear with their command
     report = load_bench("report")
     doc = report.render_markdown([r for records in ranks[:1] for r in records.values()])

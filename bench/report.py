@@ -119,8 +119,37 @@ def length_ratio(ours: Optional[dict[str, Any]], theirs: Optional[dict[str, Any]
     return f"{'' if ours['exact'] else '≥ '}{value:.2f}×", value, True
 
 
+def gpu_limit(entry: Optional[dict[str, Any]]) -> Optional[tuple[int, bool]]:
+    """``(longest length a step ran at, whether a longer one failed)`` of a :func:`max_lengths` entry whose host binds
+    below its GPU (the full depth's pinned memory does not fit the host at the length the GPU holds); ``None`` where the
+    host does not bind. Targets show it beside the host-bound figure: the GPU verdict holds on a host with more
+    memory."""
+    if not entry or entry.get("host_max") is None or not entry.get("gpu_max"):
+        return None
+    if entry["host_max"] >= entry["gpu_max"]:
+        return None
+    failed = entry.get("gpu_fail") if "gpu_fail" in entry else entry.get("fail")
+    return entry["gpu_max"], failed is not None
+
+
+def both_ratios(ours: Optional[dict[str, Any]], theirs: Optional[dict[str, Any]]) -> str:
+    """:func:`length_ratio` shown, and where fpdt's host binds, the ratio of the GPU limits beside it."""
+    shown = length_ratio(ours, theirs)[0]
+    gpu = gpu_limit(ours)
+    if gpu is None or not theirs:
+        return shown
+    return f"{shown} (GPU memory: {length_ratio({'max': gpu[0], 'exact': gpu[1], 'system': 'fpdt'}, theirs)[0]})"
+
+
 def card_name(record: dict[str, Any]) -> str:
-    return record.get("card") or "?"
+    """The card, and the memory cap a run had (``--gpu-memory-gib``): capped and uncapped runs of one card are grouped
+    apart, since what fits differs."""
+    card = record.get("card") or "?"
+    cap = record.get("gpu_memory_cap_bytes")
+    if cap:
+        return f"{card}, capped to {cap / GIB:.0f} GiB"
+    flag = re.search(r"--gpu-memory-gib[ =]([0-9.]+)", record.get("command") or "")  # a search's summary
+    return f"{card}, capped to {float(flag.group(1)):g} GiB" if flag else card
 
 
 def model_name(record: dict[str, Any]) -> str:
@@ -240,6 +269,13 @@ def targets(records: list[dict[str, Any]]) -> list[list[str]]:
             else:  # below the goal: a miss only if a longer length was tried and failed
                 status = "**missed**" if entry["exact"] else "not conclusive"
             shown = length(value) if entry is None or entry["exact"] else f"≥ {length(value)}"
+            gpu = gpu_limit(entry)
+            if gpu is not None:  # the host binds: the GPU's own verdict beside the host's
+                gpu_max, gpu_exact = gpu
+                shown = (f"{length(value) if value else 'none'} with the full depth's pinned host memory; "
+                         f"GPU memory: {length(gpu_max) if gpu_exact else '≥ ' + length(gpu_max)} ran")
+                if gpu_max >= goal and status != "met":
+                    status = f"met on GPU memory, {status} on this host"
             rows.append([f"maximum length, {gpus} GPU{'s' if gpus > 1 else ''}, fpdt", f"≥ {goal:,}", card, shown,
                          status])
     for other, goal in (("modelparallel", TARGET_VS_MODELPARALLEL), ("ring", TARGET_VS_RING_LENGTH)):
@@ -253,12 +289,23 @@ def targets(records: list[dict[str, Any]]) -> list[list[str]]:
             shown, value, conclusive = length_ratio(ours, theirs)
             if value is not None:
                 shown += f" ({length(ours['max'])} / {length(theirs['max'])})"
-            if not conclusive:
+            if not ours["max"] and ours["exact"] and theirs["max"]:  # fpdt fits no length tried, the peer does
+                shown, status = f"0 (fpdt fits no length run; {other}: {length(theirs['max'])})", "**missed**"
+            elif not conclusive:
                 status = "not conclusive"
             elif value is None or value >= goal:  # the peer fits nothing; or a ratio that can only grow, reached
                 status = "met"
             else:
                 status = "**missed**" if ours["exact"] else "not conclusive"
+            gpu = gpu_limit(ours)
+            if gpu is not None and status != "met":  # fpdt's host binds: the ratio of the GPU limits beside it
+                gpu_ours = {"max": gpu[0], "exact": gpu[1], "system": "fpdt"}
+                gpu_shown, gpu_value, gpu_conclusive = length_ratio(gpu_ours, theirs)
+                if gpu_value is not None:
+                    gpu_shown += f" ({length(gpu[0])} / {length(theirs['max'])})"
+                shown = f"{shown}; on GPU memory: {gpu_shown}"
+                if gpu_conclusive and (gpu_value is None or gpu_value >= goal):
+                    status = f"met on GPU memory, {status} on this host"
             rows.append([f"maximum length, fpdt / {other}, {g} GPU{'s' if g > 1 else ''}", f"≥ {goal:g}×", card,
                          shown, status])
     full = [r for r in records if r.get("kind") == "run" and r.get("status") == "ok" and r.get("system") == "fpdt"
@@ -338,8 +385,8 @@ def render_markdown(records: list[dict[str, Any]], *, plots: Optional[list[str]]
                 outcome = f"≥ {fits} (nothing longer run)"
             cells.append(f"{outcome} {commands.ref(entry['record'])}")
         ours = systems.get("fpdt")
-        rows.append([card, str(gpus), model, *cells, length_ratio(ours, systems.get("modelparallel"))[0],
-                     length_ratio(ours, systems.get("ring"))[0]])
+        rows.append([card, str(gpus), model, *cells, *(both_ratios(ours, systems.get(other))
+                                                       for other in ("modelparallel", "ring"))])
     lines += table(["card", "GPUs", "model", *SYSTEMS, "fpdt / modelparallel", "fpdt / ring"], rows) if rows else [
         "No maximum-length figures yet."]
 

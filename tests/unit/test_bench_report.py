@@ -297,7 +297,9 @@ def test_host_limit_is_the_planners_and_bounds_the_maximum():
     doc = report.render_markdown([search])
     assert ("557,056 (host: full depth planned to fit up to 557,056; GPU: 1,572,864 ran, 2,097,152 failed) [1]"
             in doc)
-    assert "| maximum length, 4 GPUs, fpdt | ≥ 2,097,152 | NVIDIA H100 80GB HBM3 | 557,056 | **missed** |" in doc
+    # the target: missed on both counts, the host's figure first and the GPU's (1.5M, also below 2M) beside it
+    assert ("| maximum length, 4 GPUs, fpdt | ≥ 2,097,152 | NVIDIA H100 80GB HBM3 | 557,056 with the full depth's "
+            "pinned host memory; GPU memory: 1,572,864 ran | **missed** |") in doc
 
 
 def test_step_profile_categories_and_summary():
@@ -350,3 +352,29 @@ def test_step_time_leaves_out_the_warm_up_and_the_profiled_step():
     assert profiled["step_time_s"] == pytest.approx(0.45) and profiled["timed_steps"] == 2
     only = peers.summarize({"step_times_s": [3.0, 0.49], "tokens_per_step": 1000}, **common, profile_step=1)
     assert only["step_time_s"] == pytest.approx(0.49) and only["timed_steps"] == 1  # nothing else to time
+
+
+def test_host_bound_targets_show_the_gpu_verdict_beside_the_hosts():
+    """fpdt ran 1M on one GPU but the host holds the full depth's pinned memory at no length run; the peers fit 32K
+    and failed at 48K on the same card: the targets say the GPU verdict (met, the ratio ≥ 32×) and the host's (missed)
+    side by side, never one for the other."""
+    records = [
+        run_record("fpdt", gpus=1, layers=2, seq_len=1_048_576, timed_steps=0, host_fits=False),
+        {"kind": "max_length", "system": "modelparallel", "model": "llama3-8b", "layers": 2, "full_layers": 32,
+         "gpus": 1, "card": H100, "ballast": "auto", "max_seq_len": 32_768, "first_failed_seq_len": 49_152,
+         "max_seq_len_gpu": 32_768, "host_max_seq_len": 16_777_216, "limited_by": "gpu",
+         "command": "python bench/peers.py --system modelparallel --max-length --gpus 1 --seq-len 32768"},
+    ]
+    rows = {row[0]: row for row in report.targets(records)}
+    length_row = rows["maximum length, 1 GPU, fpdt"]
+    assert length_row[3] == "none with the full depth's pinned host memory; GPU memory: ≥ 1,048,576 ran"
+    assert length_row[4] == "met on GPU memory, **missed** on this host"
+    ratio_row = rows["maximum length, fpdt / modelparallel, 1 GPU"]
+    assert ratio_row[3] == ("0 (fpdt fits no length run; modelparallel: 32,768); on GPU memory: ≥ 32.00× "
+                            "(1,048,576 / 32,768)")
+    assert ratio_row[4] == "met on GPU memory, **missed** on this host"
+    # where the host does not bind there is one verdict only
+    records[0] = run_record("fpdt", gpus=1, layers=2, seq_len=1_048_576, timed_steps=0)
+    rows = {row[0]: row for row in report.targets(records)}
+    assert rows["maximum length, 1 GPU, fpdt"][3:] == ["≥ 1,048,576", "met"]
+    assert rows["maximum length, fpdt / modelparallel, 1 GPU"][3:] == ["≥ 32.00× (1,048,576 / 32,768)", "met"]

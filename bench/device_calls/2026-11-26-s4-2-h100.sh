@@ -1,0 +1,11 @@
+#!/bin/bash
+# session 4 GPU call 2 (one GPU, warm): ring context parallelism's maximum length on one GPU; fpdt at 1M with
+# attention recompute and 4 head groups
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN | tail -1
+export PYTHONPATH=$PWD:/tmp/site
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+T0=$(date +%s); t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+t ring-max; timeout -s KILL 170 python3 bench/peers.py --max-length --gpus 1 --system ring --model llama3-8b --ballast auto --check-host --cpu-offload-params --layers 2 --steps 1 --seq-len 32768 --deadline-s 160 --out $OUT/peers-1gpu-max.jsonl > $OUT/ring-max.txt 2>&1; pkill -9 -f bench/peers.py; grep "RESULT\|MAX\|Error" $OUT/ring-max.txt | tail -6
+t fpdt-1m-g4; timeout -s KILL 300 python3 bench/peers.py --system fpdt --model llama3-8b --ballast auto --check-host --cpu-offload-params --layers 2 --steps 1 --seq-len 1048576 --recompute-attention --head-chunks 4 --out $OUT/peers-1gpu-fpdt.jsonl > $OUT/fpdt-1m.txt 2>&1; pkill -9 -f bench/peers.py; grep "RESULT\|Error" $OUT/fpdt-1m.txt | tail -3
+t done

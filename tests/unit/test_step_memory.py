@@ -39,3 +39,15 @@ def test_block_backward_does_not_keep_the_recomputed_output():
     hidden_sized = [a for a in alive if a.nbytes == step.unit]
     assert len(hidden_sized) == 8, [(a.op, a.site) for a in hidden_sized]
     assert peak <= 8.5 * step.unit + 24 * chunk, (phase, peak / step.unit)
+
+
+def test_recompute_makes_no_hidden_sized_zeros():
+    """In a block's recompute the TiledMLP value nothing reads is one zero broadcast to the input's shape, not a
+    hidden-sized zero tensor: the recompute's highest point, its last residual add, holds 8 hidden-sized tensors."""
+    step = _step()
+    phase, peak = max(_block_phases(step, "recompute").items(), key=lambda kv: kv[1])
+    _, alive, *_ = step.tracker.phases[phase]
+    # block input, the prefetched next input, the incoming gradient, the two norms' outputs, the attention output,
+    # the residual stream after attention, and the block output being made (9 with the zeros)
+    assert len([a for a in alive if a.nbytes == step.unit]) == 8, (phase, [(a.op, a.site) for a in alive])
+    assert peak <= 8.1, (phase, peak)

@@ -535,7 +535,10 @@ def _components(
     norm = N * h * 4 * (b < 4) + 2 * A
     rope = ROPE_TABLES * N * g.head_dim * 4
     mlp_saved = 0 if o.tiled_mlp else 4 * N * g.intermediate_size * b
-    # what one layer's backward needs; head groups keep their outputs in the stash ("kept out") and recompute RoPE
+    # what one layer's backward needs; head groups keep their outputs in the stash ("kept out") and recompute RoPE.
+    # The block output A: a checkpoint's recompute no longer keeps it through the block's backward (ActivationOffload's
+    # inner backward starts from gradient edges, docs/memory-1gpu.md); the term stays, as the norms' above, until GPU
+    # runs of the new code re-calibrate the checkpointed phases (the calibration runs kept it)
     layer = 2 * norm + (N * attn_width * b + rope if G == 1 else 0) + A + mlp_saved
     if o.activation_offload:
         add("checkpointed block inputs", 2 * A, L * A, formula="2 on GPU (current, prefetched), L on host")

@@ -18,11 +18,13 @@ _OWN_CODE = ("lightning_fpdt", "tests")
 
 
 def _call_site(depth: int = 4) -> str:
-    """The innermost ``depth`` frames of the package's or the tests' code, outermost first: ``file:line fn``."""
+    """The innermost ``depth`` frames of the package's or the tests' code, outermost first: ``file:line fn`` (not the
+    dispatch modes' own ``__torch_dispatch__``)."""
     frames, frame = [], sys._getframe(2)
     while frame is not None and len(frames) < depth:
         path = frame.f_code.co_filename
-        if any(f"/{part}/" in path for part in _OWN_CODE) and not path.endswith("live_bytes.py"):
+        own = any(f"/{part}/" in path for part in _OWN_CODE)
+        if own and not path.endswith("live_bytes.py") and frame.f_code.co_name != "__torch_dispatch__":
             frames.append(f"{path.rsplit('/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
         frame = frame.f_back
     return " < ".join(frames) or "?"

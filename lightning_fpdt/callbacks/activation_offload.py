@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_fpdt.callbacks.tiled_mlp import VALUE_UNUSED_IN_RECOMPUTE
@@ -105,9 +106,14 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         finally:
             owner.recomputing = False
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if isinstance(o, Tensor) and o.requires_grad and g is not None]
+        # The roots of the block's backward as gradient edges (autograd node + output index), not tensors: the backward
+        # reads their nodes, never their values, so the recomputed outputs (for a transformer block one hidden-sized
+        # tensor, B·S/P·hidden) are freed here instead of living through the whole backward of the block.
+        roots = [(get_gradient_edge(o), g) for o, g in zip(outputs, grad_outputs)
+                 if isinstance(o, Tensor) and o.requires_grad and g is not None]
+        del outputs
         # backward (not autograd.grad): the block's parameters accumulate their gradients here
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        torch.autograd.backward([edge for edge, _ in roots], [g for _, g in roots])
         other_grads = [x.grad if isinstance(x, Tensor) and x.requires_grad else None for x in others]
         if ctx.key == owner.forward_order[0]:
             owner.forward_order.clear()  # the first block's backward ends the step

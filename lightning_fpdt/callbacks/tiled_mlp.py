@@ -158,7 +158,7 @@ class TiledMLPFunction(torch.autograd.Function):
     The MLP must act on each token separately and deterministically (no dropout: a recomputed tile would draw a
     different mask). Autocast state is recorded in forward and restored for the recomputation. With
     ``compute_value=False`` (a block checkpoint's recompute in which nothing reads the output, see
-    ``ActivationOffload``) the forward returns zeros and computes nothing: the backward recomputes the tiles anyway.
+    ``ActivationOffload``) the forward returns zeros (one zero broadcast to ``x``'s shape) and computes nothing: the backward recomputes the tiles anyway.
     """
 
     @staticmethod
@@ -171,8 +171,9 @@ class TiledMLPFunction(torch.autograd.Function):
         ctx.save_for_backward(x)
         if not compute_value:
             # a checkpoint's recompute where nothing reads this value: only the graph matters, and the backward
-            # recomputes every tile itself (an MLP maps hidden to hidden)
-            return torch.zeros_like(x)
+            # recomputes every tile itself (an MLP maps hidden to hidden). One zero broadcast to x's shape: no
+            # hidden-sized buffer (the residual add that reads it makes its own output)
+            return x.new_zeros(()).expand_as(x)
         return tiled_mlp_forward(fn, x, num_tiles)
 
     @staticmethod

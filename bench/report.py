@@ -481,6 +481,18 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
+def variant(record: dict[str, Any]) -> str:
+    """The fpdt options a run set that change its memory (attention recompute, head groups, offload off): runs that
+    differ in them are different lines of a plot."""
+    options = record.get("options") or {}
+    parts = ["attention recomputed"] if options.get("recompute_attention") else []
+    if (options.get("head_chunks") or 1) > 1:
+        parts.append(f"{options['head_chunks']} head groups")
+    if record.get("system") == "fpdt" and options.get("offload") is False:
+        parts.append("offload off")
+    return ", ".join(parts)
+
+
 def write_plots(records: list[dict[str, Any]], folder: str) -> Optional[list[str]]:
     """Peak GPU memory and MFU against the sequence length, one line per system and depth, one PNG pair per card,
     GPU count and model; ``None`` (and a message) when matplotlib is not installed."""
@@ -495,7 +507,8 @@ def write_plots(records: list[dict[str, Any]], folder: str) -> Optional[list[str
               "the tables are written all the same)", file=sys.stderr)
         return None
     runs = latest([r for r in records if r.get("kind") == "run" and r.get("status") == "ok"],
-                  key=lambda r: (card_name(r), r["gpus"], r["model"], r["system"], r["layers"], r["seq_len"]))
+                  key=lambda r: (card_name(r), r["gpus"], r["model"], r["system"], variant(r), r["layers"],
+                                 r["seq_len"]))
     groups: dict[tuple[str, int, str], list[dict[str, Any]]] = defaultdict(list)
     for record in runs:
         groups[(card_name(record), record["gpus"], record["model"])].append(record)
@@ -510,7 +523,8 @@ def write_plots(records: list[dict[str, Any]], folder: str) -> Optional[list[str
             for record in group:
                 y = value(record)
                 if y is not None:
-                    lines[f"{record['system']} ({model_name(record).split('(', 1)[1].rstrip(')')})"].append(
+                    depth = model_name(record).split('(', 1)[1].rstrip(')')
+                    lines[f"{record['system']}{', ' + variant(record) if variant(record) else ''} ({depth})"].append(
                         (record["seq_len"], y))
             if not lines:
                 continue
@@ -518,9 +532,10 @@ def write_plots(records: list[dict[str, Any]], folder: str) -> Optional[list[str
             for label, points in sorted(lines.items()):
                 points.sort()
                 axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-            if metric == "memory" and group[0].get("card_memory_bytes"):
-                axes.axhline(group[0]["card_memory_bytes"] / GIB, color="grey", linestyle="--", linewidth=1,
-                             label="card memory")
+            limit = group[0].get("gpu_memory_cap_bytes") or group[0].get("card_memory_bytes")
+            if metric == "memory" and limit:
+                axes.axhline(limit / GIB, color="grey", linestyle="--", linewidth=1,
+                             label="memory cap" if group[0].get("gpu_memory_cap_bytes") else "card memory")
             axes.set_xscale("log", base=2)
             axes.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: tokens_label(x)))
             axes.set_ylim(bottom=0)

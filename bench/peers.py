@@ -973,6 +973,8 @@ def max_length_search(args: argparse.Namespace) -> dict[str, Any]:
         "kind": "max_length", "system": args.system, "model": args.model, "layers": layers_run(args),
         "full_layers": full_depth(args.model), "gpus": args.gpus,
         "card": next((r["card"] for r in records.values() if r.get("card")), None),
+        "gpu_memory_cap_bytes": next((r["gpu_memory_cap_bytes"] for r in records.values()
+                                      if r.get("gpu_memory_cap_bytes")), None),
         "ballast": args.ballast, "max_seq_len": overall, "max_seq_len_gpu": gpu_max,
         "first_failed_seq_len": result["min_fail"], "host_max_seq_len": host_max,
         "host_available_bytes": checked[-1]["host_check"]["available_bytes"] if checked else None,

@@ -119,17 +119,17 @@ def length_ratio(ours: Optional[dict[str, Any]], theirs: Optional[dict[str, Any]
     return f"{'' if ours['exact'] else '≥ '}{value:.2f}×", value, True
 
 
-def gpu_limit(entry: Optional[dict[str, Any]]) -> Optional[tuple[int, bool]]:
-    """``(longest length a step ran at, whether a longer one failed)`` of a :func:`max_lengths` entry whose host binds
-    below its GPU (the full depth's pinned memory does not fit the host at the length the GPU holds); ``None`` where the
-    host does not bind. Targets show it beside the host-bound figure: the GPU verdict holds on a host with more
-    memory."""
+def gpu_limit(entry: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The GPU's own limit of a :func:`max_lengths` entry whose host binds below its GPU (the full depth's pinned
+    memory does not fit the host at the length the GPU holds), as an entry of its own (``max``: the longest length a
+    step ran at, ``exact``: a longer one failed); ``None`` where the host does not bind. Targets show it beside the
+    host-bound figure: the GPU verdict holds on a host with more memory."""
     if not entry or entry.get("host_max") is None or not entry.get("gpu_max"):
         return None
     if entry["host_max"] >= entry["gpu_max"]:
         return None
     failed = entry.get("gpu_fail") if "gpu_fail" in entry else entry.get("fail")
-    return entry["gpu_max"], failed is not None
+    return {"max": entry["gpu_max"], "exact": failed is not None, "system": entry["system"]}
 
 
 def both_ratios(ours: Optional[dict[str, Any]], theirs: Optional[dict[str, Any]]) -> str:
@@ -138,7 +138,7 @@ def both_ratios(ours: Optional[dict[str, Any]], theirs: Optional[dict[str, Any]]
     gpu = gpu_limit(ours)
     if gpu is None or not theirs:
         return shown
-    return f"{shown} (GPU memory: {length_ratio({'max': gpu[0], 'exact': gpu[1], 'system': 'fpdt'}, theirs)[0]})"
+    return f"{shown} (GPU memory: {length_ratio(gpu, theirs)[0]})"
 
 
 def card_name(record: dict[str, Any]) -> str:
@@ -146,10 +146,7 @@ def card_name(record: dict[str, Any]) -> str:
     apart, since what fits differs."""
     card = record.get("card") or "?"
     cap = record.get("gpu_memory_cap_bytes")
-    if cap:
-        return f"{card}, capped to {cap / GIB:.0f} GiB"
-    flag = re.search(r"--gpu-memory-gib[ =]([0-9.]+)", record.get("command") or "")  # a search's summary
-    return f"{card}, capped to {float(flag.group(1)):g} GiB" if flag else card
+    return f"{card}, capped to {cap / GIB:.0f} GiB" if cap else card
 
 
 def model_name(record: dict[str, Any]) -> str:
@@ -271,10 +268,9 @@ def targets(records: list[dict[str, Any]]) -> list[list[str]]:
             shown = length(value) if entry is None or entry["exact"] else f"≥ {length(value)}"
             gpu = gpu_limit(entry)
             if gpu is not None:  # the host binds: the GPU's own verdict beside the host's
-                gpu_max, gpu_exact = gpu
                 shown = (f"{length(value) if value else 'none'} with the full depth's pinned host memory; "
-                         f"GPU memory: {length(gpu_max) if gpu_exact else '≥ ' + length(gpu_max)} ran")
-                if gpu_max >= goal and status != "met":
+                         f"GPU memory: {'' if gpu['exact'] else '≥ '}{length(gpu['max'])} ran")
+                if gpu["max"] >= goal and status != "met":
                     status = f"met on GPU memory, {status} on this host"
             rows.append([f"maximum length, {gpus} GPU{'s' if gpus > 1 else ''}, fpdt", f"≥ {goal:,}", card, shown,
                          status])
@@ -299,10 +295,9 @@ def targets(records: list[dict[str, Any]]) -> list[list[str]]:
                 status = "**missed**" if ours["exact"] else "not conclusive"
             gpu = gpu_limit(ours)
             if gpu is not None and status != "met":  # fpdt's host binds: the ratio of the GPU limits beside it
-                gpu_ours = {"max": gpu[0], "exact": gpu[1], "system": "fpdt"}
-                gpu_shown, gpu_value, gpu_conclusive = length_ratio(gpu_ours, theirs)
+                gpu_shown, gpu_value, gpu_conclusive = length_ratio(gpu, theirs)
                 if gpu_value is not None:
-                    gpu_shown += f" ({length(gpu[0])} / {length(theirs['max'])})"
+                    gpu_shown += f" ({length(gpu['max'])} / {length(theirs['max'])})"
                 shown = f"{shown}; on GPU memory: {gpu_shown}"
                 if gpu_conclusive and (gpu_value is None or gpu_value >= goal):
                     status = f"met on GPU memory, {status} on this host"
@@ -524,8 +519,8 @@ def write_plots(records: list[dict[str, Any]], folder: str) -> Optional[list[str
                 y = value(record)
                 if y is not None:
                     depth = model_name(record).split('(', 1)[1].rstrip(')')
-                    lines[f"{record['system']}{', ' + variant(record) if variant(record) else ''} ({depth})"].append(
-                        (record["seq_len"], y))
+                    name = ", ".join(filter(None, (record["system"], variant(record))))
+                    lines[f"{name} ({depth})"].append((record["seq_len"], y))
             if not lines:
                 continue
             figure, axes = plt.subplots(figsize=(7, 4.5))

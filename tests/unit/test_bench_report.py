@@ -381,14 +381,14 @@ def test_host_bound_targets_show_the_gpu_verdict_beside_the_hosts():
 
 
 def test_capped_runs_and_fpdt_variants_are_told_apart():
-    """A run capped with --gpu-memory-gib is another card in every table (what fits differs), a search's summary
-    carries the cap only in its command; fpdt runs that recompute the attention, use head groups or keep the chunks on
+    """A run capped with --gpu-memory-gib is another card in every table (what fits differs), and so is a search's
+    summary (it carries its attempts' cap); fpdt runs that recompute the attention, use head groups or keep the chunks on
     the GPU are separate lines of the plots."""
     capped = run_record("ring", gpus=4, layers=2, seq_len=65_536, card="NVIDIA H200")
     assert report.card_name(capped) == "NVIDIA H200"
     capped["gpu_memory_cap_bytes"] = int(79 * GIB)
     assert report.card_name(capped) == "NVIDIA H200, capped to 79 GiB"
-    search = {"kind": "max_length", "card": "NVIDIA H200",
+    search = {"kind": "max_length", "card": "NVIDIA H200", "gpu_memory_cap_bytes": int(79 * GIB),
               "command": "python bench/peers.py --max-length --gpus 4 --system ring --gpu-memory-gib 79"}
     assert report.card_name(search) == "NVIDIA H200, capped to 79 GiB"
     fpdt = run_record("fpdt", gpus=1, layers=2, seq_len=1_048_576)

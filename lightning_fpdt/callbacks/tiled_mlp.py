@@ -158,7 +158,8 @@ class TiledMLPFunction(torch.autograd.Function):
     The MLP must act on each token separately and deterministically (no dropout: a recomputed tile would draw a
     different mask). Autocast state is recorded in forward and restored for the recomputation. With
     ``compute_value=False`` (a block checkpoint's recompute in which nothing reads the output, see
-    ``ActivationOffload``) the forward returns zeros (one zero broadcast to ``x``'s shape) and computes nothing: the backward recomputes the tiles anyway.
+    ``ActivationOffload``) the forward returns zeros (one zero broadcast to ``x``'s shape) and computes nothing: the
+    backward recomputes the tiles anyway.
     """
 
     @staticmethod

@@ -10,7 +10,6 @@ so YAML can name them by their short class name (``model: LlamaLM``, ``data: Ret
 
 from __future__ import annotations
 
-import importlib
 import statistics
 import sys
 from typing import Any, Optional
@@ -18,26 +17,16 @@ from typing import Any, Optional
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
 import lightning_fpdt  # noqa: F401  (registers the "fpdt" strategy)
-from lightning_fpdt.callbacks.curriculum import SequenceLengthCurriculum  # noqa: F401  (a short name for YAML)
-from lightning_fpdt.callbacks.mfu import MFUMonitor
+from lightning_fpdt.callbacks import (  # noqa: F401  (short names for YAML)
+    ActivationOffload,
+    MFUMonitor,
+    SequenceLengthCurriculum,
+    TiledLoss,
+    TiledMLP,
+)
 from lightning_fpdt.data import RetrievalDataModule, TokenFileDataModule  # noqa: F401  (short names for YAML)
 from lightning_fpdt.models.module import HFCausalLM, LlamaLM  # noqa: F401  (short names for YAML)
-
-# callbacks that may not exist in every version of the package: imported when present, so their short names work
-OPTIONAL_MODULES = (
-    "lightning_fpdt.callbacks.tiled_mlp",
-    "lightning_fpdt.callbacks.tiled_loss",
-    "lightning_fpdt.callbacks.activation_offload",
-)
-
-
-def _import_optional_modules() -> None:
-    for name in OPTIONAL_MODULES:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as error:
-            if error.name != name:  # the module exists but something it imports does not: that is a real error
-                raise
+from lightning_fpdt.planner import main as plan_main
 
 
 class FPDTCLI(LightningCLI):
@@ -46,7 +35,6 @@ class FPDTCLI(LightningCLI):
     closing summary after ``fit``: validation metrics, the task's chance accuracy if it has one, and throughput."""
 
     def __init__(self, args: ArgsType = None, **kwargs: Any) -> None:
-        _import_optional_modules()
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
@@ -85,8 +73,6 @@ def main(args: ArgsType = None) -> None:
     memory planner (lightning_fpdt.planner) instead of a LightningCLI subcommand."""
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, (list, tuple)) and argv[:1] == ["plan"]:
-        from lightning_fpdt.planner import main as plan_main
-
         raise SystemExit(plan_main(list(argv[1:])))
     FPDTCLI(args=args)
 

@@ -18,9 +18,12 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import Tensor
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_fpdt.models.llama import LlamaConfig
+from lightning_fpdt.strategy.checkpoint import check_checkpoint_complete
 
 
 def load_checkpoint_file(path: Union[str, Path]) -> dict[str, Any]:
@@ -28,11 +31,6 @@ def load_checkpoint_file(path: Union[str, Path]) -> dict[str, Any]:
     path = Path(path)
     if not path.is_dir():
         return torch.load(path, map_location="cpu", weights_only=False)
-    from lightning.fabric.utilities.load import _METADATA_FILENAME
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    from lightning_fpdt.strategy.fpdt import check_checkpoint_complete
-
     check_checkpoint_complete(path)
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, Path(tmp) / "full.pt")

@@ -104,10 +104,11 @@ class ModelGeometry:
                     return value
             return None
 
+        heads = config_heads(config)
         values = dict(
             num_layers=read("num_layers", "num_hidden_layers"),
             hidden_size=read("hidden_size"),
-            num_heads=read("num_heads", "num_attention_heads"),
+            num_heads=heads[0] if heads else None,
             intermediate_size=read("intermediate_size"),
             vocab_size=read("vocab_size"),
         )
@@ -117,7 +118,7 @@ class ModelGeometry:
                 f"{type(config).__name__} lacks {missing}, which the FLOP count needs; "
                 "pass geometry=ModelGeometry(...) instead"
             )
-        num_kv_heads = read("num_kv_heads", "num_key_value_heads") or values["num_heads"]
+        num_kv_heads = heads[1]
         head_dim = read("head_dim")
         if head_dim is None:
             if values["hidden_size"] % values["num_heads"] != 0:
@@ -146,6 +147,26 @@ class ModelGeometry:
             f"Could not read the model geometry from {type(module).__name__}: no submodule has a `.config` with "
             f"the model sizes{detail}. Pass geometry=ModelGeometry(...) to MFUMonitor."
         )
+
+
+def config_heads(config: Any) -> Optional[tuple[int, int]]:
+    """``(num_heads, num_kv_heads)`` of a reference ``LlamaConfig`` or a Hugging Face config (either naming), kv heads
+    defaulting to the query heads (no GQA); ``None`` when the config names no heads."""
+    heads = getattr(config, "num_heads", None) or getattr(config, "num_attention_heads", None)
+    if not heads:
+        return None
+    kv_heads = getattr(config, "num_kv_heads", None) or getattr(config, "num_key_value_heads", None) or heads
+    return int(heads), int(kv_heads)
+
+
+def attention_heads(module: nn.Module) -> Optional[tuple[int, int]]:
+    """:func:`config_heads` of the first ``.config`` on ``module`` or its submodules that names heads, or ``None``."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        heads = config_heads(config) if config is not None else None
+        if heads is not None:
+            return heads
+    return None
 
 
 def flops_per_token(

@@ -33,15 +33,12 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_fpdt.callbacks import tiled_loss, tiled_mlp
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload
-from lightning_fpdt.callbacks.tiled_loss import apply_tiled_loss
-from lightning_fpdt.callbacks.tiled_mlp import apply_tiled_mlp
+from lightning_fpdt.integrations import SequenceParallelContext, apply_tiled_loss, install_reference_llama
+from lightning_fpdt.memory import apply_tiled_mlp, find_blocks, tiling
 from lightning_fpdt.models import ops
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
 from lightning_fpdt.sequence import FPDTAttention, HostBufferPool
-from lightning_fpdt.sequence.integrations import SequenceParallelContext, install_reference_llama
-from lightning_fpdt.strategy.parallelize import find_blocks
 from tests.live_bytes import Allocation, LiveBytes
 
 # Phases, by the innermost function of the package on the Python stack that names one (checked in this order).
@@ -65,9 +62,9 @@ def _phase() -> str:
         code = frame.f_code
         if "/lightning_fpdt/" in code.co_filename:
             names.append(code.co_name)
-            if code.co_name == "backward" and code.co_filename.endswith("activation_offload.py") and block is None:
+            if code.co_name == "backward" and code.co_filename.endswith("block_offload.py") and block is None:
                 ctx = frame.f_locals.get("ctx")
-                block = getattr(ctx, "key", None)
+                block = getattr(getattr(ctx, "block", None), "key", None)
                 recompute = "torch.autograd.backward" not in _source_line(frame)
         frame = frame.f_back
     inner = next((label for name, label in _PHASE_FUNCTIONS if name in names), None)
@@ -143,8 +140,8 @@ def scaled_tiles(config: LlamaConfig, seq_len: int, reference: LlamaConfig, refe
     tensors, the loss tiles (per token times the vocabulary) by the ratio of the logits."""
     hidden = seq_len * config.hidden_size / (reference_len * reference.hidden_size)
     logits = seq_len * config.vocab_size / (reference_len * reference.vocab_size)
-    factors = [(ops, "TILE_BYTES", hidden), (tiled_mlp, "AUTO_TILE_BYTES", hidden),
-               (tiled_loss, "AUTO_TILE_BYTES", logits)]
+    factors = [(ops, "TILE_BYTES", hidden), (tiling, "MLP_TILE_BYTES", hidden),
+               (tiling, "LOSS_TILE_BYTES", logits)]
     values = [getattr(module, name) for module, name, _ in factors]
     try:
         for (module, name, factor), value in zip(factors, values):

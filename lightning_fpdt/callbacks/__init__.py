@@ -1,4 +1,4 @@
-"""Lightning callbacks that declare memory transforms and measure (DESIGN.md §6)."""
+"""Lightning callbacks that declare memory transforms and measure (docs/design.md §6)."""
 
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload
 from lightning_fpdt.callbacks.curriculum import SequenceLengthCurriculum
@@ -6,4 +6,12 @@ from lightning_fpdt.callbacks.mfu import MFUMonitor, StepRecord
 from lightning_fpdt.callbacks.tiled_loss import TiledLoss, tiled_cross_entropy
 from lightning_fpdt.callbacks.tiled_mlp import TiledMLP
 
-__all__ = ["ActivationOffload", "MFUMonitor", "SequenceLengthCurriculum", "StepRecord", "TiledLoss", "TiledMLP", "tiled_cross_entropy"]
+__all__ = [
+    "ActivationOffload",
+    "MFUMonitor",
+    "SequenceLengthCurriculum",
+    "StepRecord",
+    "TiledLoss",
+    "TiledMLP",
+    "tiled_cross_entropy",
+]

@@ -10,6 +10,8 @@ from typing import Optional, Union
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_fpdt.data.base import LongContextDataModule
+
 Schedule = Union[Mapping[int, int], Sequence[tuple[int, int]]]
 
 
@@ -102,8 +104,6 @@ class SequenceLengthCurriculum(pl.Callback):
         return self._lengths[max(0, bisect.bisect_right(self._steps, step) - 1)]
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        from lightning_fpdt.data.base import LongContextDataModule
-
         if stage != "fit":
             return
         datamodule = trainer.datamodule
@@ -128,6 +128,11 @@ class SequenceLengthCurriculum(pl.Callback):
                 f"{type(datamodule).__name__} produces: {datamodule.min_seq_len} to seq_len {datamodule.seq_len}"
             )
         rank_zero_info(f"SequenceLengthCurriculum: (step, length) {self.schedule}")
+        datamodule.set_length_schedule(self.seq_len_at)
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit" and isinstance(trainer.datamodule, LongContextDataModule):
+            trainer.datamodule.set_length_schedule(None)
 
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: object, batch_idx: int

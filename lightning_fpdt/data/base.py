@@ -1,8 +1,8 @@
-"""What the project's data modules share: batch size, loaders, and following a sequence-length curriculum."""
+"""What the project's data modules share: batch size, loaders, and following a sequence-length schedule."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 from torch import Tensor
@@ -12,12 +12,13 @@ from torch.utils.data import DataLoader, Dataset
 class LongContextDataModule(L.LightningDataModule):
     """Base of the data modules that yield ``{"input_ids": (B, S), "labels": (B, S), ...}`` batches.
 
-    It follows a :class:`~lightning_fpdt.callbacks.curriculum.SequenceLengthCurriculum`: just before a training
-    batch is moved to the device (and sharded by the strategy), it asks the curriculum for the length of the
-    current optimizer step and shortens the batch with :meth:`crop_batch`. Samples are always read at ``seq_len``,
-    so what a sample contains never depends on the step (the data stays a pure function of the sample index, for
-    any sampler and any number of workers), and the cut happens in the step that uses the batch (Lightning
-    prefetches the next batch one step ahead, so a dataset reading a shared length would lag by a step).
+    It follows a length schedule (:meth:`set_length_schedule`; the ``SequenceLengthCurriculum`` callback hands it
+    one at setup): just before a training batch is moved to the device (and sharded by the strategy), it asks the
+    schedule for the length of the current optimizer step and shortens the batch with :meth:`crop_batch`. Samples
+    are always read at ``seq_len``, so what a sample contains never depends on the step (the data stays a pure
+    function of the sample index, for any sampler and any number of workers), and the cut happens in the step that
+    uses the batch (Lightning prefetches the next batch one step ahead, so a dataset reading a shared length would lag
+    by a step).
     Validation and test batches keep the full ``seq_len``.
 
     Subclasses implement the loaders (``self._loader(dataset, shuffle=...)`` builds one) and may override
@@ -33,6 +34,11 @@ class LongContextDataModule(L.LightningDataModule):
         if num_workers < 0:
             raise ValueError(f"num_workers ({num_workers}) must be >= 0")
         self.seq_len, self.batch_size, self.num_workers = seq_len, batch_size, num_workers
+        self._length_schedule: Optional[Callable[[int], int]] = None
+
+    def set_length_schedule(self, schedule: Optional[Callable[[int], int]]) -> None:
+        """Crop training batches to ``schedule(optimizer_step)`` tokens from now on; ``None``: full length."""
+        self._length_schedule = schedule
 
     @property
     def min_seq_len(self) -> int:
@@ -47,21 +53,16 @@ class LongContextDataModule(L.LightningDataModule):
         return {key: value[:, :seq_len] if key in per_token else value for key, value in batch.items()}
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        seq_len = self._curriculum_seq_len()
+        seq_len = self._scheduled_seq_len()
         if seq_len is not None and isinstance(batch, dict) and seq_len < batch["input_ids"].shape[1]:
             batch = self.crop_batch(batch, seq_len)
         return batch
 
-    def _curriculum_seq_len(self) -> Optional[int]:
-        from lightning_fpdt.callbacks.curriculum import SequenceLengthCurriculum
-
+    def _scheduled_seq_len(self) -> Optional[int]:
         trainer = self.trainer
-        if trainer is None or not trainer.training:
+        if self._length_schedule is None or trainer is None or not trainer.training:
             return None
-        for callback in trainer.callbacks:
-            if isinstance(callback, SequenceLengthCurriculum):
-                return callback.seq_len_at(trainer.global_step)
-        return None
+        return self._length_schedule(trainer.global_step)
 
     def _loader(self, dataset: Dataset, *, shuffle: bool) -> DataLoader:
         # under a distributed strategy Lightning swaps in a DistributedSampler (shuffle kept) keyed on the

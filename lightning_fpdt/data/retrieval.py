@@ -1,4 +1,4 @@
-"""A synthetic long-context key–value retrieval task, generated on the fly (DESIGN.md §2 ``data/``).
+"""A synthetic long-context key–value retrieval task, generated on the fly (docs/design.md §2 ``data/``).
 
 A sample is ``seq_len`` tokens::
 

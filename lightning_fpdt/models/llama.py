@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_fpdt.models.ops import rms_norm, rotary
-from lightning_fpdt.sequence.documents import document_ids_from_positions, has_position_resets
-
-IGNORE_INDEX = -100
+from lightning_fpdt.sequence import loss as token_loss
+from lightning_fpdt.sequence.documents import document_ids_from_positions, document_starts_mask, has_position_resets
+from lightning_fpdt.sequence.loss import IGNORE_INDEX  # noqa: F401  (re-exported for model code)
 
 # Named geometries; `LlamaConfig.from_name(name, **overrides)` builds a config from one.
 NAMED_CONFIGS: dict[str, dict[str, Any]] = {
@@ -256,18 +256,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.weight
 
     def loss(self, hidden: Tensor, targets: Tensor) -> Tensor:
-        """Cross-entropy of ``hidden (B, S, hidden)`` against per-token ``targets (B, S)``.
+        """Cross-entropy of ``hidden (B, S, hidden)`` against per-token ``targets (B, S)``, in fp32 at least.
 
         ``sum / max(n_valid, 1)``: the mean over valid tokens, and 0.0 (not NaN) for a shard with none.
         """
-        logits = F.linear(hidden, self.output_weight)  # (B, S, V)
-        # Softmax over a 128k vocabulary in bf16 is badly rounded: take the CE in fp32 (or fp64 if given).
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        loss_sum = F.cross_entropy(
-            logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        n_valid = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        return loss_sum / n_valid
+        return token_loss.token_cross_entropy(F.linear(hidden, self.output_weight), targets)[0]  # (B, S, V) logits
 
     def forward(
         self,
@@ -303,11 +296,9 @@ class LlamaForCausalLM(nn.Module):
             if self.labels_are_shifted:
                 targets = labels
             else:
-                # Token t predicts token t + 1; the last token has nothing to predict.
-                targets = torch.full_like(labels, IGNORE_INDEX)
-                targets[:, :-1] = labels[:, 1:]
+                targets = token_loss.shift_labels(labels)  # token t predicts token t + 1; the last one nothing
                 if document_ids is not None:  # nothing follows a document's last token in its document
-                    targets[:, :-1].masked_fill_(document_ids[:, 1:] != document_ids[:, :-1], IGNORE_INDEX)
+                    targets = token_loss.ignore_document_ends(targets, document_starts_mask(document_ids=document_ids))
         else:
             return F.linear(hidden, self.output_weight)  # (B, S, V)
         return self.loss(hidden, targets)

@@ -18,13 +18,12 @@ from typing import Any, Literal, Optional, Union
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_fpdt.data.metrics import TokenAccuracy, TokenPerplexity
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
-from lightning_fpdt.sequence.layout import IGNORE_INDEX, SequenceLayout
+from lightning_fpdt.sequence.loss import IGNORE_INDEX, shift_labels, token_loss_sum
 
 _MODEL_INPUTS = ("input_ids", "position_ids")
 
@@ -39,14 +38,7 @@ def targets_of(batch: dict[str, Tensor]) -> Tensor:
     sharding), else ``labels`` (or the input ids) shifted here on the whole, unsharded sequence."""
     if "shift_labels" in batch:
         return batch["shift_labels"]
-    return SequenceLayout.shift_labels(batch.get("labels", batch["input_ids"]))
-
-
-def token_loss_sum(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """``(sum of fp32 cross-entropy over scored tokens, number of scored tokens)``."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # CE over the vocabulary in fp32 at least
-    loss_sum = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss_sum, (targets != IGNORE_INDEX).sum()
+    return shift_labels(batch.get("labels", batch["input_ids"]))
 
 
 class CausalLM(L.LightningModule):
@@ -110,7 +102,7 @@ class CausalLM(L.LightningModule):
         logits = self.model_logits(batch)
         loss_sum, count = token_loss_sum(logits, targets)
         self.log("train/accuracy", self.train_accuracy(logits.detach(), targets), prog_bar=True)
-        # this rank's token mean; the fpdt strategy turns it into the group's (a plain module's loss, DESIGN.md §5)
+        # this rank's token mean; the fpdt strategy turns it into the group's (a plain module's loss, docs/design.md §5)
         return loss_sum / count.clamp(min=1)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:

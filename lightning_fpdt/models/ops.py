@@ -107,28 +107,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, acc: Optional[torch.dtype] =
     return RMSNormFunction.apply(x, weight, eps, acc)
 
 
-HF_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
-"""Hugging Face norm classes whose forward is ``weight * (x.float() * rsqrt(mean(x²) + eps)).to(x.dtype)``."""
-
-
-def tile_hf_rms_norms(model: torch.nn.Module) -> int:
-    """Give the model's Hugging Face RMSNorms of :data:`HF_RMS_NORMS` the tiled forward (the same values: fp32 math
-    as theirs); returns how many. Their own forward keeps an fp32 copy of the input for backward."""
-    count = 0
-    for module in model.modules():
-        if type(module).__name__ in HF_RMS_NORMS and not getattr(module, "_fpdt_tiled_norm", False):
-            def forward(hidden_states: Tensor, _norm: torch.nn.Module = module, _own=module.forward) -> Tensor:
-                if hidden_states.dtype == torch.float64:
-                    # fp64 runs are references (tests): HF's own arithmetic, to the last bit of its fp32 backward
-                    return _own(hidden_states)
-                return rms_norm(hidden_states, _norm.weight, _norm.variance_epsilon, torch.float32)
-
-            module.forward = forward
-            module._fpdt_tiled_norm = True
-            count += 1
-    return count
-
-
 # ---- RoPE ------------------------------------------------------------------------------------------------------------
 def rotary_forward(x: Tensor, position_ids: Tensor, theta: float, *, inverse: bool = False) -> Tensor:
     """``x (B, S, H, D)`` rotated by the RoPE angles of ``position_ids (B, S)`` (rotate-half convention), over token

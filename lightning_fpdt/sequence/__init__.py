@@ -1,13 +1,16 @@
-"""The sequence-parallel core: plain PyTorch, no Lightning imports (DESIGN.md §2)."""
+"""The sequence-parallel core: plain PyTorch, no Lightning, no model knowledge (docs/design.md §2)."""
 
 from lightning_fpdt.sequence.all_to_all import all_to_all_head_to_seq, all_to_all_seq_to_head
+from lightning_fpdt.sequence.attention import FPDTAttention, LayerAttention, fpdt_attention
+from lightning_fpdt.sequence.blocks import check_heads, merge_partial
 from lightning_fpdt.sequence.documents import DocumentBoundaries
-from lightning_fpdt.sequence.fpdt import FPDTAttention, LayerAttention, check_heads, fpdt_attention, merge_partial
-from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention, check_head_groups, install_head_groups
 from lightning_fpdt.sequence.host_stash import ChunkStash, HostBufferPool, HostStash, StashFactory
 from lightning_fpdt.sequence.kernels import make_kernel, supported_backends
 from lightning_fpdt.sequence.layout import IGNORE_INDEX, RingBlock, SequenceLayout
+from lightning_fpdt.sequence.loss import sequence_parallel_loss, shift_labels, token_cross_entropy
+from lightning_fpdt.sequence.options import FPDTOptions
 from lightning_fpdt.sequence.ring import RingComm, new_sequence_groups, ring_attention
+from lightning_fpdt.sequence.sizes import check_head_groups
 from lightning_fpdt.sequence.ulysses import ulysses_attention
 
 __all__ = [
@@ -15,7 +18,7 @@ __all__ = [
     "ChunkStash",
     "DocumentBoundaries",
     "FPDTAttention",
-    "HeadGroupedAttention",
+    "FPDTOptions",
     "HostBufferPool",
     "HostStash",
     "LayerAttention",
@@ -28,11 +31,13 @@ __all__ = [
     "check_head_groups",
     "check_heads",
     "fpdt_attention",
-    "install_head_groups",
     "make_kernel",
     "merge_partial",
     "new_sequence_groups",
     "ring_attention",
+    "sequence_parallel_loss",
+    "shift_labels",
     "supported_backends",
+    "token_cross_entropy",
     "ulysses_attention",
 ]

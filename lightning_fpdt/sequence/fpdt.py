@@ -1,4 +1,4 @@
-"""FPDT chunk-pipelined causal attention over a sequence-parallel group (DESIGN.md §4).
+"""FPDT chunk-pipelined causal attention over one sequence-parallel group (docs/design.md §4).
 
 Each rank holds ``u`` local chunks of ``c`` tokens (:class:`SequenceLayout`). Chunk ``i`` of every rank is
 all-to-all'd into the contiguous global range ``[i·C, (i+1)·C)`` for ``H/P`` heads, attended against the kv chunks
@@ -8,94 +8,38 @@ materialised at full precision at once; the rest sits in a :class:`ChunkStash`. 
 Packed documents (:class:`~lightning_fpdt.sequence.documents.DocumentBoundaries`): each block is skipped, computed
 whole, or cut into per-document segments (:func:`_block_forward`, :func:`_block_backward`); the loops are unchanged.
 
-Three layers, as in the rest of ``sequence/``: the loops (:func:`fpdt_forward`, :func:`fpdt_backward`), a thin
-``autograd.Function`` that only handles ``ctx``, and the public :func:`fpdt_attention` / :class:`FPDTAttention`.
+Three layers: the loops (:func:`fpdt_forward`, :func:`fpdt_backward`), a thin ``autograd.Function`` that only
+handles ``ctx``, and :func:`fpdt_chunk_attention`. Models call it through :mod:`lightning_fpdt.sequence.attention`
+(``fpdt_attention``, ``FPDTAttention``), which also dispatches to the Ulysses × ring hybrid.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fpdt.sequence.all_to_all import group_rank, group_size, head_to_seq, seq_to_head
+from lightning_fpdt.sequence.blocks import (
+    FirstPass,
+    check_call,
+    merge_partial,
+    replicate_kv_heads,
+    softmax_scale,
+    sum_kv_replicas,
+)
 from lightning_fpdt.sequence.documents import BlockPlan, DocumentBoundaries, Segment
 from lightning_fpdt.sequence.host_stash import ChunkStash, StashFactory
-from lightning_fpdt.sequence.kernels import (
-    BlockKernel,
-    VarlenFlashKernel,
-    accumulation_dtype,
-    check_backend_name,
-    make_kernel,
-)
+from lightning_fpdt.sequence.kernels import BlockKernel, VarlenFlashKernel, accumulation_dtype, make_kernel
 from lightning_fpdt.sequence.layout import SequenceLayout
 
 
-def check_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
-    """Validate the head geometry for ``sp_size`` ranks; returns how often each kv head is replicated (GQA).
-
-    ``Hkv % P == 0``: kv heads are scattered like query heads (factor 1). ``P % Hkv == 0``: each kv head is
-    replicated ``P / Hkv`` times before the all-to-all so every rank receives the one its query heads read.
-    """
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if num_heads % sp_size:
-        valid = [p for p in range(1, num_heads + 1) if num_heads % p == 0]
-        raise ValueError(
-            f"num_heads ({num_heads}) is not divisible by sequence_parallel_size ({sp_size}); "
-            f"Ulysses scatters heads, so use a sequence_parallel_size in {valid}"
-        )
-    if num_kv_heads % sp_size == 0:
-        return 1
-    if sp_size % num_kv_heads == 0:
-        return sp_size // num_kv_heads
-    raise ValueError(
-        f"num_kv_heads ({num_kv_heads}) and sequence_parallel_size ({sp_size}) must divide one another "
-        f"(scatter kv heads when num_kv_heads % P == 0, replicate them when P % num_kv_heads == 0)"
-    )
-
-
-def replicate_kv_heads(k: Tensor, v: Tensor, repeat: int) -> tuple[Tensor, Tensor]:
-    """``(B, n, Hkv, D) -> (B, n, Hkv·repeat, D)`` before the all-to-all (``repeat`` from :func:`check_heads`): rank
-    ``p`` then receives kv head ``p // repeat``, the one its query heads read."""
-    if repeat == 1:
-        return k, v
-    return k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
-
-
-def sum_kv_replicas(dk: Tensor, dv: Tensor, repeat: int) -> tuple[Tensor, Tensor]:
-    """The backward of :func:`replicate_kv_heads`: ``(B, n, Hkv·repeat, D) -> (B, n, Hkv, D)``, a replicated kv
-    head's gradient being the sum over its replicas."""
-    if repeat == 1:
-        return dk, dv
-    return dk.unflatten(2, (-1, repeat)).sum(3), dv.unflatten(2, (-1, repeat)).sum(3)
-
-
-def merge_partial(
-    out: Optional[Tensor], lse: Optional[Tensor], block_out: Tensor, block_lse: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Online-softmax merge of a block's ``(out, lse)`` into the running ones, in the accumulation dtype.
-
-    ``new_lse = logaddexp(lse, block_lse)`` and each side is weighted by ``exp(its_lse − new_lse) <= 1``, so no
-    exponential of a raw logit is ever taken (``log1p(exp(·))`` forms overflow at logits of ~±90 in fp32).
-    Rows that have seen no key yet (both ``-inf``) stay zero instead of becoming NaN.
-    """
-    acc = accumulation_dtype(block_out.dtype)
-    block_out, block_lse = block_out.to(acc), block_lse.to(acc)
-    if out is None:
-        return block_out, block_lse
-    new_lse = torch.logaddexp(lse, block_lse)  # (B, h, Sq)
-    finite_lse = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
-    out = out * torch.exp(lse - finite_lse).unsqueeze(-1) + block_out * torch.exp(block_lse - finite_lse).unsqueeze(-1)
-    return out, new_lse
-
-
 @dataclass
-class _Plan:
-    """What the loops need besides the tensors."""
+class FPDTPlan:
+    """What the loops need besides the tensors: one validated call."""
 
     group: Optional[dist.ProcessGroup]
     layout: SequenceLayout
@@ -106,7 +50,7 @@ class _Plan:
     varlen: Optional[VarlenFlashKernel] = None  # packed documents on CUDA: a block's segments in one call
 
 
-def _block_plans(plan: _Plan, q_chunk: int, kv_chunk: int, chunk_len: int) -> Optional[list[BlockPlan]]:
+def _block_plans(plan: FPDTPlan, q_chunk: int, kv_chunk: int, chunk_len: int) -> Optional[list[BlockPlan]]:
     """The per-document kernel calls of block ``(q_chunk, kv_chunk)``; ``None``: one plain call (no documents, or
     one document covering the whole block for every batch item); ``[]``: skip the block."""
     if plan.documents is None:
@@ -120,19 +64,19 @@ def _block_plans(plan: _Plan, q_chunk: int, kv_chunk: int, chunk_len: int) -> Op
     return block_plans
 
 
-def _kv_chunks_read(plan: _Plan, q_chunk: int, chunk_len: int) -> list[int]:
+def _kv_chunks_read(plan: FPDTPlan, q_chunk: int, chunk_len: int) -> list[int]:
     """The kv chunks ``j <= q_chunk`` that q chunk ``q_chunk`` reads: all of them, or (packed documents) those sharing
     a document with it; the diagonal always. Skipped chunks are neither computed nor fetched from the stash."""
     return [j for j in range(q_chunk + 1) if _block_plans(plan, q_chunk, j, chunk_len) != []]
 
 
-def _q_chunks_reading(plan: _Plan, kv_chunk: int, chunk_len: int) -> list[int]:
+def _q_chunks_reading(plan: FPDTPlan, kv_chunk: int, chunk_len: int) -> list[int]:
     """The q chunks ``i >= kv_chunk`` that read kv chunk ``kv_chunk`` (see :func:`_kv_chunks_read`)."""
     return [i for i in range(kv_chunk, plan.layout.num_chunks) if _block_plans(plan, i, kv_chunk, chunk_len) != []]
 
 
 def _block_forward(
-    plan: _Plan, q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
+    plan: FPDTPlan, q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
     out: Optional[Tensor], lse: Optional[Tensor],
 ) -> tuple[Tensor, Tensor]:
     """Attend q chunk ``q_chunk`` (B, H/P, C, D) to kv chunk ``kv_chunk`` and merge into the running ``(out, lse)``.
@@ -164,7 +108,7 @@ def _block_forward(
 
 
 def _block_backward(
-    plan: _Plan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
+    plan: FPDTPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of block ``(q_chunk, kv_chunk)`` given the final ``out, lse`` (never a skipped block).
 
@@ -195,18 +139,18 @@ def _block_backward(
     return dq, dk, dv
 
 
-def _chunk(plan: _Plan, x: Tensor, index: int) -> Tensor:
+def _chunk(plan: FPDTPlan, x: Tensor, index: int) -> Tensor:
     return plan.layout.local_chunk(x, index, dim=1)
 
 
-def _packed_rows(plan: _Plan, q: Tensor, q_chunk: int, kv_chunk: int):
+def _packed_rows(plan: FPDTPlan, q: Tensor, q_chunk: int, kv_chunk: int):
     chunk_len = q.shape[2]
     return plan.documents.packed_rows((q_chunk * chunk_len, (q_chunk + 1) * chunk_len),
                                       (kv_chunk * chunk_len, (kv_chunk + 1) * chunk_len), q.device)
 
 
 def _varlen_block_forward(
-    plan: _Plan, q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
+    plan: FPDTPlan, q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
     out: Optional[Tensor], lse: Optional[Tensor],
 ) -> tuple[Tensor, Tensor]:
     """All segments of a block, over the whole batch, in one varlen call; rows without a segment get no key."""
@@ -224,7 +168,7 @@ def _varlen_block_forward(
 
 
 def _varlen_block_backward(
-    plan: _Plan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
+    plan: FPDTPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward of :func:`_varlen_block_forward` with the final ``out, lse``; zero where no segment reaches."""
     rows = _packed_rows(plan, q, q_chunk, kv_chunk)
@@ -245,7 +189,7 @@ def _varlen_block_backward(
     return dq, dk, dv
 
 
-def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan, stash: ChunkStash, save_for_backward: bool) -> Tensor:
+def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: FPDTPlan, stash: ChunkStash, save_for_backward: bool) -> Tensor:
     """The forward chunk loop; stashes what the backward needs when ``save_for_backward``.
 
     Stash keys (head-sharded, per global chunk ``i``): ``("k", i)``, ``("v", i)`` always (later q chunks read
@@ -295,7 +239,7 @@ Q_SIDE = ("q", "out", "lse", "dout")
 
 
 def fpdt_backward(
-    dout: Tensor, out: Tensor, plan: _Plan, stash: ChunkStash, dq_store: ChunkStash, q_meta: Tensor, kv_meta: Tensor
+    dout: Tensor, out: Tensor, plan: FPDTPlan, stash: ChunkStash, dq_store: ChunkStash, q_meta: Tensor, kv_meta: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward chunk loop: outer over kv chunks ``j``, inner over q chunks ``i >= j``.
 
@@ -385,8 +329,8 @@ class _FPDTAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan, stashes: StashFactory, save: bool,
-        first_pass: Optional["_FirstPass"] = None,
+        ctx, q: Tensor, k: Tensor, v: Tensor, plan: FPDTPlan, stashes: StashFactory, save: bool,
+        first_pass: Optional[FirstPass] = None,
     ) -> Tensor:
         if first_pass is None:
             stash = stashes.chunks(q.device)
@@ -410,79 +354,27 @@ class _FPDTAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def fpdt_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    causal: bool = True,
-    scale: Optional[float] = None,
-    group: Union[dist.ProcessGroup, tuple[dist.ProcessGroup, dist.ProcessGroup], None] = None,
-    num_chunks: int = 1,
-    backend: str = "auto",
-    stashes: Optional[StashFactory] = None,
-    documents: Optional[DocumentBoundaries] = None,
-) -> Tensor:
-    """Exact causal attention of a sequence-sharded batch over the sequence-parallel ``group``.
 
-    Args:
-        query: ``(B, S/P, H, D)``, this rank's tokens in :class:`SequenceLayout` order, RoPE applied.
-        key, value: ``(B, S/P, Hkv, D)``.
-        causal: must be ``True``: FPDT's schedule is the causal one.
-        scale: softmax scale, ``D ** -0.5`` by default.
-        group: the sequence-parallel process group (``None``: the default group, or one process), or a
-            ``(ulysses_group, ring_group)`` pair: the Ulysses × ring hybrid (:func:`~lightning_fpdt.sequence.ring.
-            ring_attention`) for more ranks than heads.
-        num_chunks: FPDT chunks per rank ``u``; ``1`` is Ulysses.
-        backend: block kernel, one of ``"auto"``, ``"math"``, ``"flash"``, ``"cudnn"``.
-        stashes: where chunks wait for the backward (:class:`StashFactory`; default: device memory).
-        documents: packed documents of the *global* (padded) sequences (:class:`DocumentBoundaries`): a token
-            attends only to earlier tokens of its own document; ``None``: one document per sequence.
-
-    Returns:
-        ``(B, S/P, H, D)``, this rank's tokens of the attention output.
-    """
-    if isinstance(group, tuple):  # (ulysses_group, ring_group): the hybrid over a 2-D mesh (sequence/ring.py)
-        from lightning_fpdt.sequence.ring import ring_attention  # ring.py builds on this module
-
-        if documents is not None:
-            raise ValueError("packed documents are not supported with ring_size > 1 yet: use ring_size=1")
-        return ring_attention(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
-                              backend=backend, stashes=stashes)
-    plan = _make_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
-                      backend=backend, documents=documents)
-    # decided here: inside Function.forward grad mode is always off
-    save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
-    return _FPDTAttentionFunction.apply(query, key, value, plan, stashes or StashFactory(), save)
-
-
-def _make_plan(
+def make_plan(
     query: Tensor, key: Tensor, value: Tensor, *, causal: bool, scale: Optional[float],
     group: Optional[dist.ProcessGroup], num_chunks: int, backend: str, documents: Optional[DocumentBoundaries] = None,
-) -> _Plan:
-    """Validate the call (ValueErrors name the fix) and fix what the loops need."""
-    if not causal:
-        raise ValueError(
-            "FPDT attention is causal only (its chunk schedule skips future chunks); for bidirectional attention "
-            "run without the fpdt strategy"
-        )
-    if query.dim() != 4 or key.shape != value.shape or key.dim() != 4:
-        raise ValueError(
-            f"expected query (B, S/P, H, D) and key/value (B, S/P, Hkv, D) of equal shape, got "
-            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
-        )
-    if query.shape[:2] != key.shape[:2] or query.shape[-1] != key.shape[-1]:
-        raise ValueError(
-            f"query {tuple(query.shape)} and key {tuple(key.shape)} must agree in batch, local length and head dim"
-        )
-    check_backend_name(backend)
+    layout: Optional[SequenceLayout] = None,
+) -> FPDTPlan:
+    """Validate the call (ValueErrors name the fix) and fix what the loops need. ``layout``: the batch's layout
+    (the strategy builds it once per batch); ``None`` builds it from the group and ``num_chunks``."""
     sp_size = group_size(group)
-    kv_repeat = check_heads(query.shape[2], key.shape[2], sp_size)
-    layout = SequenceLayout(sp_size, group_rank(group), num_chunks)
-    if query.shape[1] % num_chunks:
+    kv_repeat = check_call(query, key, value, causal=causal, backend=backend, sp_size=sp_size)
+    if layout is None:
+        layout = SequenceLayout(sp_size, group_rank(group), num_chunks)
+    elif (layout.sp_size, layout.sp_rank, layout.ring_size) != (sp_size, group_rank(group), 1):
         raise ValueError(
-            f"local sequence length {query.shape[1]} is not divisible by num_chunks ({num_chunks}): pad the global "
-            f"sequence to a multiple of sequence_parallel_size * num_chunks = {layout.num_pieces}"
+            f"the batch's layout ({layout}) is not this group's: {sp_size} ranks, rank {group_rank(group)}, no ring; "
+            f"build the layout from the same sequence-parallel group the attention runs over"
+        )
+    if query.shape[1] % layout.num_chunks:
+        raise ValueError(
+            f"local sequence length {query.shape[1]} is not divisible by num_chunks ({layout.num_chunks}): pad the "
+            f"global sequence to a multiple of sequence_parallel_size * num_chunks = {layout.num_pieces}"
         )
     global_shape = (query.shape[0], query.shape[1] * sp_size)  # (B, S)
     if documents is not None and (documents.batch_size, documents.seq_len) != global_shape:
@@ -492,11 +384,11 @@ def _make_plan(
             f"{query.shape[1] * sp_size}: build them from the global batch padded like it "
             f"(DocumentBoundaries.from_document_ids(ids).padded(layout.padded_length(S)))"
         )
-    return _Plan(
+    return FPDTPlan(
         group=group,
         layout=layout,
         kernel=make_kernel(backend, query.device, query.dtype),
-        scale=query.shape[-1] ** -0.5 if scale is None else scale,
+        scale=softmax_scale(query, scale),
         kv_repeat=kv_repeat,
         documents=documents,
         varlen=varlen_kernel_for(backend, query.device, query.dtype) if documents is not None else None,
@@ -508,198 +400,46 @@ def varlen_kernel_for(backend: str, device: torch.device, dtype: torch.dtype) ->
     return VarlenFlashKernel() if backend != "math" and VarlenFlashKernel.usable(device, dtype) else None
 
 
-def _attention_function(plan: object) -> type[torch.autograd.Function]:
-    """The autograd.Function that runs ``plan``: FPDT's, or the ring hybrid's for a ring plan (sequence/ring.py)."""
-    if isinstance(plan, _Plan):
-        return _FPDTAttentionFunction
-    from lightning_fpdt.sequence.ring import _RingAttentionFunction  # ring.py builds on this module
-
-    return _RingAttentionFunction
+def run_plan(query: Tensor, key: Tensor, value: Tensor, plan: FPDTPlan, stashes: StashFactory, save: bool,
+             first_pass: Optional[FirstPass] = None) -> Tensor:
+    """Apply :class:`_FPDTAttentionFunction` to a validated call."""
+    return _FPDTAttentionFunction.apply(query, key, value, plan, stashes, save, first_pass)
 
 
-def _in_backward() -> bool:
-    """True while autograd runs a backward: a checkpoint recomputing a layer's forward."""
-    return torch._C._current_graph_task_id() != -1
+def fpdt_chunk_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    causal: bool = True,
+    scale: Optional[float] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    num_chunks: int = 1,
+    backend: str = "auto",
+    stashes: Optional[StashFactory] = None,
+    documents: Optional[DocumentBoundaries] = None,
+    layout: Optional[SequenceLayout] = None,
+) -> Tensor:
+    """Exact causal attention of a sequence-sharded batch over one process group, in FPDT's chunk pipeline.
 
+    Args:
+        query: ``(B, S/P, H, D)``, this rank's tokens in :class:`SequenceLayout` order, RoPE applied.
+        key, value: ``(B, S/P, Hkv, D)``.
+        causal: must be ``True``: FPDT's schedule is the causal one.
+        scale: softmax scale, ``D ** -0.5`` by default.
+        group: the sequence-parallel process group (``None``: the default group, or one process).
+        num_chunks: FPDT chunks per rank ``u``; ``1`` is Ulysses.
+        backend: block kernel, one of ``"auto"``, ``"math"``, ``"flash"``, ``"cudnn"``.
+        stashes: where chunks wait for the backward (:class:`StashFactory`; default: device memory).
+        documents: packed documents of the *global* (padded) sequences (:class:`DocumentBoundaries`): a token
+            attends only to earlier tokens of its own document; ``None``: one document per sequence.
+        layout: the batch's :class:`SequenceLayout` (``num_chunks`` is then its own); ``None``: from the group.
 
-@dataclass
-class _FirstPass:
-    """What a checkpointed layer's first (no-grad) forward leaves for its recompute."""
-
-    plan: _Plan
-    stash: ChunkStash  # the q/k/v/lse chunks, as for a normal backward
-    out: Optional[Tensor]  # the local output (B, S/P, H, D), set when the recompute takes it back
-
-
-class FPDTAttention:
-    """:func:`fpdt_attention` bound to a group and options: what a strategy installs in a model.
-
-    One instance serves a whole model (it owns the host buffer pool and the copy streams); each attention layer
-    calls it through its own :meth:`for_layer` handle. Under activation checkpointing (``recording`` is set while a
-    checkpoint runs a block's first, no-grad forward) a layer computes attention once, keeps its output and chunks,
-    and the recompute in backward gets them back instead of running attention again.
+    Returns:
+        ``(B, S/P, H, D)``, this rank's tokens of the attention output.
     """
-
-    def __init__(
-        self,
-        *,
-        group: Union[dist.ProcessGroup, tuple[dist.ProcessGroup, dist.ProcessGroup], None] = None,
-        num_chunks: int = 1,
-        backend: str = "auto",
-        offload: bool = False,
-        offload_dq: bool = False,
-        head_chunks: int = 1,
-    ) -> None:
-        check_backend_name(backend)
-        if num_chunks < 1:
-            raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
-        if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
-            raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
-        self.group = group
-        self.num_chunks = num_chunks
-        self.head_chunks = head_chunks
-        """Head groups G: the layers the strategy installs run projection, attention and output projection per group
-        of ``H/G`` query heads (``sequence/head_chunks.py``); 1 is one group of all heads."""
-        self.backend = backend
-        self.stashes = StashFactory(offload=offload, offload_dq=offload_dq)
-        self.recording = False
-        """Set by a checkpoint around a block's first forward: keep what the recompute will need."""
-        self.kernel_calls = 0
-        """Attention computations run (a recompute served from the first forward does not count)."""
-        self.documents: Optional[DocumentBoundaries] = None
-        """Packed documents of the current batch (set per batch by the strategy); ``None``: plain causal."""
-
-    @property
-    def offload(self) -> bool:
-        return self.stashes.offload
-
-    @offload.setter
-    def offload(self, value: bool) -> None:
-        self.stashes.offload = value
-
-    def plan(self, query: Tensor, key: Tensor, value: Tensor, causal: bool, scale: Optional[float]) -> object:
-        """FPDT's :class:`_Plan`, or the ring hybrid's plan for a ``(ulysses_group, ring_group)`` pair."""
-        if isinstance(self.group, tuple):  # (ulysses_group, ring_group): the hybrid (sequence/ring.py)
-            from lightning_fpdt.sequence.ring import _make_ring_plan  # ring.py builds on this module
-
-            if self.documents is not None:
-                raise ValueError("packed documents are not supported with ring_size > 1 yet: use ring_size=1")
-            return _make_ring_plan(query, key, value, causal=causal, scale=scale, group=self.group,
-                                   num_chunks=self.num_chunks, backend=self.backend)
-        return _make_plan(query, key, value, causal=causal, scale=scale, group=self.group,
-                          num_chunks=self.num_chunks, backend=self.backend, documents=self.documents)
-
-    def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, causal: bool = True, scale: Optional[float] = None) -> Tensor:
-        self.kernel_calls += 1
-        save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
-        plan = self.plan(query, key, value, causal, scale)
-        return _attention_function(plan).apply(query, key, value, plan, self.stashes, save)
-
-    def for_layer(self) -> "LayerAttention":
-        return LayerAttention(self)
-
-    def __repr__(self) -> str:
-        return (f"FPDTAttention(num_chunks={self.num_chunks}, backend={self.backend!r}, offload={self.offload}, "
-                f"head_chunks={self.head_chunks})")
-
-
-def check_document_ids(shared: FPDTAttention, document_ids: Optional[Tensor]) -> None:
-    """A model passing ``document_ids`` (it masks documents single-process) needs the strategy to have found the
-    documents of the global batch: the local ids cannot say where a document continues on another rank."""
-    if document_ids is not None and shared.documents is None:
-        raise ValueError(
-            "the model passes document_ids to its attention, but the fpdt strategy found neither 'document_ids' "
-            "nor position_ids restarting at 0 in the batch: put them in the dict the dataloader returns (e.g. "
-            "PackedTokenDataset(document_ids=True)), so the strategy sees every document of the global sequence"
-        )
-
-
-def check_exact_call(*, attention_mask: Optional[Tensor], dropout: float, sliding_window: Optional[int]) -> None:
-    """Refuse what the fpdt attention cannot compute exactly in a model's attention call (a Hugging Face module's,
-    whole or in head groups): a mask, attention dropout, a sliding window."""
-    if attention_mask is not None:
-        raise ValueError(
-            "the fpdt attention is causal over the whole sequence and takes no attention mask: drop padding "
-            "(right-pad and set the padded labels to -100) instead of passing an attention_mask with zeros"
-        )
-    if dropout:
-        raise ValueError(f"attention dropout ({dropout}) is not supported by the fpdt attention: set it to 0")
-    if sliding_window:
-        raise ValueError(
-            "sliding-window attention is not supported by the fpdt attention: disable it in the model config "
-            "(e.g. use_sliding_window=False, or sliding_window=None for Mistral) for full causal attention"
-        )
-
-
-class LayerAttention:
-    """One layer's handle on a shared :class:`FPDTAttention` (see there)."""
-
-    def __init__(self, shared: FPDTAttention) -> None:
-        self.shared = shared
-        self._first_pass: Optional[_FirstPass] = None
-        self._kept_out: Optional[ChunkStash] = None  # the first pass's output, on the host when offloading
-
-    def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, causal: bool = True, scale: Optional[float] = None,
-                 document_ids: Optional[Tensor] = None) -> Tensor:
-        shared = self.shared
-        check_document_ids(shared, document_ids)
-        if self._first_pass is not None and _in_backward():
-            return self._replay(query, key, value)
-        if not shared.recording:
-            return shared(query, key, value, causal=causal, scale=scale)
-        # a checkpoint's first forward (no grad)
-        return self.record(query, key, value, causal=causal, scale=scale)
-
-    def record(self, query: Tensor, key: Tensor, value: Tensor, *, causal: bool = True,
-               scale: Optional[float] = None) -> Tensor:
-        """Compute the attention now (no graph) and stash as for a backward, keeping the output: a later call
-        inside a backward takes both back instead of computing again. What a checkpoint's first forward does, and
-        what each head group of ``sequence/head_chunks.py`` does."""
-        shared = self.shared
-        self.discard()
-        shared.kernel_calls += 1
-        plan = shared.plan(query, key, value, causal, scale)
-        stash = shared.stashes.chunks(query.device)
-        if isinstance(plan, _Plan):
-            out = fpdt_forward(query, key, value, plan, stash, save_for_backward=True)
-        else:  # the ring hybrid's plan
-            from lightning_fpdt.sequence.ring import hybrid_forward
-
-            out = hybrid_forward(query, key, value, plan, stash, save_for_backward=True)
-        self._kept_out = shared.stashes.chunks(out.device)  # host memory when offloading
-        self._kept_out.put("out", out)
-        self._first_pass = _FirstPass(plan=plan, stash=stash, out=None)  # out comes back from _kept_out in _replay
-        return out
-
-    @property
-    def recorded(self) -> bool:
-        """A first pass is kept and waits for its replay."""
-        return self._first_pass is not None
-
-    def kept_output(self) -> Tensor:
-        """The recorded output, resident (a head group's recomputed forward sums its output projection from it);
-        the kept copy stays for the replay."""
-        if self._first_pass is None:
-            raise RuntimeError("kept_output called without a recorded first pass (record first)")
-        out = self._kept_out.get("out")
-        self._kept_out.release("out")
-        return out
-
-    def _replay(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        first_pass, kept = self._first_pass, self._kept_out
-        self._first_pass = self._kept_out = None
-        first_pass.out = kept.get("out")
-        kept.release("out")
-        kept.free("out")
-        return _attention_function(first_pass.plan).apply(query, key, value, first_pass.plan, self.shared.stashes, True,
-                                                           first_pass)
-
-    def discard(self) -> None:
-        """Drop what a first pass kept (its graph was discarded without a backward)."""
-        if self._first_pass is not None:
-            self._first_pass.stash.clear()
-            self._kept_out.clear()
-        self._first_pass = self._kept_out = None
-
-    def __repr__(self) -> str:
-        return f"LayerAttention({self.shared!r})"
+    plan = make_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
+                     backend=backend, documents=documents, layout=layout)
+    # decided here: inside Function.forward grad mode is always off
+    save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    return run_plan(query, key, value, plan, stashes or StashFactory(), save)

@@ -135,7 +135,7 @@ class FlashKernel(BlockKernel):
 
 
 class CudnnKernel(BlockKernel):
-    """PyTorch's cuDNN attention ops (CUDA, fp16/bf16): the fastest on an H100 (DESIGN.md §4)."""
+    """PyTorch's cuDNN attention ops (CUDA, fp16/bf16): the fastest on an H100 (docs/design.md §4)."""
 
     name = "cudnn"
 

@@ -1,4 +1,4 @@
-"""The one definition of which tokens a sequence-parallel rank holds (DESIGN.md §3).
+"""The one definition of which tokens a sequence-parallel rank holds (docs/design.md §3).
 
 The global sequence of ``S`` tokens (after right-padding to a multiple of ``P·u``) is cut into ``P·u`` pieces of
 ``c = S / (P·u)`` tokens. Rank ``r`` holds pieces ``r, P + r, 2P + r, …, (u − 1)P + r`` in that order, so its local
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-IGNORE_INDEX = -100
+from lightning_fpdt.sequence import loss
+from lightning_fpdt.sequence.loss import IGNORE_INDEX
 
 
 class RingBlock(NamedTuple):
@@ -254,12 +255,7 @@ class SequenceLayout:
 
     @staticmethod
     def shift_labels(labels: Tensor, dim: int = 1, ignore_index: int = IGNORE_INDEX) -> Tensor:
-        """Targets on the global sequence: ``out[t] = labels[t + 1]``, the last one ``ignore_index``.
-
-        Shifting happens before sharding so no label is lost at shard boundaries.
-        """
-        dim = dim % labels.dim()
-        seq_len = labels.shape[dim]
-        tail_shape = list(labels.shape)
-        tail_shape[dim] = 1
-        return torch.cat([labels.narrow(dim, 1, seq_len - 1), labels.new_full(tail_shape, ignore_index)], dim=dim)
+        """Targets on the global sequence: ``out[t] = labels[t + 1]``, the last one ``ignore_index``
+        (:func:`lightning_fpdt.sequence.loss.shift_labels`). Shifting happens before sharding so no label is lost at
+        shard boundaries."""
+        return loss.shift_labels(labels, dim=dim, ignore_index=ignore_index)

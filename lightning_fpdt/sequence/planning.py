@@ -24,6 +24,7 @@ with the ring yet) and there are no partial dQ sums to offload.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -89,3 +90,15 @@ def choose_chunks(geometry: AttentionGeometry, *, batch_size: int, seq_len: int,
 def choose_offload_dq(geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, free_bytes: int) -> bool:
     partial_dq = 4 * batch_size * seq_len // sp_size * geometry.num_heads * geometry.head_dim
     return partial_dq > free_bytes / (2 * STASH_FRACTION)
+
+
+def grouped_geometry(geometry: AttentionGeometry, head_chunks: int) -> AttentionGeometry:
+    """The attention as the planner sees it under ``head_chunks`` groups: ``L·G`` attention calls of ``H/G`` query and
+    ``Hkv/G`` kv heads each (stash, kept outputs and host bytes add up over the calls; a working set, a partial dQ and
+    one backward's chunks are those of one group)."""
+    if head_chunks == 1:
+        return geometry
+    return dataclasses.replace(
+        geometry, num_layers=geometry.num_layers * head_chunks, num_heads=geometry.num_heads // head_chunks,
+        num_kv_heads=geometry.num_kv_heads // head_chunks,
+    )

@@ -30,11 +30,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fpdt.sequence.all_to_all import head_to_seq, seq_to_head
-from lightning_fpdt.sequence.fpdt import (
-    _make_plan, _Plan, check_heads, fpdt_attention, merge_partial, replicate_kv_heads, sum_kv_replicas,
+from lightning_fpdt.sequence.blocks import (
+    FirstPass,
+    check_call,
+    check_heads,
+    merge_partial,
+    replicate_kv_heads,
+    softmax_scale,
+    sum_kv_replicas,
 )
+from lightning_fpdt.sequence.fpdt import FPDTPlan, fpdt_chunk_attention, make_plan
 from lightning_fpdt.sequence.host_stash import ChunkStash, StashFactory
-from lightning_fpdt.sequence.kernels import BlockKernel, accumulation_dtype
+from lightning_fpdt.sequence.kernels import BlockKernel, accumulation_dtype, make_kernel
 from lightning_fpdt.sequence.layout import SequenceLayout
 
 SequenceGroups = tuple[dist.ProcessGroup, dist.ProcessGroup]
@@ -119,7 +126,7 @@ class RingComm:
 
 
 @dataclass
-class _RingPlan:
+class RingPlan:
     """What the loops need besides the tensors."""
 
     ulysses_group: dist.ProcessGroup
@@ -137,7 +144,7 @@ def _rows(x: Tensor, rows: slice) -> Tensor:
     return x[:, :, rows].contiguous()
 
 
-def ring_forward(q: Tensor, kv: Tensor, plan: _RingPlan) -> tuple[Tensor, Tensor]:
+def ring_forward(q: Tensor, kv: Tensor, plan: RingPlan) -> tuple[Tensor, Tensor]:
     """The forward ring: this ring rank's q share against every ring rank's kv share, merged by log-sum-exp.
 
     ``q (B, h, S/R, D)``, ``kv (2, B, hk, S/R, D)`` (k and v stacked: one message per step). Step ``s`` holds the
@@ -166,7 +173,7 @@ def ring_forward(q: Tensor, kv: Tensor, plan: _RingPlan) -> tuple[Tensor, Tensor
 
 
 def ring_backward(
-    dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, plan: _RingPlan
+    dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, plan: RingPlan
 ) -> tuple[Tensor, Tensor]:
     """The backward ring: kv shares travel as in forward and each share's dK/dV accumulator travels with it.
 
@@ -204,7 +211,7 @@ SAVED = ("q", "kv", "out", "lse")
 
 
 def hybrid_forward(
-    q: Tensor, k: Tensor, v: Tensor, plan: _RingPlan, stash: ChunkStash, save_for_backward: bool
+    q: Tensor, k: Tensor, v: Tensor, plan: RingPlan, stash: ChunkStash, save_for_backward: bool
 ) -> Tensor:
     """All-to-all over the Ulysses group, the ring, all-to-all back; returns the local output. When
     ``save_for_backward``, stashes the head-sharded ``q``, ``kv``, ``out`` and ``lse`` (host memory when offloading:
@@ -223,7 +230,7 @@ def hybrid_forward(
     return out_local
 
 
-def hybrid_backward(dout: Tensor, plan: _RingPlan, stash: ChunkStash) -> tuple[Tensor, Tensor, Tensor]:
+def hybrid_backward(dout: Tensor, plan: RingPlan, stash: ChunkStash) -> tuple[Tensor, Tensor, Tensor]:
     """The inverse path: ``dout`` all-to-all'd to heads, the backward ring on the stashed shares, ``dq, dk, dv``
     all-to-all'd back in one collective (in the inputs' dtype)."""
     for name in SAVED:
@@ -264,14 +271,14 @@ class _RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, q: Tensor, k: Tensor, v: Tensor, plan: _RingPlan, stashes: StashFactory, save: bool,
-        first_pass: Optional[object] = None,
+        ctx, q: Tensor, k: Tensor, v: Tensor, plan: RingPlan, stashes: StashFactory, save: bool,
+        first_pass: Optional[FirstPass] = None,
     ) -> Tensor:
         if first_pass is None:
             stash = stashes.chunks(q.device)
             out = hybrid_forward(q, k, v, plan, stash, save_for_backward=save)
         else:
-            # a checkpoint's recompute: the first forward's output and stash (fpdt._FirstPass), nothing computed again
+            # a checkpoint's recompute: the first forward's output and stash, nothing computed again
             stash, out = first_pass.stash, first_pass.out.view(first_pass.out.shape)
         ctx.plan, ctx.stash = plan, stash
         return out
@@ -283,16 +290,17 @@ class _RingAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def _make_ring_plan(
+def make_ring_plan(
     query: Tensor, key: Tensor, value: Tensor, *, causal: bool, scale: Optional[float], group: SequenceGroups,
-    num_chunks: int, backend: str,
-) -> Union[_RingPlan, _Plan]:
+    num_chunks: int, backend: str, layout: Optional[SequenceLayout] = None,
+) -> Union[RingPlan, FPDTPlan]:
     """Validate the call (ValueErrors print every factor) and fix what the loops need; with ``R = 1`` FPDT's own
-    plan over the Ulysses group (chunks and everything else of FPDT apply)."""
+    plan over the Ulysses group (chunks and everything else of FPDT apply). ``layout``: the batch's layout (the
+    strategy builds it once per batch); ``None`` builds it from the two groups."""
     ulysses_group, ring_group, ulysses_size, ring_size = _split(group)
     if ring_size == 1:
-        return _make_plan(query, key, value, causal=causal, scale=scale, group=ulysses_group, num_chunks=num_chunks,
-                          backend=backend)
+        return make_plan(query, key, value, causal=causal, scale=scale, group=ulysses_group, num_chunks=num_chunks,
+                         backend=backend, layout=layout)
     sp_size = ulysses_size * ring_size
     try:
         check_heads(query.shape[2], key.shape[2], ulysses_size)
@@ -302,13 +310,25 @@ def _make_ring_plan(
             f"({ring_size}) = {ulysses_size} ranks: {error}; or choose another ring_size"
         ) from error
     sp_rank = dist.get_rank(ring_group) * ulysses_size + dist.get_rank(ulysses_group)  # ring-major
-    layout = SequenceLayout(sp_size, sp_rank, num_chunks, ring_size=ring_size)  # raises for num_chunks > 1
+    if layout is None:
+        layout = SequenceLayout(sp_size, sp_rank, num_chunks, ring_size=ring_size)  # raises for num_chunks > 1
+    elif (layout.sp_size, layout.sp_rank, layout.ring_size) != (sp_size, sp_rank, ring_size):
+        raise ValueError(
+            f"the batch's layout ({layout}) is not this mesh's: {sp_size} ranks in a ring of {ring_size}, rank "
+            f"{sp_rank}; build the layout from the same sequence-parallel mesh the attention runs over"
+        )
     layout.check_divisible(query.shape[1] * sp_size)
     # the Ulysses level is FPDT's own validation (causal, shapes, backend, GQA replication over U ranks)
-    ulysses = _make_plan(query, key, value, causal=causal, scale=scale, group=ulysses_group, num_chunks=1,
-                         backend=backend)
-    return _RingPlan(ulysses_group=ulysses_group, ring_group=ring_group, layout=layout, kernel=ulysses.kernel,
-                     scale=ulysses.scale, kv_repeat=ulysses.kv_repeat)
+    kv_repeat = check_call(query, key, value, causal=causal, backend=backend, sp_size=ulysses_size)
+    return RingPlan(ulysses_group=ulysses_group, ring_group=ring_group, layout=layout,
+                    kernel=make_kernel(backend, query.device, query.dtype), scale=softmax_scale(query, scale),
+                    kv_repeat=kv_repeat)
+
+
+def run_ring_plan(query: Tensor, key: Tensor, value: Tensor, plan: RingPlan, stashes: StashFactory, save: bool,
+                  first_pass: Optional[FirstPass] = None) -> Tensor:
+    """Apply :class:`_RingAttentionFunction` to a validated call."""
+    return _RingAttentionFunction.apply(query, key, value, plan, stashes, save, first_pass)
 
 
 def ring_attention(
@@ -322,6 +342,7 @@ def ring_attention(
     num_chunks: int = 1,
     backend: str = "auto",
     stashes: Optional[StashFactory] = None,
+    layout: Optional[SequenceLayout] = None,
 ) -> Tensor:
     """Exact causal attention of a sequence-sharded batch over a 2-D ``(ulysses_group, ring_group)``.
 
@@ -333,20 +354,21 @@ def ring_attention(
         scale: softmax scale, ``D ** -0.5`` by default.
         group: ``(ulysses_group, ring_group)`` (:func:`new_sequence_groups`, or the strategy's mesh axes).
         num_chunks: FPDT chunks; only ``1`` composes with ``R > 1`` so far. With ``R = 1`` this is
-            :func:`fpdt_attention` over the Ulysses group.
-        backend: block kernel, as for :func:`fpdt_attention`.
+            FPDT's chunk pipeline over the Ulysses group.
+        backend: block kernel, as for FPDT.
         stashes: where the shares wait for the backward (:class:`StashFactory`; default: device memory; with
             ``offload=True`` pinned host memory).
+        layout: the batch's :class:`SequenceLayout`; ``None``: built from the groups.
 
     Returns:
         ``(B, S/P, H, D)``, this rank's tokens of the attention output.
     """
     ulysses_group, ring_group, _, ring_size = _split(group)
     if ring_size == 1:
-        return fpdt_attention(query, key, value, causal=causal, scale=scale, group=ulysses_group,
-                              num_chunks=num_chunks, backend=backend, stashes=stashes)
-    plan = _make_ring_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
-                           backend=backend)
+        return fpdt_chunk_attention(query, key, value, causal=causal, scale=scale, group=ulysses_group,
+                                    num_chunks=num_chunks, backend=backend, stashes=stashes, layout=layout)
+    plan = make_ring_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
+                          backend=backend, layout=layout)
     # decided here: inside Function.forward grad mode is always off
     save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
-    return _RingAttentionFunction.apply(query, key, value, plan, stashes or StashFactory(), save)
+    return run_ring_plan(query, key, value, plan, stashes or StashFactory(), save)

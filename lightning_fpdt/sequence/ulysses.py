@@ -1,6 +1,6 @@
-"""Ulysses sequence parallelism: FPDT attention with one chunk per rank (DESIGN.md §4).
+"""Ulysses sequence parallelism: FPDT attention with one chunk per rank (docs/design.md §4).
 
-Not a second implementation: ``u = 1`` of :func:`~lightning_fpdt.sequence.fpdt.fpdt_attention` is exactly
+Not a second implementation: ``u = 1`` of :func:`~lightning_fpdt.sequence.attention.fpdt_attention` is exactly
 all-to-all (sequence -> heads), local exact attention, all-to-all back.
 """
 
@@ -11,7 +11,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_fpdt.sequence.fpdt import fpdt_attention
+from lightning_fpdt.sequence.attention import fpdt_attention
 
 
 def ulysses_attention(

@@ -1,4 +1,4 @@
-"""Lightning-facing part: the strategy and how it parallelizes a model."""
+"""The Lightning adapter: the strategy and how it parallelizes a model (docs/design.md §5)."""
 
 from lightning_fpdt.strategy.fpdt import FPDTStrategy
 from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt

@@ -1,61 +1,65 @@
-"""``apply_fpdt``: the fixed order of transforms that makes a model sequence-parallel (DESIGN.md §5)."""
+"""``apply_fpdt``: the fixed order of transforms that makes a model sequence-parallel (docs/design.md §5)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from collections.abc import Generator, Iterable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from lightning_fpdt.sequence import integrations
-from lightning_fpdt.sequence.integrations import SequenceParallelContext
+from lightning_fpdt.integrations import SequenceParallelContext, install
+from lightning_fpdt.integrations.attributes import APPLIED
+from lightning_fpdt.memory.surgery import find_blocks, find_model, has_parameters
 from lightning_fpdt.strategy.mesh import flat_mesh
 
 ModelTransform = Callable[[nn.Module, list[nn.Module]], None]
-_APPLIED = "_fpdt_applied"
+"""``transform(model, blocks)``: changes the network in place (a memory callback's ``fpdt_transform``)."""
+SLOTS = ("tiled_mlp", "tiled_loss", "activation_checkpointing")
+"""The memory transforms' slots of :class:`ParallelizeConfig`, in the order ``apply_fpdt`` runs them."""
 
 
 @dataclass
 class ParallelizeConfig:
-    """What ``apply_fpdt`` needs besides the model and the mesh."""
+    """What ``apply_fpdt`` needs besides the model and the mesh (keyword-only)."""
 
     context: SequenceParallelContext
     """The attention, group and per-batch state the installed wrappers share with the strategy."""
     layer_classes: Optional[Sequence[str]] = None
     """Class names of the transformer blocks; ``None`` takes the classes of the largest ``nn.ModuleList``."""
     mp_policy: Optional[MixedPrecisionPolicy] = None
+    """FSDP2's mixed precision (the precision plugin's); ``None``: FSDP2's default."""
     cpu_offload_params: bool = False
-    memory_transforms: Sequence[ModelTransform] = field(default_factory=list)
-    """Tiled MLP, tiled loss, activation checkpointing + offload, in that order (declared by callbacks)."""
+    """FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer states in host memory."""
+    tiled_mlp: Sequence[ModelTransform] = ()
+    """Run the MLPs over token tiles (``TiledMLP``)."""
+    tiled_loss: Sequence[ModelTransform] = ()
+    """Compute the loss over token tiles (``TiledLoss``)."""
+    activation_checkpointing: Sequence[ModelTransform] = ()
+    """Checkpoint the blocks, their inputs in host memory (``ActivationOffload``)."""
 
 
-def find_blocks(model: nn.Module, layer_classes: Optional[Sequence[str]] = None) -> list[nn.Module]:
-    """The transformer blocks: modules of ``layer_classes``, else the members of the largest ``nn.ModuleList``."""
-    if layer_classes:
-        names = set(layer_classes)
-        blocks = [m for m in model.modules() if type(m).__name__ in names]
-        if not blocks:
-            raise ValueError(f"layer_classes={sorted(names)} matched no module of {type(model).__name__}")
-        return blocks
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if not lists:
-        return []
-    return list(max(lists, key=len))
-
-
-def find_model(module: nn.Module) -> nn.Module:
-    """The network inside a LightningModule: its single child that holds the blocks, or the module itself."""
-    children = [c for c in module.children() if any(True for _ in c.parameters())]
-    return children[0] if len(children) == 1 else module
+def declared_transforms(callbacks: Iterable[Any]) -> dict[str, list[ModelTransform]]:
+    """The transforms callbacks declare (``fpdt_transform_slot``, ``fpdt_transform``), by slot."""
+    slots: dict[str, list[ModelTransform]] = {slot: [] for slot in SLOTS}
+    for callback in callbacks:
+        slot = getattr(callback, "fpdt_transform_slot", None)
+        if slot is None:
+            continue
+        if slot not in slots:
+            raise ValueError(f"{type(callback).__name__} declares fpdt_transform_slot={slot!r}; the slots are "
+                             f"{list(SLOTS)}")
+        slots[slot].append(callback.fpdt_transform)
+    return slots
 
 
 def apply_fpdt(module: nn.Module, mesh: DeviceMesh, *, config: ParallelizeConfig) -> nn.Module:
     """Make ``module`` (a LightningModule or any ``nn.Module``) sequence-parallel in place; idempotent."""
-    if getattr(module, _APPLIED, False):
+    if getattr(module, APPLIED, False):
         return module  # fit then validate must not wrap twice
     own = [name for name, _ in module.named_parameters(recurse=False)]
     if own:
@@ -66,24 +70,29 @@ def apply_fpdt(module: nn.Module, mesh: DeviceMesh, *, config: ParallelizeConfig
     model = find_model(module)
     blocks = find_blocks(model, config.layer_classes)
 
-    # 1. attention (and loss) swap first: later wrappers (checkpointing, FSDP) must wrap the swapped modules
-    integrations.install(model, blocks, config.context)
-    # 2.-4. tiled MLP, tiled loss, activation checkpointing + offload: checkpoint wrappers go on before FSDP
-    for transform in config.memory_transforms:
+    # 1. the attention (and loss) swap first: later wrappers (tiling, checkpointing, FSDP2) wrap the swapped modules
+    install(model, blocks, config.context)
+    # 2. tiled MLP inside the blocks, before checkpointing wraps them
+    for transform in config.tiled_mlp:
+        transform(model, blocks)
+    # 3. tiled loss on the model's forward, which FSDP2's root unit wraps
+    for transform in config.tiled_loss:
+        transform(model, blocks)
+    # 4. activation checkpointing + host offload: its wrappers hold the tiled MLP and must be in place before FSDP2
+    for transform in config.activation_checkpointing:
         transform(model, blocks)
     # 5. FSDP2 (plain gradient averaging over all ranks, see sequence_parallel_loss): each block its own unit
     #    (gathered just in time), then each top-level child for what remains; never the LightningModule root,
     #    whose training_step (not forward) Lightning calls
-    fsdp_mesh = flat_mesh(mesh)
-    kwargs = dict(mesh=fsdp_mesh, mp_policy=config.mp_policy or MixedPrecisionPolicy())
+    fsdp = dict(mesh=flat_mesh(mesh), mp_policy=config.mp_policy or MixedPrecisionPolicy())
     if config.cpu_offload_params:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        fsdp["offload_policy"] = CPUOffloadPolicy()
     for block in find_blocks(model, config.layer_classes):  # again: a transform may have wrapped the blocks
-        fully_shard(block, **kwargs)
+        fully_shard(block, **fsdp)
     for child in module.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, **kwargs)
-    setattr(module, _APPLIED, True)
+        if has_parameters(child):
+            fully_shard(child, **fsdp)
+    setattr(module, APPLIED, True)
     return module
 
 
@@ -94,3 +103,16 @@ def unwrap_loss(output: object) -> Optional[torch.Tensor]:
     if isinstance(output, dict):
         return output.get("loss")
     return None
+
+
+@contextmanager
+def no_gradient_sync(model: Optional[nn.Module]) -> Generator[None, None, None]:
+    """No FSDP2 gradient reduce-scatter inside (gradient-accumulation micro-steps)."""
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
+    for module in modules:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_requires_gradient_sync(True, recurse=False)

@@ -1,4 +1,4 @@
-"""Precision for the fpdt strategy: FSDP2's MixedPrecisionPolicy instead of autocast (DESIGN.md §5)."""
+"""Precision for the fpdt strategy: FSDP2's MixedPrecisionPolicy instead of autocast (docs/design.md §5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Where the sequence-parallel groups fall on the hosts (DESIGN.md §5: sequence-parallel ranks inside one host).
+"""Where the sequence-parallel groups fall on the hosts (docs/design.md §5: sequence-parallel ranks inside one host).
 
 The mesh is ``(data_parallel, sequence_parallel)``, row-major: sequence group ``g`` is the consecutive ranks
 ``g·sp … g·sp + sp − 1``, and launchers number ranks host by host (host ``n`` holds ranks

@@ -1,4 +1,5 @@
-"""Naming the rank that died or hung when a collective fails (DESIGN.md §5, issue "Reliability").
+"""Failures of a distributed run: a non-finite loss stops every rank together, and the rank that died or hung is
+named when a collective fails (docs/design.md §5).
 
 When one rank dies, the others fail in their next collective (the connection closes) or, if it hangs, after the
 collective timeout; either way the error says nothing about which rank is at fault. Each rank therefore keeps two
@@ -17,11 +18,28 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+
+def stop_on_nonfinite_loss(loss: Optional[torch.Tensor], trainer: Any, *, rank: int) -> None:
+    """Stop every rank together on a non-finite loss (one rank stopping alone would hang the others): a
+    ``FloatingPointError`` naming the step on every rank. Collective."""
+    if loss is None:
+        return
+    flag = (~torch.isfinite(loss.detach())).float().reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        raise FloatingPointError(
+            f"non-finite loss ({loss.item()} on rank {rank}) at global step {trainer.global_step} "
+            f"(epoch {trainer.current_epoch}): training stopped; lower the learning rate, check the data, or "
+            f"pass FPDTStrategy(nonfinite_loss='ignore') to train on"
+        )
 
 
 class RankWatchdog:
@@ -54,6 +72,18 @@ class RankWatchdog:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def report(self, exception: BaseException) -> None:
+        """Log which ranks are at fault after ``exception`` ended this rank's training (nothing for the errors that
+        are no rank's fault: a user's ValueError, a non-finite loss, an interrupt)."""
+        if isinstance(exception, (ValueError, FloatingPointError, KeyboardInterrupt)):
+            return
+        faults = self.diagnose(wait=6 * self.interval)
+        if faults:
+            logging.getLogger("lightning.pytorch").error(
+                f"fpdt: rank {self.rank} failed ({type(exception).__name__}: {str(exception)[:200]}); "
+                + "; ".join(faults)
+            )
 
     def diagnose(self, wait: float = 0.0) -> list[str]:
         """One line per rank at fault: stopped beating (waits up to ``wait`` s for a dead rank's beat to go stale),

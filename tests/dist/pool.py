@@ -1,4 +1,4 @@
-"""A pool of gloo worker processes on CPU that run test functions on every rank (DESIGN.md §7).
+"""A pool of gloo worker processes on CPU that run test functions on every rank (docs/design.md §7).
 
 Spawning and importing torch costs seconds per process, so each world size keeps one pool alive for the whole test
 session; a test sends a module-level function and keyword arguments, every rank runs it, and the first rank's

@@ -1,4 +1,4 @@
-"""Checkpoints under the fpdt strategy: exact resume, resume on another split, incomplete saves (DESIGN.md §5)."""
+"""Checkpoints under the fpdt strategy: exact resume, resume on another split, incomplete saves (docs/design.md §5)."""
 
 from __future__ import annotations
 

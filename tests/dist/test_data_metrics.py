@@ -1,5 +1,5 @@
 """Metrics under sequence parallelism: sums over all ranks, so validation perplexity and retrieval accuracy under
-Trainer(strategy="fpdt") equal one process's over the same samples (DESIGN.md §5, §7)."""
+Trainer(strategy="fpdt") equal one process's over the same samples (docs/design.md §5, §7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""FPDT / Ulysses attention on several gloo processes against single-process fp64 attention (DESIGN.md §4, §7)."""
+"""FPDT / Ulysses attention on several gloo processes against single-process fp64 attention (docs/design.md §4, §7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Head-group chunking (issue 10, UPipe) on gloo processes against the single-process attention (DESIGN.md §7):
+"""Head-group chunking (issue 10, UPipe) on gloo processes against the single-process attention (docs/design.md §7):
 one attention module's output and the gradients of its input and every parameter, and whole training."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload
 from lightning_fpdt.models.llama import LlamaAttention, LlamaConfig
-from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, install_head_groups
+from lightning_fpdt.integrations import HeadGroupedAttention, install_head_groups
+from lightning_fpdt.sequence import FPDTAttention, SequenceLayout
 from lightning_fpdt.sequence.all_to_all import group_rank, group_size
-from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention
 from tests.dist import test_strategy_parity as parity
 
 # fp64: the parallel run and the reference differ only in summation order (blockwise softmax merge, G partial output

@@ -1,5 +1,5 @@
 """LlamaLM(meta_init=True) under Trainer(strategy="fpdt") on two gloo processes: each rank allocates only its FSDP2
-shards and initialises them with the model's own init (DESIGN.md §5)."""
+shards and initialises them with the model's own init (docs/design.md §5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""MFUMonitor under sequence parallelism: ranks sharing a sample count its tokens once (DESIGN.md §6)."""
+"""MFUMonitor under sequence parallelism: ranks sharing a sample count its tokens once (docs/design.md §6)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The CLI end to end: a two-process CPU fit from YAML, and the same run as two simulated hosts (torchrun
---nnodes 2 against 127.0.0.1) giving the same losses (DESIGN.md §1: one host, several hosts)."""
+--nnodes 2 against 127.0.0.1) giving the same losses (docs/design.md §1: one host, several hosts)."""
 
 from __future__ import annotations
 

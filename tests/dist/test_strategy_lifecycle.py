@@ -1,4 +1,4 @@
-"""Strategy life cycle on two gloo processes: evaluation, fit-then-validate, batch errors (DESIGN.md §5)."""
+"""Strategy life cycle on two gloo processes: evaluation, fit-then-validate, batch errors (docs/design.md §5)."""
 
 from __future__ import annotations
 

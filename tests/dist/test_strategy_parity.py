@@ -1,4 +1,4 @@
-"""Whole-training parity: Trainer(strategy="fpdt") on N gloo processes vs one process (DESIGN.md §5, §7)."""
+"""Whole-training parity: Trainer(strategy="fpdt") on N gloo processes vs one process (docs/design.md §5, §7)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader
 
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.callbacks.tiled_loss import TiledLoss, tiled_cross_entropy
-from lightning_fpdt.callbacks.tiled_mlp import TiledMLP, find_mlps
+from lightning_fpdt.callbacks.tiled_mlp import TiledMLP
+from lightning_fpdt.memory import find_mlps
 from tests.dist.training import LitLM, TokenDataset, full_state, reference_training, trainer_kwargs
 
 # fp32, as in test_strategy_parity: the parallel run sums the same products in another order (blockwise softmax

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload
+from lightning_fpdt.integrations import SequenceParallelContext, install_reference_llama
+from lightning_fpdt.memory import find_blocks
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
 from lightning_fpdt.sequence import FPDTAttention, StashFactory, fpdt_attention
-from lightning_fpdt.sequence.integrations import SequenceParallelContext, install_reference_llama
-from lightning_fpdt.strategy.parallelize import find_blocks
 
 pytestmark = pytest.mark.gpu
 

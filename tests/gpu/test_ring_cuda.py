@@ -16,7 +16,7 @@ from tests.reference import causal_attention
 pytestmark = pytest.mark.gpu
 
 # bf16 inputs, fp32 accumulation: the kernels' own rounding gives ~3e-3 relative error in norm against fp32 attention
-# (DESIGN.md §4 measured 2.4e-3 for merged blocks); 1e-2 leaves margin and still catches any wrong block or mask
+# (docs/design.md §4 measured 2.4e-3 for merged blocks); 1e-2 leaves margin and still catches any wrong block or mask
 # (those give O(1) errors).
 REL_ERROR = 1e-2
 

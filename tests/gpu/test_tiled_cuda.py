@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lightning_fpdt.callbacks import tiled_loss
-from lightning_fpdt.callbacks.tiled_loss import tiled_cross_entropy_forward
+from lightning_fpdt.memory import tiled_loss
+from lightning_fpdt.memory.tiled_loss import tiled_cross_entropy_forward
 
 pytestmark = pytest.mark.gpu
 

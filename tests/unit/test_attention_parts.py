@@ -1,4 +1,4 @@
-"""The pieces of the FPDT attention: LSE merge, block kernels, stash life cycle, validation (DESIGN.md §4)."""
+"""The pieces of the FPDT attention: LSE merge, block kernels, stash life cycle, validation (docs/design.md §4)."""
 
 import pytest
 import torch

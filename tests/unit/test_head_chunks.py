@@ -10,18 +10,19 @@ import torch
 
 import lightning_fpdt.sequence.fpdt as fpdt_module
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload
-from lightning_fpdt.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
-from lightning_fpdt.sequence import FPDTAttention, check_head_groups, install_head_groups
-from lightning_fpdt.sequence.head_chunks import HeadGroupedAttention, grouped_geometry
-from lightning_fpdt.sequence.host_stash import HostBufferPool
-from lightning_fpdt.sequence.integrations import (
+from lightning_fpdt.integrations import (
+    HeadGroupedAttention,
     SequenceParallelContext,
     install,
+    install_head_groups,
     install_hf_model,
     install_reference_llama,
 )
-from lightning_fpdt.sequence.planning import AttentionGeometry
-from lightning_fpdt.strategy.parallelize import find_blocks
+from lightning_fpdt.memory import find_blocks
+from lightning_fpdt.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
+from lightning_fpdt.sequence import FPDTAttention, check_head_groups
+from lightning_fpdt.sequence.host_stash import HostBufferPool
+from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry
 from tests.live_bytes import LiveBytes
 
 # fp64 throughout: grouping changes only the summation order of the output projection (G partial products instead
@@ -434,7 +435,7 @@ def test_head_chunks_from_yaml(tmp_path, monkeypatch):
     config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "demo_cpu.yaml"
     cli = FPDTCLI(args=["--config", str(config), "--trainer.devices", "1", "--trainer.logger", "false",
                         "--trainer.strategy.init_args.head_chunks", "2"], run=False)
-    assert isinstance(cli.trainer.strategy, FPDTStrategy) and cli.trainer.strategy._head_chunks == 2
+    assert isinstance(cli.trainer.strategy, FPDTStrategy) and cli.trainer.strategy.options.head_chunks == 2
 
 
 def test_bench_script_runs_on_cpu(tmp_path):

@@ -1,4 +1,4 @@
-"""SequenceLayout arithmetic: the one definition of which tokens a rank holds (DESIGN.md §3)."""
+"""SequenceLayout arithmetic: the one definition of which tokens a rank holds (docs/design.md §3)."""
 
 import pytest
 import torch

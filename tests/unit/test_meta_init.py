@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_fpdt.models.llama import LlamaConfig, RMSNorm
 from lightning_fpdt.models.module import LlamaLM
-from lightning_fpdt.strategy.fpdt import _materialize
+from lightning_fpdt.strategy.materialize import materialize
 
 
 def test_meta_init_builds_llama3_8b_on_meta():
@@ -36,7 +36,7 @@ def test_materialize_uses_the_model_init(tied):
     weights = []
     for rank in (0, 1):
         module = LlamaLM("tiny", meta_init=True, tie_word_embeddings=tied)
-        _materialize(module, torch.device("cpu"), rank=rank)
+        materialize(module, torch.device("cpu"), rank=rank)
         model = module.model
         assert not any(p.is_meta for p in model.parameters())
         assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
@@ -58,7 +58,7 @@ class PlainModule(L.LightningModule):
 def test_materialize_without_model_init_resets_each_submodule():
     """A model without reset_parameters of its own gets each submodule's (Lightning's materialisation)."""
     module = PlainModule()
-    _materialize(module, torch.device("cpu"), rank=0)
+    materialize(module, torch.device("cpu"), rank=0)
     linear, norm = module.model
     assert not any(p.is_meta for p in module.parameters())
     assert linear.weight.abs().max() <= 64**-0.5  # Kaiming uniform: bound 1/sqrt(fan_in)

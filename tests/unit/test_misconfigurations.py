@@ -10,11 +10,13 @@ import torch.nn.functional as F
 
 import lightning_fpdt  # noqa: F401  (registers "fpdt")
 from lightning_fpdt import ActivationOffload, FPDTAttention, FPDTStrategy, MFUMonitor, TiledLoss, TiledMLP
+from lightning_fpdt.integrations import SDPAInterception, SequenceParallelContext
+from lightning_fpdt.integrations.huggingface import hf_attention
+from lightning_fpdt.memory import find_blocks
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
 from lightning_fpdt.sequence import SequenceLayout, check_heads, fpdt_attention
-from lightning_fpdt.sequence.integrations import SDPAInterception, SequenceParallelContext, _hf_attention
-from lightning_fpdt.strategy.mesh import resolve_sizes
-from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt, find_blocks
+from lightning_fpdt.sequence.sizes import resolve_sizes
+from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt
 
 Q = torch.randn(1, 6, 2, 4)
 
@@ -42,7 +44,7 @@ def _sdpa(**kwargs):
 def _sliding_window_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from lightning_fpdt.sequence.integrations import install_hf_model
+    from lightning_fpdt.integrations import install_hf_model
 
     config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=4)
@@ -83,8 +85,8 @@ MISCONFIGURATIONS = [
     ("layout rank", lambda: SequenceLayout(2, 5), r"sp_rank must be in \[0, sp_size=2\)"),
     ("undivisible length", lambda: SequenceLayout(2, 0, 2).shard(torch.zeros(1, 10)), "pad it to 12"),
     # what the attention cannot compute exactly
-    ("padding mask", lambda: _hf_attention(_Causal(), Q, Q, Q, torch.ones(1, 1, 6, 6)), "takes no attention mask"),
-    ("dropout", lambda: _hf_attention(_Causal(), Q, Q, Q, None, dropout=0.1), "attention dropout"),
+    ("padding mask", lambda: hf_attention(_Causal(), Q, Q, Q, torch.ones(1, 1, 6, 6)), "takes no attention mask"),
+    ("dropout", lambda: hf_attention(_Causal(), Q, Q, Q, None, dropout=0.1), "attention dropout"),
     ("sliding window", _sliding_window_model, "use_sliding_window=False"),
     ("SDPA mask", lambda: _sdpa(attn_mask=torch.ones(6, 6, dtype=torch.bool)), "with attn_mask"),
     ("SDPA dropout", lambda: _sdpa(dropout_p=0.1, is_causal=True), "dropout_p > 0"),

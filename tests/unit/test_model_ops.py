@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_fpdt.integrations.huggingface import tile_hf_rms_norms
 from lightning_fpdt.models import ops
 
 
@@ -109,7 +110,7 @@ def test_hf_rms_norms_tiled_with_the_same_values(family):
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **sizes))
     ref = copy.deepcopy(model)
     norms = 2 * 2 + 1 + (2 * 2 if family == "qwen3" else 0)  # two per layer, the final one, q/k norms per layer
-    assert ops.tile_hf_rms_norms(model) == norms and ops.tile_hf_rms_norms(model) == 0
+    assert tile_hf_rms_norms(model) == norms and tile_hf_rms_norms(model) == 0
     ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(5))
     out, out_ref = model(ids, labels=ids), ref(ids, labels=ids)
     assert torch.equal(out.logits, out_ref.logits)
@@ -129,7 +130,7 @@ def test_hf_rms_norm_keeps_its_own_forward_in_fp64():
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, attn_implementation="sdpa")).double()
     ref = copy.deepcopy(model)
-    ops.tile_hf_rms_norms(model)
+    tile_hf_rms_norms(model)
     ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(6))
     model(ids, labels=ids).loss.backward()
     ref(ids, labels=ids).loss.backward()

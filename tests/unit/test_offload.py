@@ -1,4 +1,4 @@
-"""Host stash, offloaded attention, and no attention recompute under ActivationOffload (DESIGN.md §4, §6)."""
+"""Host stash, offloaded attention, and no attention recompute under ActivationOffload (docs/design.md §4, §6)."""
 
 import copy
 
@@ -7,10 +7,10 @@ import torch
 import torch.utils.checkpoint
 
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload
+from lightning_fpdt.integrations import SequenceParallelContext, install_reference_llama
+from lightning_fpdt.memory import find_blocks
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
 from lightning_fpdt.sequence import FPDTAttention, HostBufferPool, HostStash, StashFactory, fpdt_attention
-from lightning_fpdt.sequence.integrations import SequenceParallelContext, install_reference_llama
-from lightning_fpdt.strategy.parallelize import find_blocks
 
 
 def test_host_stash_life_cycle_and_misuse():
@@ -128,7 +128,7 @@ def test_recompute_skips_the_tiled_mlp_value_in_residual_blocks(known_block):
     """TiledMLP under ActivationOffload: in a Llama-family block (the MLP output only feeds the residual add) the
     recompute does not compute the MLP's value, so each token passes the MLP twice per step (first pass, tile
     recompute in backward), not three times; in a block class it does not know, three times. Gradients exact."""
-    from lightning_fpdt.callbacks.tiled_mlp import apply_tiled_mlp
+    from lightning_fpdt.memory import apply_tiled_mlp
     from lightning_fpdt.models.llama import LlamaDecoderLayer
 
     class PostNormLayer(LlamaDecoderLayer):  # an unknown block class: its MLP value may be read after the MLP

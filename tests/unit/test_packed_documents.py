@@ -15,7 +15,7 @@ from lightning_fpdt.sequence.documents import (
     document_starts_mask,
 )
 from lightning_fpdt.sequence.kernels import MathKernel
-from lightning_fpdt.strategy.fpdt import packed_documents
+from lightning_fpdt.strategy.batch import packed_documents
 from tests.reference import documents_separately
 
 

@@ -4,9 +4,8 @@ import json
 
 import pytest
 
-from lightning_fpdt.callbacks.tiled_loss import auto_loss_tiles
-from lightning_fpdt.callbacks.tiled_mlp import auto_mlp_tiles
 from lightning_fpdt.flops import ModelGeometry
+from lightning_fpdt.memory import auto_loss_tiles, auto_mlp_tiles
 from lightning_fpdt.planner import (
     SEARCH_ORDER,
     attention_backward_bytes,

@@ -1,4 +1,4 @@
-"""Strategy options, mesh sizes, precision and integration errors, checked without processes (DESIGN.md §5)."""
+"""Strategy options, mesh sizes, precision and integration errors, checked without processes (docs/design.md §5)."""
 
 import lightning as L
 import pytest
@@ -7,14 +7,10 @@ import torch.nn.functional as F
 
 import lightning_fpdt  # noqa: F401  (registers "fpdt")
 from lightning_fpdt import FPDTAttention, FPDTStrategy
-from lightning_fpdt.sequence.integrations import (
-    SDPAInterception,
-    SequenceParallelContext,
-    _hf_attention,
-    install_hf_model,
-    sequence_parallel_loss,
-)
-from lightning_fpdt.strategy.mesh import resolve_ring_size, resolve_sizes
+from lightning_fpdt.integrations import SDPAInterception, SequenceParallelContext, install_hf_model
+from lightning_fpdt.integrations.huggingface import hf_attention
+from lightning_fpdt.sequence.loss import sequence_parallel_loss
+from lightning_fpdt.sequence.sizes import resolve_ring_size, resolve_sizes
 from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt
 
 
@@ -113,17 +109,17 @@ def test_hf_attention_refuses_what_it_cannot_compute():
 
     module = Module()
     with pytest.raises(ValueError, match="not prepared by the fpdt strategy"):
-        _hf_attention(module, q, q, q, None)
+        hf_attention(module, q, q, q, None)
     module._fpdt_attention = FPDTAttention()
     with pytest.raises(ValueError, match="takes no attention mask: drop padding"):
-        _hf_attention(module, q, q, q, torch.ones(1, 1, 4, 4))
+        hf_attention(module, q, q, q, torch.ones(1, 1, 4, 4))
     with pytest.raises(ValueError, match=r"attention dropout \(0.1\) is not supported"):
-        _hf_attention(module, q, q, q, None, dropout=0.1)
+        hf_attention(module, q, q, q, None, dropout=0.1)
     with pytest.raises(ValueError, match="sliding-window attention is not supported"):
-        _hf_attention(module, q, q, q, None, sliding_window=4)
+        hf_attention(module, q, q, q, None, sliding_window=4)
     module.is_causal = False
     with pytest.raises(ValueError, match="is not causal"):
-        _hf_attention(module, q, q, q, None)
+        hf_attention(module, q, q, q, None)
 
 
 def test_sdpa_interception_routes_causal_calls_and_refuses_others():
@@ -226,7 +222,7 @@ def test_planning_follows_the_per_process_memory_cap(monkeypatch):
     """An 80 GB card's budget run on a 139 GiB card: the planner sees the cap, not the card."""
     from types import SimpleNamespace
 
-    from lightning_fpdt.strategy.fpdt import usable_free_bytes, usable_total_bytes
+    from lightning_fpdt.strategy.budget import usable_free_bytes, usable_total_bytes
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=139 * gib))

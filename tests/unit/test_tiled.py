@@ -11,14 +11,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_fpdt.callbacks import tiled_loss as tiled_loss_module
-from lightning_fpdt.callbacks.tiled_loss import (
-    TiledLoss,
-    apply_tiled_loss,
+from lightning_fpdt.callbacks.tiled_loss import TiledLoss
+from lightning_fpdt.callbacks.tiled_mlp import TiledMLP
+from lightning_fpdt.integrations import apply_tiled_loss
+from lightning_fpdt.memory import (
+    apply_tiled_mlp,
     auto_loss_tiles,
+    auto_mlp_tiles,
+    tile_bounds,
     tiled_cross_entropy,
+    tiled_mlp,
 )
-from lightning_fpdt.callbacks.tiled_mlp import TiledMLP, apply_tiled_mlp, auto_mlp_tiles, tile_bounds, tiled_mlp
+from lightning_fpdt.memory import tiled_loss as tiled_loss_module
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM, LlamaMLP
 from tests.dist.training import LitLM, TokenDataset, full_state, trainer_kwargs
 
@@ -294,7 +298,8 @@ def test_tiled_loss_reference_llama(tied):
 
 
 def hf_llama(**config) -> nn.Module:
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM as HFLlama
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM as HFLlama
 
     return HFLlama(HFConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", **config))

@@ -1,4 +1,4 @@
-"""Head-group chunking ("UPipe", issue 10): an attention layer run one group of heads at a time.
+"""Head groups: an attention layer run one group of heads at a time (docs/head_chunks.md).
 
 With ``G`` head groups, group ``g`` projects the layer input onto its ``H/G`` query heads and ``Hkv/G`` kv heads
 (the module's own ``q_proj``/``k_proj``/``v_proj`` weights, sliced by rows), applies RoPE (and Qwen3's q/k norms),
@@ -9,7 +9,7 @@ output of the local sequence never exist at once, in the forward or in the backw
 Groups are GQA-aware: query head ``i`` reads kv head ``i // (H/Hkv)``, so the contiguous query heads
 ``[g·H/G, (g+1)·H/G)`` read exactly the kv heads ``[g·Hkv/G, (g+1)·Hkv/G)``; each kv head is projected and
 all-to-all'd once, in its group. ``G`` must therefore divide ``Hkv``, and each group's heads must split over the
-``P`` ranks as a whole layer's do (:func:`check_head_groups`).
+``P`` ranks as a whole layer's do (:func:`lightning_fpdt.sequence.sizes.check_head_groups`).
 
 The backward does not keep any group's activations: it recomputes each group's q/k/v projections from the saved layer
 input (cheap matmuls; the linear ends, output projection included, are differentiated by hand into one running input
@@ -17,15 +17,14 @@ gradient) and replays its attention from the stash of the forward (:class:`Layer
 handle per group), so the attention itself is never recomputed, also under ``ActivationOffload`` (whose first,
 no-grad forward records every group; its recompute sums the output projection from the kept outputs).
 
-Three layers as elsewhere in ``sequence/``: the loops (:func:`head_groups_forward`, :func:`head_groups_backward`),
-a thin ``autograd.Function``, and :class:`HeadGroupedAttention` with :func:`install_head_groups`, which the
-integrations call for the reference Llama and the Hugging Face Llama/Qwen2/Qwen3/Mistral attention modules. The
-weights stay the modules' own parameters (sliced in the forward): checkpoints, FSDP2 sharding and export are unchanged.
+Three layers: the loops (:func:`head_groups_forward`, :func:`head_groups_backward`), a thin ``autograd.Function``,
+and :class:`HeadGroupedAttention` with :func:`install_head_groups`, which the reference Llama and the Hugging Face
+Llama/Qwen2/Qwen3/Mistral attention modules get. The weights stay the modules' own parameters (sliced in the
+forward): checkpoints, FSDP2 sharding and export are unchanged.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 import sys
@@ -39,71 +38,12 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call
 
+from lightning_fpdt.integrations.attributes import ATTENTION_HANDLE, FORWARD
+from lightning_fpdt.models.llama import LlamaAttention, apply_rotary
 from lightning_fpdt.sequence.all_to_all import group_size
-from lightning_fpdt.sequence.fpdt import (
-    FPDTAttention,
-    _in_backward,
-    check_document_ids,
-    check_exact_call,
-    check_heads,
-)
-from lightning_fpdt.sequence.planning import AttentionGeometry
-
-
-# ---- geometry ----------------------------------------------------------------------------------------------------
-def _valid_head_chunks(num_heads: int, num_kv_heads: int, sp_size: int) -> list[int]:
-    valid = []
-    for groups in range(1, num_kv_heads + 1):
-        if num_kv_heads % groups or (num_heads // groups) % sp_size:
-            continue
-        try:
-            check_heads(num_heads // groups, num_kv_heads // groups, sp_size)
-        except ValueError:
-            continue
-        valid.append(groups)
-    return valid
-
-
-def check_head_groups(num_heads: int, num_kv_heads: int, head_chunks: int, sp_size: int) -> int:
-    """Validate ``head_chunks`` for the head geometry on ``sp_size`` ranks; returns the kv replication of each group
-    (see :func:`check_heads`, which applies per group: ``Hkv/G`` kv heads against ``P`` ranks)."""
-    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
-        raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
-    check_heads(num_heads, num_kv_heads, 1)  # H a multiple of Hkv
-    valid = _valid_head_chunks(num_heads, num_kv_heads, sp_size)
-    if num_kv_heads % head_chunks:
-        raise ValueError(
-            f"head_chunks ({head_chunks}) must divide num_kv_heads ({num_kv_heads}): each head group holds whole kv "
-            f"heads together with the query heads that read them; with sequence_parallel_size {sp_size} use "
-            f"head_chunks in {valid}"
-        )
-    heads, kv_heads = num_heads // head_chunks, num_kv_heads // head_chunks
-    if heads % sp_size:
-        raise ValueError(
-            f"num_heads ({num_heads}) / head_chunks ({head_chunks}) = {heads} query heads per group is not divisible "
-            f"by sequence_parallel_size ({sp_size}): Ulysses scatters each group's heads over the ranks; use "
-            f"head_chunks in {valid} (or a smaller sequence_parallel_size)"
-        )
-    try:
-        return check_heads(heads, kv_heads, sp_size)
-    except ValueError as error:
-        raise ValueError(
-            f"with head_chunks ({head_chunks}) each group has {heads} query and {kv_heads} kv heads: {error}; use "
-            f"head_chunks in {valid}"
-        ) from None
-
-
-def grouped_geometry(geometry: AttentionGeometry, head_chunks: int) -> AttentionGeometry:
-    """The attention as the planner sees it under ``head_chunks`` groups: ``L·G`` attention calls of ``H/G`` query and
-    ``Hkv/G`` kv heads each (stash, kept outputs and host bytes add up over the calls; a working set, a partial dQ and
-    one backward's chunks are those of one group)."""
-    if head_chunks == 1:
-        return geometry
-    return dataclasses.replace(
-        geometry, num_layers=geometry.num_layers * head_chunks, num_heads=geometry.num_heads // head_chunks,
-        num_kv_heads=geometry.num_kv_heads // head_chunks,
-    )
-
+from lightning_fpdt.sequence.attention import FPDTAttention, check_document_ids
+from lightning_fpdt.sequence.blocks import check_exact_call, in_backward
+from lightning_fpdt.sequence.sizes import check_head_groups
 
 # ---- one attention module's weights, by role -----------------------------------------------------------------------
 Q_ROWS, KV_ROWS, O_COLUMNS, WHOLE = "q", "kv", "o", "whole"
@@ -165,8 +105,9 @@ class _Family:
 class HeadGroupedAttention:
     """One attention module run in ``G`` head groups, each with its own :class:`LayerAttention` handle.
 
-    Installed as ``module._fpdt_attention`` by :func:`install_head_groups`; ``ActivationOffload`` and the strategy's
-    planner find the shared :class:`FPDTAttention` through ``shared``.
+    Installed as the module's attention handle (:data:`~lightning_fpdt.integrations.attributes.ATTENTION_HANDLE`) by
+    :func:`install_head_groups`; ``ActivationOffload`` and the strategy find the shared :class:`FPDTAttention`
+    through ``shared``.
     """
 
     def __init__(self, shared: FPDTAttention, layout: _Layout, family: _Family) -> None:
@@ -352,7 +293,7 @@ class _HeadGroupedFunction(torch.autograd.Function):
                 ) -> Tensor:
         aux, params = tensors[:num_aux], tensors[num_aux:]
         # a checkpoint's recompute (in a backward, every group recorded by its first forward): no attention here
-        mode = "kept" if _in_backward() and layer.recorded else "record"
+        mode = "kept" if in_backward() and layer.recorded else "record"
         y = head_groups_forward(layer, module, x, aux, params, mode=mode)
         ctx.layer, ctx.module, ctx.num_aux = layer, module, num_aux
         ctx.save_for_backward(x, *tensors)
@@ -370,11 +311,9 @@ class _HeadGroupedFunction(torch.autograd.Function):
 
 # ---- installing it in attention modules ----------------------------------------------------------------------------
 def _rope_reference_llama(module: nn.Module) -> Callable:
-    rotate = sys.modules[type(module).__module__].apply_rotary  # lightning_fpdt.models.llama, not imported here
-
     def rope(q: Tensor, k: Tensor, aux: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         (position_ids,) = aux
-        return rotate(q, position_ids, module.rope_theta), rotate(k, position_ids, module.rope_theta)
+        return apply_rotary(q, position_ids, module.rope_theta), apply_rotary(k, position_ids, module.rope_theta)
 
     return rope
 
@@ -387,10 +326,6 @@ def _rope_hf(module: nn.Module) -> Callable:
         return rotate(q, k, cos, sin, unsqueeze_dim=2)  # (B, S/P, heads, D)
 
     return rope
-
-
-def _is_reference_llama_attention(module: nn.Module) -> bool:
-    return type(module).__module__ == "lightning_fpdt.models.llama" and type(module).__name__ == "LlamaAttention"
 
 
 def _sliding_window(module: nn.Module) -> Optional[int]:
@@ -412,22 +347,22 @@ def install_head_groups(module: nn.Module, attention: FPDTAttention) -> HeadGrou
             f"(nn.Linear) and head_dim, as Llama, Qwen2, Qwen3 and Mistral have; {type(module).__name__} has not: "
             f"set head_chunks=1"
         )
-    if isinstance(attention.group, tuple):  # (ulysses_group, ring_group): the ring hybrid of sequence/ring.py
+    if isinstance(attention.group, tuple):  # (ulysses_group, ring_group): the Ulysses × ring hybrid
         raise ValueError(f"head_chunks={attention.head_chunks} is not composed with a ring (ring_size > 1) yet: "
                          f"set head_chunks=1 or ring_size=1")
     q_proj, k_proj = projections[:2]
     layout = _Layout(num_heads=q_proj.out_features // head_dim, num_kv_heads=k_proj.out_features // head_dim,
                      head_dim=head_dim, num_groups=attention.head_chunks)
     check_head_groups(layout.num_heads, layout.num_kv_heads, layout.num_groups, group_size(attention.group))
-    if _is_reference_llama_attention(module):
+    if isinstance(module, LlamaAttention):
         family = _Family(module, _rope_reference_llama(module), scale=head_dim**-0.5)
         forward = functools.partial(_reference_llama_forward, module)
     else:
         family = _Family(module, _rope_hf(module), scale=getattr(module, "scaling", head_dim**-0.5))
         forward = functools.partial(_hf_forward, module)
     grouped = HeadGroupedAttention(attention, layout, family)
-    module._fpdt_attention = grouped
-    module.forward = forward
+    setattr(module, ATTENTION_HANDLE, grouped)
+    setattr(module, FORWARD, forward)
     return grouped
 
 
@@ -440,15 +375,16 @@ def _reference_llama_forward(module: nn.Module, x: Tensor, position_ids: Tensor,
                              document_ids: Optional[Tensor] = None) -> Tensor:
     """``LlamaAttention.forward`` of ``lightning_fpdt.models.llama``, in head groups. Packed documents reach the
     attention as the strategy's boundaries of the global batch (``FPDTAttention.documents``), not as local ids."""
-    check_document_ids(module._fpdt_attention.shared, document_ids)
-    return _output_bias(module, module._fpdt_attention(module, x, (position_ids,)))
+    grouped = getattr(module, ATTENTION_HANDLE)
+    check_document_ids(grouped.shared, document_ids)
+    return _output_bias(module, grouped(module, x, (position_ids,)))
 
 
 def _hf_forward(module: nn.Module, hidden_states: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]] = None,
                 attention_mask: Optional[Tensor] = None, cache: Any = None, **kwargs: Any) -> tuple[Tensor, None]:
     """A transformers ``*Attention.forward`` (Llama, Qwen2, Qwen3, Mistral) in head groups; refuses what the fpdt
-    attention cannot compute exactly (:func:`~lightning_fpdt.sequence.fpdt.check_exact_call`, as the whole-layer
-    attention function of the integrations does)."""
+    attention cannot compute exactly (:func:`~lightning_fpdt.sequence.blocks.check_exact_call`, as the whole-layer
+    attention function of huggingface.py does)."""
     check_exact_call(attention_mask=attention_mask,
                      dropout=getattr(module, "attention_dropout", 0.0) if module.training else 0.0,
                      sliding_window=_sliding_window(module))
@@ -456,5 +392,5 @@ def _hf_forward(module: nn.Module, hidden_states: Tensor, position_embeddings: O
         raise ValueError("head_chunks > 1 runs without a KV cache: call the model with use_cache=False")
     if position_embeddings is None:
         raise ValueError(f"{type(module).__name__} was called without position_embeddings (cos, sin)")
-    y = module._fpdt_attention(module, hidden_states, tuple(position_embeddings))
+    y = getattr(module, ATTENTION_HANDLE)(module, hidden_states, tuple(position_embeddings))
     return _output_bias(module, y), None

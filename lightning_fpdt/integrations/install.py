@@ -1,0 +1,104 @@
+"""Installing the FPDT attention and the sequence-parallel loss in a model, by its kind, and the model knowledge the
+memory transforms and the strategy need (which loss to tile, which MLP values a recompute does not read, the
+attention geometry of the installed layers)."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from torch import nn
+
+from lightning_fpdt.flops import attention_heads
+from lightning_fpdt.integrations.attributes import TILED_LOSS
+from lightning_fpdt.integrations.context import SequenceParallelContext, installed_attentions
+from lightning_fpdt.integrations.head_groups import HeadGroupedAttention
+from lightning_fpdt.integrations.huggingface import (
+    install_hf_model,
+    is_hf_causal_lm,
+    is_hf_model,
+    tile_hf_causal_lm_loss,
+)
+from lightning_fpdt.integrations.reference_llama import (
+    install_reference_llama,
+    is_reference_llama,
+    tile_reference_llama_loss,
+)
+from lightning_fpdt.integrations.sdpa import install_sdpa_interception
+from lightning_fpdt.memory.tiling import check_num_tiles
+from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry
+
+RESIDUAL_MLP_BLOCKS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+"""Blocks whose ``mlp`` output only feeds the residual add that ends the block (the reference Llama's and these
+Hugging Face families'): in a checkpoint's recompute nothing reads that value, so a tiled MLP there skips computing
+it and its backward recomputes the tiles as always: the MLP forward runs twice per step, not three times."""
+
+
+def install(model: nn.Module, blocks: list[nn.Module], context: SequenceParallelContext) -> str:
+    """Install the FPDT attention and loss in ``model`` by its kind; returns the kind's name."""
+    if is_reference_llama(model):
+        install_reference_llama(model, context)
+        return "reference-llama"
+    if is_hf_model(model):
+        install_hf_model(model, context)
+        return "huggingface"
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} has no transformer blocks to run the SDPA interception in: give "
+            f"layer_classes=[...] naming the block class"
+        )
+    if context.attention.head_chunks > 1:
+        raise ValueError(
+            f"head_chunks={context.attention.head_chunks} runs the q/k/v and output projections per head group, so it "
+            f"needs an attention module the strategy knows (the reference Llama, Hugging Face Llama/Qwen2/Qwen3/"
+            f"Mistral); {type(model).__name__} calls scaled_dot_product_attention itself: set head_chunks=1"
+        )
+    install_sdpa_interception(blocks, context.attention)
+    return "sdpa-interception"
+
+
+def apply_tiled_loss(model: nn.Module, *, num_tiles: Union[Literal["auto"], int] = "auto") -> nn.Module:
+    """Make ``model`` compute its loss with ``tiled_cross_entropy``; in place, idempotent.
+
+    The reference Llama: its local loss (``fpdt_local_loss`` after the fpdt strategy's install, else ``loss``) is
+    replaced. A Hugging Face ``*ForCausalLM``: ``forward`` with ``labels``/``shift_labels`` runs the base model and
+    the tiled loss and returns ``CausalLMOutputWithPast(loss=..., logits=None)``; without labels it is unchanged.
+    """
+    check_num_tiles(num_tiles, "TiledLoss")
+    if getattr(model, TILED_LOSS, False):  # fit then validate must not wrap twice
+        return model
+    if is_reference_llama(model):
+        tile_reference_llama_loss(model, num_tiles)
+    elif is_hf_causal_lm(model):
+        tile_hf_causal_lm_loss(model, num_tiles)
+    else:
+        raise ValueError(
+            f"TiledLoss covers the reference Llama and Hugging Face *ForCausalLM models, not {type(model).__name__}: "
+            f"compute the loss with lightning_fpdt.callbacks.tiled_loss.tiled_cross_entropy(hidden, weight, targets) "
+            f"in your model and drop the callback"
+        )
+    setattr(model, TILED_LOSS, True)
+    return model
+
+
+def residual_mlps(blocks: list[nn.Module]) -> dict[nn.Module, nn.Module]:
+    """``{block: block.mlp}`` for the blocks of :data:`RESIDUAL_MLP_BLOCKS` (see there)."""
+    return {block: block.mlp for block in blocks
+            if type(block).__name__ in RESIDUAL_MLP_BLOCKS and isinstance(getattr(block, "mlp", None), nn.Module)}
+
+
+def attention_geometry(model: nn.Module, precision: str) -> Optional[AttentionGeometry]:
+    """The attention sizes the "auto" options are planned with: heads from the model's config, the installed
+    attention layers, their head groups; ``None`` when the model says too little."""
+    heads = attention_heads(model)
+    config = getattr(model, "config", None)
+    if heads is None or config is None:
+        return None
+    hidden = getattr(config, "hidden_size", None)
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads[0] if hidden else None)
+    handles = installed_attentions(model)
+    head_chunks = max((h.layout.num_groups for h in handles if isinstance(h, HeadGroupedAttention)), default=1)
+    if not head_dim or not handles:
+        return None
+    geometry = AttentionGeometry(num_layers=len(handles), num_heads=heads[0], num_kv_heads=heads[1],
+                                 head_dim=int(head_dim), dtype_bytes=4 if precision == "32-true" else 2)
+    return grouped_geometry(geometry, head_chunks)  # what chunks/offload "auto" size: one group's attention calls

@@ -1,0 +1,61 @@
+"""The memory planner: will a long-context run fit, which limit binds, what makes it fit (``lightning-fpdt plan``,
+docs/planner.md).
+
+:func:`plan_memory` predicts, per GPU and per host, the bytes of each part of one training step; :func:`format_plan`
+prints them; :func:`check_host_memory` is what the strategy runs before any pinned buffer exists. No Lightning: the
+attention sizes and the ``"auto"`` options resolve as the strategy resolves them (``lightning_fpdt.sequence``), the
+tile sizes follow the tiled transforms' own rules (``lightning_fpdt.memory``).
+"""
+
+from lightning_fpdt.planner.cli import CALLBACK_NAMES, format_plan, main
+from lightning_fpdt.planner.components import (
+    GIB,
+    Component,
+    MemoryPlan,
+    attention_backward_bytes,
+    attention_host_bytes,
+    loss_op_bytes,
+    loss_tile_tokens,
+    mlp_op_bytes,
+    mlp_tile_tokens,
+)
+from lightning_fpdt.planner.geometry import (
+    OPTIMIZER_STATES,
+    PRECISIONS,
+    attention_geometry,
+    geometry_name,
+    parameter_counts,
+    resolve_geometry,
+    total_parameters,
+)
+from lightning_fpdt.planner.host import available_host_memory, check_host_memory
+from lightning_fpdt.planner.options import PlanOptions
+from lightning_fpdt.planner.plan import plan_memory
+from lightning_fpdt.planner.recommend import SEARCH_ORDER
+
+__all__ = [
+    "CALLBACK_NAMES",
+    "GIB",
+    "OPTIMIZER_STATES",
+    "PRECISIONS",
+    "SEARCH_ORDER",
+    "Component",
+    "MemoryPlan",
+    "PlanOptions",
+    "attention_backward_bytes",
+    "attention_geometry",
+    "attention_host_bytes",
+    "available_host_memory",
+    "check_host_memory",
+    "format_plan",
+    "geometry_name",
+    "loss_op_bytes",
+    "loss_tile_tokens",
+    "main",
+    "mlp_op_bytes",
+    "mlp_tile_tokens",
+    "parameter_counts",
+    "plan_memory",
+    "resolve_geometry",
+    "total_parameters",
+]

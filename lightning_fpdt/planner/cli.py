@@ -1,0 +1,142 @@
+"""``lightning-fpdt plan``: print the memory plan of a long-context run (docs/planner.md).
+
+    lightning-fpdt plan --model llama3-8b --seq-len 1048576 --gpus 8 --callbacks all
+    python -m lightning_fpdt.planner --model path/to/config.json --seq-len 524288 --gpus 4 --host-memory-gib 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Union
+
+from lightning_fpdt.models.llama import NAMED_CONFIGS
+from lightning_fpdt.planner.components import GIB, MemoryPlan
+from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, resolve_geometry
+from lightning_fpdt.planner.host import available_host_memory, gib
+from lightning_fpdt.planner.plan import plan_memory
+
+CALLBACK_NAMES = ("mlp", "loss", "offload", "checkpoint")
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The plan as a table (component, phase, GPU GiB, host GiB), the peak, the binding limit and the recommendation."""
+    o, g = plan.options, plan.geometry
+    lines = [
+        f"memory plan: {plan.model}, S = {plan.seq_len:,} tokens"
+        + (f" (padded to {plan.padded_seq_len:,})" if plan.padded_seq_len != plan.seq_len else "")
+        + f", batch {plan.batch_size}, {plan.num_gpus} GPU(s), {plan.gpus_per_node} per host",
+        f"  {plan.local_tokens:,} tokens per GPU, "
+        + (f"{plan.padded_seq_len // o.ring_size:,} tokens per ring share; " if o.ring_size > 1 else
+           f"{plan.padded_seq_len // o.chunks:,} global tokens per chunk; ")
+        + f"{g.num_layers} layers",
+        f"  options: {o.describe()}",
+        "",
+        f"  {'component':<42} {'phase':<20} {'GPU GiB':>9} {'host GiB':>9}",
+    ]
+    for c in plan.components:
+        lines.append(f"  {c.name:<42} {c.phase or 'persistent':<20} {gib(c.gpu_bytes):>9} {gib(c.host_bytes):>9}")
+    lines.append("  " + "-" * 83)
+    phases = plan.phase_bytes
+    lines.append(f"  {'persistent':<63} {gib(plan.persistent_gpu_bytes):>9}")
+    lines.append(f"  {'largest transient phase: ' + plan.peak_phase:<63} {gib(phases[plan.peak_phase]):>9}")
+    lines.append(f"  {'predicted peak per GPU':<63} {gib(plan.peak_gpu_bytes):>9}   "
+                 f"of {plan.gpu_memory_bytes / GIB:.1f} GiB")
+    host_limit = "not checked" if plan.host_memory_bytes is None else f"of {plan.host_memory_bytes / GIB:.1f} GiB"
+    lines.append(f"  {'pinned host memory per host (' + str(plan.gpus_per_node) + ' GPUs)':<63} "
+                 f"{'':>9} {gib(plan.host_bytes_per_node):>9}   {host_limit}")
+    largest = plan.largest_component
+    where = largest.host_bytes if plan.binding_limit == "host memory" else largest.gpu_bytes
+    lines += ["", f"binding limit: {plan.binding_limit} (largest component: {largest.name}, {gib(where)} GiB)"]
+    lines.append(f"recommendation: {plan.recommendation}")
+    if plan.recommended is not None:
+        r = plan.recommended
+        lines.append(f"  -> {r.options.describe()}")
+        lines.append(f"  -> predicted peak {gib(r.peak_gpu_bytes)} GiB per GPU, pinned host "
+                     f"{gib(r.host_bytes_per_node)} GiB per host")
+    lines.append("(a model, not a measurement: keep a few GiB of headroom; see docs/planner.md)")
+    return "\n".join(lines)
+
+
+# ---- command line ----------------------------------------------------------------------------------------------------
+def _auto_or_int(value: str) -> Union[str, int]:
+    return value if value == "auto" else int(value)
+
+
+def _switch(value: str) -> Union[str, bool]:
+    choices = {"auto": "auto", "on": True, "off": False}
+    if value not in choices:
+        raise argparse.ArgumentTypeError(f"choose auto, on or off, not {value!r}")
+    return choices[value]
+
+
+def _host_memory(value: str) -> Union[str, float]:
+    return value if value == "auto" else float(value)
+
+
+def _callbacks(value: str) -> set[str]:
+    if value == "all":
+        return {"mlp", "loss", "offload"}
+    if value == "none":
+        return set()
+    chosen = {name.strip() for name in value.split(",") if name.strip()}
+    unknown = chosen - set(CALLBACK_NAMES)
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown callbacks {sorted(unknown)}: use all, none or a comma list of {', '.join(CALLBACK_NAMES)}"
+        )
+    return chosen
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``lightning-fpdt plan``: print the memory plan. Exit status 0 if it fits, 1 if not, 2 for a bad option."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-fpdt plan", description="Predict the GPU and host memory of a long-context fpdt run.",
+    )
+    parser.add_argument("--model", default="llama3-8b",
+                        help=f"a named size ({', '.join(NAMED_CONFIGS)}) or a Hugging Face config.json")
+    parser.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    parser.add_argument("--seq-len", type=int, required=True, help="global tokens per sequence")
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per data-parallel group")
+    parser.add_argument("--gpus", type=int, default=1, help="all GPUs of the run")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per host (default: all)")
+    parser.add_argument("--sp", type=_auto_or_int, default="auto", help="sequence_parallel_size")
+    parser.add_argument("--ring-size", type=_auto_or_int, default="auto",
+                        help="ring ranks R of the sequence mesh (sp = ulysses x R; auto: the smallest the heads need)")
+    parser.add_argument("--chunks", type=_auto_or_int, default="auto", help="FPDT chunks per rank")
+    parser.add_argument("--head-chunks", type=int, default=1,
+                        help="head groups G: attention projections and FPDT calls per group of H/G query heads")
+    parser.add_argument("--offload", type=_switch, default="auto", help="attention chunk offload: auto, on, off")
+    parser.add_argument("--offload-dq", type=_switch, default="auto", help="partial dQ offload: auto, on, off")
+    parser.add_argument("--callbacks", type=_callbacks, default=_callbacks("all"),
+                        help="all, none, or a comma list of mlp, loss, offload, checkpoint (checkpointing on the GPU)")
+    parser.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS))
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
+    parser.add_argument("--cpu-offload-params", action="store_true", help="FSDP2 CPUOffloadPolicy")
+    parser.add_argument("--recompute-attention", action="store_true",
+                        help="ActivationOffload(recompute_attention=True): one layer's attention stash instead of all")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
+                        help="GiB of one GPU (an H100 80GB reports ~79, an H200 ~139)")
+    parser.add_argument("--host-memory-gib", type=_host_memory, default=None,
+                        help="memory one host can pin, or 'auto' for this machine's available memory")
+    args = parser.parse_args(argv)
+    host = args.host_memory_gib
+    if host == "auto":
+        available = available_host_memory()
+        host = None if available is None else available / GIB
+    try:
+        plan = plan_memory(
+            geometry=resolve_geometry(args.model, num_layers=args.layers), seq_len=args.seq_len,
+            batch_size=args.batch_size, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+            sequence_parallel_size=args.sp, ring_size=args.ring_size, chunks=args.chunks, offload=args.offload,
+            offload_dq=args.offload_dq,
+            activation_offload="offload" in args.callbacks, activation_checkpointing="checkpoint" in args.callbacks,
+            tiled_mlp="mlp" in args.callbacks, tiled_loss="loss" in args.callbacks, precision=args.precision,
+            optimizer=args.optimizer, cpu_offload_params=args.cpu_offload_params, gpu_memory_gib=args.gpu_memory_gib,
+            host_memory_gib=host, recompute_attention=args.recompute_attention, head_chunks=args.head_chunks,
+        )
+    except ValueError as error:
+        print(f"lightning-fpdt plan: {error}", file=sys.stderr)
+        return 2
+    print(format_plan(plan))
+    return 0 if plan.fits else 1

@@ -1,0 +1,424 @@
+"""What one training step holds in memory, part by part: the formulas of the planner.
+
+This is a model, not a measurement. Notation (per GPU): ``W`` GPUs (FSDP2 shards over all of them), ``P`` sequence
+parallel size, ``N = B·S/P`` local tokens (``S`` padded to a multiple of ``P·u``), ``h`` hidden size, ``I`` MLP width,
+``V`` vocabulary, ``L`` layers, ``H``/``Hkv`` heads of width ``D``, ``b`` bytes of an activation (2 in bf16),
+``A = N·h·b`` one hidden-state tensor, ``n`` tokens of one MLP or loss tile. Parameter counts: ``Θ`` all,
+``Θ_block`` one block, ``Θ_rest`` the rest (embedding, lm_head unless tied, final norm: FSDP2's root unit).
+
+Persistent (held through the backward)::
+
+    parameters    = master·Θ/W + param·(Θ_rest + 2·Θ_block)   sharded master; gathered root unit (FSDP2 keeps the root
+                                                              unsharded from forward to backward) + current and
+                                                              prefetched block
+    gradients     = grad·Θ/W + Θ_block·(param + reduce)       sharded; one block's unsharded grads + its reduce-scatter
+                                                              copy in the reduce dtype
+    optimizer     = 2·master·Θ/W                              AdamW's two moments
+    checkpoints   = 2·A (ActivationOffload: current + prefetched; L·A on the host) | L·A (checkpointing on the GPU)
+                    | L·(A + layer activations) (no checkpointing)
+    attention     = L·(stash_bytes + kept out) on the GPU, or on the host when offloaded  (planning.stash_bytes;
+                    "kept out" = N·H·D·b per layer under checkpointing or head_chunks > 1: the attention is not
+                    recomputed)
+    lm_head grad  = V·h·b                                     unsharded, from the loss until the root's reduce-scatter
+
+Transient phases (one at a time; the largest counts)::
+
+    attention forward  = norm + q, k, v, out + planning.working_set_bytes
+                         head_chunks G > 1: norm + A (the output sum) + (q, k, v, out)/G + one group's working set
+    MLP backward       = layer activations + 2·A + MLP work    (untiled 2·N·I·b more; tiled 6·n·I·b)
+    attention backward = norm + rope + A + N·H·D·b + N·(H + 2·Hkv)·D·b + attention_backward_bytes
+                                                           (grads of the residual and of the attention output,
+                                                           dq, dk, dv, the FPDT backward's chunks)
+                         G > 1: 2·A (output grad, the running input grad, which each group's projections add
+                         into in place) + (out-sized dout and rotated dq, dq, dk, dv)/G + one group's backward
+                         chunks; the groups' outputs count as kept outputs, and no layer saves out or RoPE
+    loss               = final norm + tiled: A + V·h·4 + 6·n·V  |  untiled: 12·N·V (fp32 logits, log-softmax, grad)
+    end of backward    = V·h·b (embedding grad) + Θ_rest·reduce·(1 + 1/W)   (the root unit's reduce-scatter)
+
+    layer activations  = 2 norms × (N·h·4 + 2·A) + out N·H·D·b + block output A + rope + MLP (untiled 4·N·I·b)
+
+    predicted peak per GPU = Σ persistent + max(transient phases)
+    pinned host per host   = GPUs per node × (offloaded attention: L·(stash_bytes + kept out) + one layer's dout and out
+                             (+ fp32 partial dQ) + offloaded block inputs L·A + CPU-offloaded parameters,
+                             gradients and optimizer states)
+
+With a ring (``ring_size = R > 1``, docs/ring.md) the attention terms use the Ulysses size ``U = P/R`` for the heads
+and the ring rank's share ``S/R`` for the chunk (``planning``), the backward adds the ring's second kv share and
+second fp32 dK/dV accumulator in flight, chunks are 1, and ``offload`` moves the shares to the host (no partial dQ).
+
+Calibrated against measured runs (docs/planner.md): the FPDT op alone, the tiled loss and MLP alone, and
+three 4-GPU training runs of the Llama-3-8B geometry, each within 15%. It counts tensors, not the caching allocator's
+fragmentation, the CUDA context, NCCL buffers or cuBLAS workspaces: keep a few GiB of headroom. Where phases overlap
+only in part (the lm_head gradient does not exist yet during the loss) it counts them fully: it errs high.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from lightning_fpdt.flops import ModelGeometry
+from lightning_fpdt.memory.tiling import auto_loss_tiles, auto_mlp_tiles
+from lightning_fpdt.planner.geometry import (
+    OPTIMIZER_STATES,
+    PRECISIONS,
+    attention_geometry,
+    parameter_counts,
+    total_parameters,
+)
+from lightning_fpdt.planner.options import PlanOptions
+from lightning_fpdt.sequence.layout import SequenceLayout
+from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry, stash_bytes, working_set_bytes
+
+GIB = 2**30
+
+MLP_BACKWARD_BUFFERS = 6
+"""``intermediate``-wide buffers per token at the peak of a gated MLP's backward: gate, up, act(gate) (saved), the
+product's gradient and the gradients of act(gate) and up. 4 of them are saved by the forward. Checked against
+bench/memory_tiles.py: the untiled MLP at 256K tokens needs 5.7 per token, the tiled one 6.6 per tile token."""
+UNTILED_LOSS_BYTES_PER_LOGIT = 12
+"""fp32 logits, the saved log-softmax and its gradient at the peak of the untiled cross-entropy's backward."""
+LOSS_TILE_BYTES_PER_LOGIT = 8
+"""One loss tile: its fp32 logits (turned into the gradient in place) and logsumexp's fp32 temporary of the same size
+(the bf16 matmul output and the gradient's bf16 copy are smaller and not alive with both). bench/memory_tiles.py on
+an H100: 8.0 bytes per tile logit at 16K and at 512K tokens."""
+MLP_GRAD_SUM_BYTES = 4
+"""``TiledMLP`` sums each weight's gradient over the tiles in fp32 (``tiled_mlp_backward``): bytes per weight."""
+ROPE_TABLES = 4
+"""fp32 ``(B, N, D)`` tables a layer saves for backward: cos and sin, for q and for k."""
+
+@dataclass(frozen=True)
+class Component:
+    """One part of the memory of a step."""
+
+    name: str
+    gpu_bytes: int
+    """Bytes on each GPU."""
+    host_bytes: int = 0
+    """Pinned host bytes for each GPU (multiply by the GPUs of a host)."""
+    phase: Optional[str] = None
+    """``None``: held through the backward; else the transient phase it belongs to."""
+    formula: str = ""
+    """How it is counted, in short."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Predicted memory of one training step, per GPU and per host (see the module docstring for the model)."""
+
+    model: str
+    geometry: ModelGeometry
+    seq_len: int
+    padded_seq_len: int
+    batch_size: int
+    num_gpus: int
+    gpus_per_node: int
+    options: PlanOptions
+    components: tuple[Component, ...]
+    gpu_memory_bytes: int
+    host_memory_bytes: Optional[int]
+    recommended: Optional["MemoryPlan"] = field(default=None, compare=False)
+    """A plan that fits, found by the search in :data:`SEARCH_ORDER` (``None`` if this one fits or none was found)."""
+    recommendation: str = ""
+    """What to change, in words."""
+
+    def component(self, name: str) -> Component:
+        """The component called ``name``."""
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise KeyError(f"no component {name!r}; the plan has {[c.name for c in self.components]}")
+
+    @property
+    def local_tokens(self) -> int:
+        return self.batch_size * self.padded_seq_len // self.options.sequence_parallel_size
+
+    @property
+    def persistent_gpu_bytes(self) -> int:
+        return sum(c.gpu_bytes for c in self.components if c.phase is None)
+
+    @property
+    def phase_bytes(self) -> dict[str, int]:
+        """GPU bytes of each transient phase."""
+        phases: dict[str, int] = {}
+        for c in self.components:
+            if c.phase is not None:
+                phases[c.phase] = phases.get(c.phase, 0) + c.gpu_bytes
+        return phases
+
+    @property
+    def peak_phase(self) -> str:
+        phases = self.phase_bytes
+        return max(phases, key=phases.__getitem__)
+
+    @property
+    def peak_gpu_bytes(self) -> int:
+        """Σ persistent + the largest transient phase."""
+        return self.persistent_gpu_bytes + max(self.phase_bytes.values())
+
+    @property
+    def host_bytes_per_gpu(self) -> int:
+        return sum(c.host_bytes for c in self.components)
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        return self.host_bytes_per_gpu * self.gpus_per_node
+
+    @property
+    def fits_gpu(self) -> bool:
+        return self.peak_gpu_bytes <= self.gpu_memory_bytes
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_memory_bytes is None or self.host_bytes_per_node <= self.host_memory_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_gpu and self.fits_host
+
+    @property
+    def binding_limit(self) -> Literal["gpu memory", "host memory", "fits"]:
+        """The limit exceeded (by the larger ratio when both are), or ``"fits"``."""
+        gpu_ratio = self.peak_gpu_bytes / self.gpu_memory_bytes
+        host_ratio = self.host_bytes_per_node / self.host_memory_bytes if self.host_memory_bytes else 0.0
+        if max(gpu_ratio, host_ratio) <= 1:
+            return "fits"
+        return "gpu memory" if gpu_ratio >= host_ratio else "host memory"
+
+    @property
+    def largest_component(self) -> Component:
+        """The largest host component when host memory binds, else the largest part of the GPU peak (a persistent
+        component or one of the largest phase): what to shrink first."""
+        if self.binding_limit == "host memory":
+            return max(self.components, key=lambda c: c.host_bytes)
+        at_peak = [c for c in self.components if c.phase in (None, self.peak_phase)]
+        return max(at_peak, key=lambda c: c.gpu_bytes)
+
+
+# ---- component formulas --------------------------------------------------------------------------------------
+def attention_backward_bytes(
+    geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, num_chunks: int, offload: bool,
+    offload_dq: bool, ring_size: int = 1,
+) -> int:
+    """GPU bytes of the FPDT backward of one layer beyond its inputs and outputs (``fpdt_backward``).
+
+    Per chunk of ``C = B·S/u`` tokens after the all-to-all (``h = H/P``, ``hk = max(Hkv, P)/P`` heads), when
+    offloaded: the q side (q, out, dout + fp32 lse) of three chunks (the one computing, the one prefetched, and the
+    previous one, released but not reusable yet: allocated on the copy stream, it waits for the compute stream to
+    finish reading it) and two kv pairs; the kernel's kv expanded to ``h`` heads (GQA), its ``dq, dk, dv`` and an
+    fp32 dQ accumulator (flash attention's backward keeps one; assumed of cuDNN's too); the fp32 ``dK, dV``
+    accumulators; the fp32 partial dQ of three chunks (``offload_dq``) or of the whole local sequence. Without
+    offload the chunks are in the stash (counted there) and every ``dout`` and ``out`` chunk joins them on the device. Against
+    bench/attention.py this is 1–4% low; without the third chunk generations it would be 20% low.
+
+    With a ring (``ring_size > 1``; ``u = 1``, no offload) the chunk is the ring rank's share ``B·S/R`` with
+    ``h = H/U``, ``hk = max(Hkv, U)/U`` heads, and the kv share and fp32 dK/dV accumulator arriving from the previous
+    ring rank are live next to the own ones (``ring_backward``). Not yet measured on a GPU.
+    """
+    g, b = geometry, geometry.dtype_bytes
+    ulysses = sp_size // ring_size
+    chunk = batch_size * math.ceil(seq_len / (num_chunks * ring_size))  # C (with a ring: the share)
+    heads, kv_heads = g.num_heads // ulysses, max(g.num_kv_heads, ulysses) // ulysses
+    q_chunk, kv_chunk = chunk * heads * g.head_dim, chunk * kv_heads * g.head_dim  # elements
+    local_q = batch_size * seq_len // sp_size * g.num_heads * g.head_dim  # all local q elements
+    q_side = 3 * q_chunk * b + chunk * heads * 4
+    kernel = (2 * q_chunk * b if heads > kv_heads else 0) + 3 * q_chunk * b + 4 * q_chunk
+    kv_acc = 2 * kv_chunk * 4
+    if offload:
+        chunks = min(3, num_chunks) * q_side + min(2, num_chunks) * 2 * kv_chunk * b
+    else:
+        chunks = (2 if ring_size == 1 else 1) * local_q * b  # dout (and out: FPDT all-to-alls it in backward)
+    partial_dq = min(3, num_chunks) * 4 * q_chunk if offload_dq else 4 * local_q
+    ring_in_flight = 2 * kv_chunk * b + kv_acc if ring_size > 1 else 0  # the next kv share and dK/dV accumulator
+    return chunks + partial_dq + kernel + kv_acc + ring_in_flight
+
+
+def attention_host_bytes(
+    geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, offload: bool, offload_dq: bool,
+    kept_out_layers: int = 0, ring_size: int = 1,
+) -> int:
+    """Pinned host bytes of the FPDT stash pool for one GPU: every layer's chunks (``stash_bytes``), the attention
+    outputs kept for checkpoint recomputes (``kept_out_layers`` of them), one layer's ``dout`` and ``out`` chunks
+    (all-to-all'd in its backward) and fp32 partial dQ sums (the pool reuses buffers across layers)."""
+    g, b = geometry, geometry.dtype_bytes
+    local_q = batch_size * seq_len // sp_size * g.num_heads * g.head_dim
+    host = 0
+    if offload:
+        host += g.num_layers * stash_bytes(g, batch_size=batch_size, seq_len=seq_len, sp_size=sp_size,
+                                           ring_size=ring_size)
+        # kept outputs + one layer's dout (and out chunks: FPDT all-to-alls them in backward; the ring stashed its own)
+        host += kept_out_layers * local_q * b + (2 if ring_size == 1 else 1) * local_q * b
+    if offload_dq:
+        host += 4 * local_q
+    return host
+
+
+def mlp_tile_tokens(num_tokens: int, intermediate_size: int, dtype_bytes: int) -> int:
+    """Tokens of one ``TiledMLP(num_tiles="auto")`` tile (the transform's own rule)."""
+    return math.ceil(num_tokens / auto_mlp_tiles(num_tokens, intermediate_size, dtype_bytes))
+
+
+def loss_tile_tokens(num_tokens: int, vocab_size: int) -> int:
+    """Tokens of one ``TiledLoss(num_tiles="auto")`` tile (the transform's own rule)."""
+    return math.ceil(num_tokens / auto_loss_tiles(num_tokens, vocab_size))
+
+
+def mlp_op_bytes(
+    num_tokens: int, hidden_size: int, intermediate_size: int, *, tiled: bool, dtype_bytes: int = 2
+) -> int:
+    """Peak bytes of one gated MLP's forward + backward beyond its input and output gradient (bench/memory_tiles.py's
+    "peak"): output, input gradient, weight gradients and the intermediates (all tokens, or one tile)."""
+    rows = mlp_tile_tokens(num_tokens, intermediate_size, dtype_bytes) if tiled else num_tokens
+    io = 2 * num_tokens * hidden_size * dtype_bytes + 3 * hidden_size * intermediate_size * dtype_bytes
+    sums = 3 * hidden_size * intermediate_size * MLP_GRAD_SUM_BYTES if tiled else 0
+    return io + sums + MLP_BACKWARD_BUFFERS * rows * intermediate_size * dtype_bytes
+
+
+def loss_op_bytes(num_tokens: int, hidden_size: int, vocab_size: int, *, tiled: bool, dtype_bytes: int = 2) -> int:
+    """Peak bytes of the causal-LM loss's forward + backward beyond its inputs (bench/memory_tiles.py's "peak").
+
+    Tiled: the hidden-state gradient, the fp32 lm_head gradient accumulator and the larger of one tile's logits and
+    the lm_head gradient returned in the weight's dtype. Untiled: fp32 logits, log-softmax and gradient."""
+    if not tiled:
+        return UNTILED_LOSS_BYTES_PER_LOGIT * num_tokens * vocab_size
+    tile = LOSS_TILE_BYTES_PER_LOGIT * loss_tile_tokens(num_tokens, vocab_size) * vocab_size
+    grads = num_tokens * hidden_size * dtype_bytes + vocab_size * hidden_size * 4
+    return grads + max(tile, vocab_size * hidden_size * dtype_bytes)
+
+
+# ---- the plan ------------------------------------------------------------------------------------------------
+def components(
+    geometry: ModelGeometry, options: PlanOptions, *, seq_len: int, batch_size: int, num_gpus: int
+) -> list[Component]:
+    g, o, dtypes = geometry, options, PRECISIONS[options.precision]
+    b, L, h, V = dtypes["act"], g.num_layers, g.hidden_size, g.vocab_size
+    P, W = o.sequence_parallel_size, num_gpus
+    N = batch_size * seq_len // P  # local tokens
+    A = N * h * b  # one hidden-state tensor
+    attn_width = g.num_heads * g.head_dim
+    block, rest = parameter_counts(g)
+    total = total_parameters(g)
+    offloaded_states = o.cpu_offload_params
+    G = o.head_chunks
+    attention = grouped_geometry(attention_geometry(g, b), G)  # G > 1: L·G calls of one head group each
+    size = dict(batch_size=batch_size, seq_len=seq_len, sp_size=P)
+    ring = dict(ring_size=o.ring_size)
+
+    def on(nbytes: int, host: bool) -> tuple[int, int]:  # (gpu, host)
+        return (0, nbytes) if host else (nbytes, 0)
+
+    items: list[Component] = []
+
+    def add(name: str, gpu: int, host: int = 0, phase: Optional[str] = None, formula: str = "") -> None:
+        items.append(Component(name, int(gpu), int(host), phase, formula))
+
+    # ---- persistent
+    master = dtypes["master"] * total // W
+    gpu, host = on(master, offloaded_states)
+    add("parameters", gpu + dtypes["param"] * (rest + 2 * block), host,
+        formula="sharded master + gathered root unit + 2 blocks")
+    sharded_grads = dtypes["grad"] * total // W
+    gpu, host = on(sharded_grads, offloaded_states)
+    add("gradients", gpu + block * (dtypes["param"] + dtypes["reduce"]), host,
+        formula="sharded + one block unsharded + its reduce-scatter copy")
+    moments = OPTIMIZER_STATES[o.optimizer] * dtypes["master"] * total // W
+    add("optimizer states", *on(moments, offloaded_states), formula=f"{OPTIMIZER_STATES[o.optimizer]} x sharded master")
+
+    # RMSNorm: fp32 copy of its input, normalised input, output. The reference Llama's norm and RoPE now run over
+    # token tiles and save one fp32 per token (models/ops.py); these terms, calibrated on GPU runs of the plain forms,
+    # are kept until runs of the tiled forms re-calibrate them (a conservative GPU estimate meanwhile)
+    norm = N * h * 4 * (b < 4) + 2 * A
+    rope = ROPE_TABLES * N * g.head_dim * 4
+    mlp_saved = 0 if o.tiled_mlp else 4 * N * g.intermediate_size * b
+    # what one layer's backward needs; head groups keep their outputs in the stash ("kept out") and recompute RoPE.
+    # The block output A: a checkpoint's recompute no longer keeps it through the block's backward (ActivationOffload's
+    # inner backward starts from gradient edges, docs/memory-1gpu.md); the term stays, as the norms' above, until GPU
+    # runs of the new code re-calibrate the checkpointed phases (the calibration runs kept it)
+    layer = 2 * norm + (N * attn_width * b + rope if G == 1 else 0) + A + mlp_saved
+    if o.activation_offload:
+        add("checkpointed block inputs", 2 * A, L * A, formula="2 on GPU (current, prefetched), L on host")
+    elif o.activation_checkpointing:
+        add("checkpointed block inputs", L * A, formula="L x B·S/P·hidden")
+    else:
+        add("activations (no checkpointing)", L * (A + layer), formula="L x (block input + layer activations)")
+
+    # attention calls holding a stash between forward and backward: every layer's, or under attention recompute only
+    # the layer in backward; with head groups, each of its G groups
+    layers_stashed = 1 if o.recompute_attention else L
+    stashed = layers_stashed * G
+    if G > 1:  # head groups keep each group's output for their backward (the layer in backward's, under recompute)
+        kept = layers_stashed
+    else:
+        kept = L if o.activation_checkpointing and not o.recompute_attention else 0  # first-pass outputs kept
+    kept_out = kept * N * attn_width * b
+    stash = stashed * stash_bytes(attention, **size, **ring)
+    host_attention = attention_host_bytes(dataclasses.replace(attention, num_layers=stashed), offload=o.offload,
+                                          offload_dq=o.offload_dq, kept_out_layers=kept * G, **size, **ring)
+    add("attention stash", 0 if o.offload else stash + kept_out, host_attention,
+        formula=("1 layer (attention recomputed)" if o.recompute_attention else "L")
+        + " x planning.stash_bytes (+ kept outputs)" + (", offloaded" if o.offload else ""))
+    add("lm_head gradient", V * h * b, formula="V·hidden, unsharded until the root's reduce-scatter")
+
+    # ---- transient phases
+    recompute = layer if o.activation_checkpointing else 0  # without checkpointing it is in "activations" already
+    qkv_out = N * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * b + N * attn_width * b  # full width
+    if G == 1:
+        add("attention forward", norm + qkv_out + working_set_bytes(attention, num_chunks=o.chunks, **size, **ring),
+            phase="attention forward", formula="norm + q, k, v, out + planning.working_set_bytes")
+    else:
+        group_working_set = working_set_bytes(attention, num_chunks=o.chunks, **size, **ring)
+        add("attention forward", norm + A + qkv_out // G + group_working_set,
+            phase="attention forward", formula="norm + output sum + one group's q, k, v, out and working set")
+    mlp_rows = mlp_tile_tokens(N, g.intermediate_size, b) if o.tiled_mlp else N
+    mlp_work = MLP_BACKWARD_BUFFERS * mlp_rows * g.intermediate_size * b - mlp_saved
+    if o.tiled_mlp:  # the fp32 sums of the gate, up and down weight gradients over the tiles
+        mlp_work += 3 * g.hidden_size * g.intermediate_size * MLP_GRAD_SUM_BYTES
+    add("layer activations (recompute)", recompute, phase="MLP backward", formula="norms, attention out, rope, MLP")
+    add("MLP backward", 2 * A + mlp_work, phase="MLP backward",
+        formula=f"grads in/out + {'one tile' if o.tiled_mlp else 'all tokens'} x {MLP_BACKWARD_BUFFERS} x I"
+        + (" + fp32 weight-gradient sums" if o.tiled_mlp else ""))
+    add("layer activations (at attention)", (norm + rope) if o.activation_checkpointing else 0,
+        phase="attention backward", formula="first norm, rope")
+    backward_chunks = attention_backward_bytes(attention, num_chunks=o.chunks, offload=o.offload,
+                                               offload_dq=o.offload_dq, **size, **ring)
+    if G == 1:
+        add("attention backward", A + N * attn_width * b + N * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * b
+            + backward_chunks, phase="attention backward", formula="grads + dq, dk, dv + FPDT backward chunks")
+    else:
+        # a group's backward (sequence/head_chunks.py) holds no other hidden-sized tensor: the output projection
+        # is differentiated by hand and the q/k/v projections' input gradients are added into dx in place; at its
+        # peak (RoPE's backward of dq) the group's dout, dq and rotated dq, dk and dv are alive: (out + qkv)/G
+        add("attention backward", 2 * A + (N * attn_width * b + qkv_out) // G + backward_chunks,
+            phase="attention backward",
+            formula="output grad + running input grad + one group's dout, dq and its rotation, dk, dv"
+            " + its FPDT backward chunks")
+    if o.tiled_loss:
+        loss = A + V * h * 4 + LOSS_TILE_BYTES_PER_LOGIT * loss_tile_tokens(N, V) * V
+        formula = "hidden grad + fp32 lm_head grad + one tile"
+    else:
+        loss = UNTILED_LOSS_BYTES_PER_LOGIT * N * V
+        formula = "fp32 logits, log-softmax, grad"
+    add("logits / loss", norm + loss, phase="loss", formula=formula)
+    add("embedding gradient + root reduce-scatter", V * h * b * (not g.tie_word_embeddings)
+        + rest * dtypes["reduce"] + rest * dtypes["reduce"] // W, phase="end of backward",
+        formula="V·hidden + root unit in reduce dtype")
+    return items
+
+
+def build_plan(
+    geometry: ModelGeometry, model: str, *, seq_len: int, batch_size: int, num_gpus: int, gpus_per_node: int,
+    options: PlanOptions, gpu_memory_bytes: int, host_memory_bytes: Optional[int],
+) -> MemoryPlan:
+    """The plan of these resolved options: the components of the padded sequence and the limits."""
+    layout = SequenceLayout(options.sequence_parallel_size, 0, options.chunks, ring_size=options.ring_size)
+    padded = layout.padded_length(seq_len)
+    parts = components(geometry, options, seq_len=padded, batch_size=batch_size, num_gpus=num_gpus)
+    return MemoryPlan(
+        model=model, geometry=geometry, seq_len=seq_len, padded_seq_len=padded, batch_size=batch_size,
+        num_gpus=num_gpus, gpus_per_node=gpus_per_node, options=options, components=tuple(parts),
+        gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes,
+    )
+
+

@@ -1,0 +1,121 @@
+"""The options a plan is made for, every ``"auto"`` resolved as the strategy resolves it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from lightning_fpdt.flops import ModelGeometry
+from lightning_fpdt.planner.geometry import PRECISIONS, attention_geometry, total_parameters
+from lightning_fpdt.sequence.options import FPDTOptions
+from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry
+from lightning_fpdt.sequence.sizes import resolve_sequence_sizes
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The options a plan is made for, with every ``"auto"`` resolved."""
+
+    sequence_parallel_size: int
+    """``P``: GPUs sharing one sequence."""
+    data_parallel_size: int
+    """Groups of ``P`` GPUs that see different samples."""
+    chunks: int
+    """FPDT chunks per rank ``u``."""
+    offload: bool
+    """Attention chunks (and, under checkpointing, each layer's attention output) in pinned host memory."""
+    offload_dq: bool
+    """The backward's fp32 partial dQ sums in host memory too."""
+    activation_offload: bool
+    """ActivationOffload: blocks checkpointed, their inputs in pinned host memory."""
+    activation_checkpointing: bool
+    """Blocks checkpointed (implied by ``activation_offload``; ``ActivationOffload(offload=False)`` alone)."""
+    tiled_mlp: bool
+    """TiledMLP."""
+    tiled_loss: bool
+    """TiledLoss."""
+    cpu_offload_params: bool
+    """FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer states in pinned host memory."""
+    precision: str
+    """``"bf16-mixed"``, ``"bf16-true"`` or ``"32-true"``."""
+    optimizer: str
+    """``"adamw"``, ``"adam"`` or ``"sgd"``."""
+    recompute_attention: bool = False
+    """``ActivationOffload(recompute_attention=True)``: the checkpoint recomputes the attention in backward, so only
+    the layer in backward holds a stash (instead of every layer) at the price of a second attention forward."""
+    ring_size: int = 1
+    """``R``: ring ranks of the 2-D sequence mesh (``P = U·R``); 1: plain Ulysses/FPDT."""
+    head_chunks: int = 1
+    """Head groups ``G``: the attention's projections and FPDT calls run on ``H/G`` query heads at a time."""
+
+    def __post_init__(self) -> None:
+        if self.activation_offload and not self.activation_checkpointing:
+            raise ValueError("activation_offload checkpoints the blocks: set activation_checkpointing=True with it")
+        if self.recompute_attention and not self.activation_checkpointing:
+            raise ValueError("recompute_attention needs checkpointed blocks: set activation_checkpointing=True with it")
+        if self.ring_size > 1 and (self.chunks > 1 or self.offload_dq):
+            raise ValueError(
+                f"ring_size={self.ring_size} with chunks={self.chunks}, offload_dq={self.offload_dq}: FPDT chunks are "
+                f"not composed with the ring yet and it has no partial dQ sums to offload; use chunks=1 and "
+                f"offload_dq off with a ring, or ring_size=1"
+            )
+
+    def describe(self) -> str:
+        def on(flag: bool) -> str:
+            return "on" if flag else "off"
+
+        checkpointing = "offload" if self.activation_offload else ("on GPU" if self.activation_checkpointing else "off")
+        split = (f" (ring {self.ring_size} x ulysses {self.sequence_parallel_size // self.ring_size})"
+                 if self.ring_size > 1 else "")
+        return (
+            f"sp={self.sequence_parallel_size}{split} dp={self.data_parallel_size} chunks={self.chunks} "
+            f"offload={on(self.offload)} (dq {on(self.offload_dq)}) tiled_mlp={on(self.tiled_mlp)} "
+            f"tiled_loss={on(self.tiled_loss)} checkpointing={checkpointing}"
+            f"{' (attention recomputed)' if self.recompute_attention else ''} "
+            f"cpu_offload_params={on(self.cpu_offload_params)} {self.precision} {self.optimizer}"
+            + (f" head_chunks={self.head_chunks}" if self.head_chunks > 1 else "")
+        )
+
+
+def free_for_auto(
+    geometry: ModelGeometry, *, precision: str, cpu_offload_params: bool, num_gpus: int, gpu_memory_bytes: int
+) -> int:
+    """What ``"auto"`` plans with: the free GPU memory at the first batch, once the sharded weights are there."""
+    master = 0 if cpu_offload_params else PRECISIONS[precision]["master"] * total_parameters(geometry) // num_gpus
+    return max(gpu_memory_bytes - master, 1)
+
+
+def planned_attention(geometry: ModelGeometry, precision: str, head_chunks: int) -> AttentionGeometry:
+    """The attention the ``"auto"`` options are sized for: one head group's calls, in the activation dtype."""
+    return grouped_geometry(attention_geometry(geometry, PRECISIONS[precision]["act"]), head_chunks)
+
+
+def resolve_options(
+    geometry: ModelGeometry, attention_options: FPDTOptions, *, seq_len: int, batch_size: int, num_gpus: int,
+    gpus_per_node: int, sequence_parallel_size: Union[str, int], activation_offload: bool,
+    activation_checkpointing: Optional[bool], tiled_mlp: bool, tiled_loss: bool, precision: str, optimizer: str,
+    cpu_offload_params: bool, gpu_memory_bytes: int, recompute_attention: bool = False,
+) -> PlanOptions:
+    """The sizes (as the strategy resolves its mesh) and the attention options (:meth:`FPDTOptions.resolve`, with
+    the free memory of :func:`free_for_auto`) of a plan."""
+    head_chunks = attention_options.head_chunks
+    dp, sp, ring = resolve_sequence_sizes(
+        world_size=num_gpus, devices_per_node=gpus_per_node, data_parallel_size="auto",
+        sequence_parallel_size=sequence_parallel_size, ring_size=attention_options.ring_size,
+        heads=(geometry.num_heads, geometry.num_kv_heads), head_chunks=head_chunks,
+    )
+    free = free_for_auto(geometry, precision=precision, cpu_offload_params=cpu_offload_params, num_gpus=num_gpus,
+                         gpu_memory_bytes=gpu_memory_bytes)
+    chunks, offload, offload_dq = attention_options.resolve(
+        planned_attention(geometry, precision, head_chunks), batch_size=batch_size, seq_len=seq_len, sp_size=sp,
+        ring_size=ring, free_bytes=free,
+    )
+    return PlanOptions(
+        sequence_parallel_size=sp, data_parallel_size=dp, chunks=chunks, offload=offload, offload_dq=offload_dq,
+        activation_offload=activation_offload,
+        activation_checkpointing=activation_offload or bool(activation_checkpointing),
+        tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, cpu_offload_params=cpu_offload_params, precision=precision,
+        optimizer=optimizer, recompute_attention=recompute_attention, ring_size=ring, head_chunks=head_chunks,
+    )
+
+

@@ -1,0 +1,123 @@
+"""The attention options of a run, validated once, and the one resolver of their ``"auto"`` values.
+
+:class:`FPDTOptions` is what ``FPDTStrategy(...)``, :func:`lightning_fpdt.planner.plan_memory` and
+``lightning-fpdt plan`` take for the attention (chunks, offload, head groups, ring, kernel): all three validate
+through it, and all three turn ``"auto"`` into numbers through :meth:`FPDTOptions.resolve`, so a plan and the run it
+plans resolve alike. The byte counts the resolver compares live in :mod:`lightning_fpdt.sequence.planning`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Optional, Union
+
+from lightning_fpdt.sequence.kernels import check_backend_name
+from lightning_fpdt.sequence.planning import (
+    MAX_CHUNK_TOKENS,
+    AttentionGeometry,
+    choose_chunks,
+    choose_offload,
+    choose_offload_dq,
+)
+
+Auto = Literal["auto"]
+
+
+def check_positive_int(name: str, value: object) -> None:
+    """``ValueError`` unless ``value`` is a positive int (``True`` is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_auto_or_positive_int(name: str, value: object) -> None:
+    """``ValueError`` unless ``value`` is ``"auto"`` or a positive int."""
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be 'auto' or a positive int, got {value!r}")
+
+
+def check_switch(name: str, value: object) -> None:
+    """``ValueError`` unless ``value`` is ``"auto"``, ``True`` or ``False``."""
+    if value not in ("auto", True, False):
+        raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
+
+
+class ResolvedOptions(NamedTuple):
+    """The attention options of one sequence length, every ``"auto"`` decided."""
+
+    chunks: int
+    offload: bool
+    offload_dq: bool
+
+
+@dataclass(frozen=True)
+class FPDTOptions:
+    """How the attention runs: chunks, host offload, head groups, the ring and the kernel (keyword-only)."""
+
+    chunks: Union[Auto, int] = "auto"
+    """FPDT chunks per rank ``u``; ``"auto"``: the fewest whose working set fits a sixteenth of the free GPU memory,
+    at most 65,536 global tokens per chunk. ``1`` is plain Ulysses."""
+    offload: Union[Auto, bool] = "auto"
+    """Keep the attention's chunks in pinned host memory between forward and backward; ``"auto"``: when all layers'
+    chunks would take more than a quarter of the free GPU memory (never without a GPU)."""
+    offload_dq: Union[Auto, bool] = "auto"
+    """Keep the backward's fp32 partial dQ sums in host memory too; ``"auto"``: when the chunks are offloaded and
+    those sums would take more than an eighth of the free GPU memory."""
+    head_chunks: int = 1
+    """Head groups ``G``: projections and attention run on ``H/G`` query heads at a time."""
+    ring_size: Union[Auto, int] = "auto"
+    """Ring ranks ``R`` of a Ulysses × ring sequence mesh; ``"auto"``: 1 unless the heads need a ring."""
+    attention_backend: str = "auto"
+    """Block kernel: ``"auto"``, ``"cudnn"``, ``"flash"`` or ``"math"``."""
+
+    def __post_init__(self) -> None:
+        check_auto_or_positive_int("chunks", self.chunks)
+        check_switch("offload", self.offload)
+        check_switch("offload_dq", self.offload_dq)
+        check_positive_int("head_chunks", self.head_chunks)
+        check_auto_or_positive_int("ring_size", self.ring_size)
+        check_backend_name(self.attention_backend)
+        if isinstance(self.ring_size, int) and self.ring_size > 1:
+            self.check_ring(self.ring_size)
+
+    def check_ring(self, ring_size: int) -> None:
+        """Options the ring does not compose with yet are refused, not silently ignored."""
+        if ring_size <= 1:
+            return
+        if isinstance(self.chunks, int) and self.chunks > 1:
+            raise ValueError(
+                f"chunks={self.chunks} with ring_size={ring_size}: FPDT chunks are not composed with the ring (ring "
+                f"attention) yet; use chunks=1 (or 'auto') with a ring, or ring_size=1"
+            )
+        if self.offload_dq is True:
+            raise ValueError(
+                f"offload_dq=True with ring_size={ring_size}: the ring has no partial dQ sums across chunks to "
+                f"offload (its dQ is one share, on the device); use offload_dq='auto' or False with a ring"
+            )
+
+    def resolve(
+        self, geometry: Optional[AttentionGeometry], *, batch_size: int, seq_len: int, sp_size: int,
+        ring_size: int = 1, free_bytes: Optional[int] = None,
+    ) -> ResolvedOptions:
+        """Chunks and offload for sequences of ``seq_len`` global tokens: the options as given, ``"auto"`` sized
+        from the attention's ``geometry`` (one head group's under ``head_chunks``) and ``free_bytes`` of GPU memory.
+        Without a GPU (``free_bytes`` or ``geometry`` ``None``) auto chunks keep at most 65,536 tokens per chunk and
+        auto offload is off. With a ring, auto chunks are 1 and auto dQ offload off (not composed with the ring)."""
+        planned = free_bytes is not None and geometry is not None
+        size = dict(batch_size=batch_size, seq_len=seq_len, sp_size=sp_size)
+        chunks = self.chunks
+        if chunks == "auto":
+            if ring_size > 1:
+                chunks = 1
+            elif planned:
+                chunks = choose_chunks(geometry, free_bytes=free_bytes, **size)
+            else:
+                chunks = max(1, math.ceil(seq_len / MAX_CHUNK_TOKENS))
+        offload = self.offload
+        if offload == "auto":
+            offload = planned and choose_offload(geometry, free_bytes=free_bytes, ring_size=ring_size, **size)
+        offload_dq = self.offload_dq
+        if offload_dq == "auto":
+            offload_dq = (ring_size == 1 and offload and planned
+                          and choose_offload_dq(geometry, free_bytes=free_bytes, **size))
+        return ResolvedOptions(chunks=chunks, offload=bool(offload), offload_dq=bool(offload_dq))

@@ -1,0 +1,161 @@
+"""The sizes of a sequence-parallel run: data-parallel, sequence-parallel and ring ranks, and head groups.
+
+Pure arithmetic on the head counts and the world, with no process group and no Lightning: the strategy resolves its
+mesh with it, and the planner plans the same sizes. ``sequence_parallel_size="auto"`` takes the largest size within
+one node that the heads allow (the all-to-all wants NVLink); an explicit size beyond the heads turns on the Ulysses ×
+ring hybrid (``ring_size="auto"``: the smallest ring whose Ulysses size the heads allow); head groups (``G``) split
+each group's ``H/G`` query and ``Hkv/G`` kv heads over the ranks (docs/design.md §5, docs/ring.md,
+docs/head_chunks.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from lightning_fpdt.sequence.blocks import check_heads, heads_allow
+from lightning_fpdt.sequence.options import check_auto_or_positive_int, check_positive_int
+
+
+def resolve_sizes(
+    *,
+    world_size: int,
+    devices_per_node: int,
+    data_parallel_size: Union[str, int],
+    sequence_parallel_size: Union[str, int],
+    heads: Optional[tuple[int, int]] = None,
+    ring_size: Union[str, int] = "auto",
+) -> tuple[int, int]:
+    """``(dp, sp)`` from the options; ``"auto"`` sequence parallelism is the largest size within one node that the
+    heads allow (the all-to-all wants NVLink) with ``ring_size`` ring ranks (``"auto"``: without a ring, so "auto"
+    never turns the ring on by itself), ``"auto"`` data parallelism takes the rest. An explicit size is checked
+    against the heads by :func:`resolve_ring_size`."""
+    check_auto_or_positive_int("data_parallel_size", data_parallel_size)
+    check_auto_or_positive_int("sequence_parallel_size", sequence_parallel_size)
+    if sequence_parallel_size == "auto":
+        if data_parallel_size != "auto":
+            if world_size % data_parallel_size:
+                raise ValueError(
+                    f"data_parallel_size ({data_parallel_size}) does not divide the world size {world_size}"
+                )
+            sequence_parallel_size = world_size // data_parallel_size
+        else:
+            ring = ring_size if isinstance(ring_size, int) else 1
+            candidates = [p for p in range(devices_per_node, 0, -1)
+                          if world_size % p == 0 and devices_per_node % p == 0 and p % ring == 0]
+            if not candidates:
+                raise ValueError(
+                    f"ring_size ({ring}) divides no sequence_parallel_size that divides both the world size "
+                    f"{world_size} and the devices per node {devices_per_node}: give sequence_parallel_size "
+                    f"explicitly (a ring may span hosts) or another ring_size"
+                )
+            sequence_parallel_size = next(
+                (p for p in candidates if heads is None or heads_allow(*heads, p // ring)), candidates[-1]
+            )
+    if data_parallel_size == "auto":
+        if world_size % sequence_parallel_size:
+            raise ValueError(
+                f"sequence_parallel_size ({sequence_parallel_size}) does not divide the world size {world_size}"
+            )
+        data_parallel_size = world_size // sequence_parallel_size
+    if data_parallel_size * sequence_parallel_size != world_size:
+        raise ValueError(
+            f"sequence_parallel_size ({sequence_parallel_size}) * data_parallel_size ({data_parallel_size}) = "
+            f"{sequence_parallel_size * data_parallel_size} != world size {world_size}"
+        )
+    resolve_ring_size(sequence_parallel_size=sequence_parallel_size, ring_size=ring_size, heads=heads)
+    return data_parallel_size, sequence_parallel_size
+
+
+def resolve_sequence_sizes(
+    *,
+    world_size: int,
+    devices_per_node: int,
+    data_parallel_size: Union[str, int],
+    sequence_parallel_size: Union[str, int],
+    ring_size: Union[str, int],
+    heads: Optional[tuple[int, int]],
+    head_chunks: int = 1,
+) -> tuple[int, int, int]:
+    """``(dp, sp, R)`` as the strategy runs them, and as the planner plans them: with ``head_chunks`` G > 1 each head
+    group's ``H/G`` query and ``Hkv/G`` kv heads split over the ranks, so the sizes are resolved for one group's
+    heads (:func:`check_head_groups` names the valid G first), and G is refused with a ring (not composed yet)."""
+    if heads is not None and head_chunks > 1:
+        explicit = sequence_parallel_size if isinstance(sequence_parallel_size, int) else 1
+        check_head_groups(*heads, head_chunks, explicit)
+        heads = (heads[0] // head_chunks, heads[1] // head_chunks)
+    dp, sp = resolve_sizes(world_size=world_size, devices_per_node=devices_per_node,
+                           data_parallel_size=data_parallel_size, sequence_parallel_size=sequence_parallel_size,
+                           heads=heads, ring_size=ring_size)
+    ring = resolve_ring_size(sequence_parallel_size=sp, ring_size=ring_size, heads=heads)
+    if ring > 1 and head_chunks > 1:
+        raise ValueError(f"head_chunks ({head_chunks}) is not composed with a ring (ring_size {ring}) yet: set "
+                         f"head_chunks=1, or a sequence_parallel_size the head groups allow without a ring")
+    return dp, sp, ring
+
+
+def resolve_ring_size(
+    *, sequence_parallel_size: int, ring_size: Union[str, int], heads: Optional[tuple[int, int]] = None
+) -> int:
+    """``R``: ring ranks of the 2-D sequence mesh (``P = U·R``, docs/ring.md).
+
+    ``"auto"``: ``1`` (plain Ulysses/FPDT) when the heads allow ``P`` Ulysses ranks, else the smallest ``R`` whose
+    ``U = P/R`` they allow (``H % U == 0`` and ``Hkv``, ``U`` dividing one another, as :func:`check_heads` says).
+    An int is checked: it must divide ``P`` and leave a ``U`` the heads allow.
+    """
+    P = sequence_parallel_size
+    if ring_size == "auto":
+        if heads is None:
+            return 1
+        ring = next((r for r in range(1, P + 1) if P % r == 0 and heads_allow(*heads, P // r)), None)
+        if ring is None:  # only when num_heads % num_kv_heads != 0: let check_heads say so
+            check_heads(*heads, 1)
+        return ring
+    check_auto_or_positive_int("ring_size", ring_size)
+    if P % ring_size:
+        raise ValueError(
+            f"ring_size ({ring_size}) does not divide sequence_parallel_size ({P}): the sequence-parallel ranks are "
+            f"ring_size x ulysses ranks; use a ring_size in {[r for r in range(1, P + 1) if P % r == 0]}"
+        )
+    if heads is not None:
+        try:
+            check_heads(*heads, P // ring_size)
+        except ValueError as error:
+            allowed = [r for r in range(1, P + 1) if P % r == 0 and heads_allow(*heads, P // r)]
+            raise ValueError(
+                f"sequence_parallel_size ({P}) / ring_size ({ring_size}) = {P // ring_size} Ulysses ranks: {error}; "
+                f"ring sizes the heads allow: {allowed} (or ring_size='auto')"
+            ) from error
+    return ring_size
+
+
+def _valid_head_chunks(num_heads: int, num_kv_heads: int, sp_size: int) -> list[int]:
+    return [groups for groups in range(1, num_kv_heads + 1)
+            if num_kv_heads % groups == 0 and heads_allow(num_heads // groups, num_kv_heads // groups, sp_size)]
+
+
+def check_head_groups(num_heads: int, num_kv_heads: int, head_chunks: int, sp_size: int) -> int:
+    """Validate ``head_chunks`` for the head geometry on ``sp_size`` ranks; returns the kv replication of each group
+    (see :func:`check_heads`, which applies per group: ``Hkv/G`` kv heads against ``P`` ranks)."""
+    check_positive_int("head_chunks", head_chunks)
+    check_heads(num_heads, num_kv_heads, 1)  # H a multiple of Hkv
+    valid = _valid_head_chunks(num_heads, num_kv_heads, sp_size)
+    if num_kv_heads % head_chunks:
+        raise ValueError(
+            f"head_chunks ({head_chunks}) must divide num_kv_heads ({num_kv_heads}): each head group holds whole kv "
+            f"heads together with the query heads that read them; with sequence_parallel_size {sp_size} use "
+            f"head_chunks in {valid}"
+        )
+    heads, kv_heads = num_heads // head_chunks, num_kv_heads // head_chunks
+    if heads % sp_size:
+        raise ValueError(
+            f"num_heads ({num_heads}) / head_chunks ({head_chunks}) = {heads} query heads per group is not divisible "
+            f"by sequence_parallel_size ({sp_size}): Ulysses scatters each group's heads over the ranks; use "
+            f"head_chunks in {valid} (or a smaller sequence_parallel_size)"
+        )
+    try:
+        return check_heads(heads, kv_heads, sp_size)
+    except ValueError as error:
+        raise ValueError(
+            f"with head_chunks ({head_chunks}) each group has {heads} query and {kv_heads} kv heads: {error}; use "
+            f"head_chunks in {valid}"
+        ) from None

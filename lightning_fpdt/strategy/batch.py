@@ -1,0 +1,156 @@
+"""Sharding a batch for sequence parallelism: a pure function from the global batch to this rank's tensors and a
+frozen :class:`BatchPlan` (docs/design.md §3, §5). The plan carries the layout the batch was sharded with; the
+attention of every layer uses that layout instead of rebuilding it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_fpdt.sequence.documents import DocumentBoundaries, document_starts_mask, has_position_resets
+from lightning_fpdt.sequence.layout import SequenceLayout
+from lightning_fpdt.sequence.loss import IGNORE_INDEX, ignore_document_ends, shift_labels
+
+_SHARDED_BY_NAME = ("input_ids", "labels", "shift_labels", "position_ids", "document_ids")
+"""Keys :func:`shard_batch` builds itself; every other ``(B, S, ...)`` tensor is sharded as it is."""
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What the sharding of one batch decided, for the attention, the loss and the metrics of its step."""
+
+    layout: SequenceLayout
+    """The layout the batch was sharded with (chunks included): the one every attention layer uses."""
+    batch_size: int
+    seq_len: int
+    """Global tokens per sequence before padding."""
+    documents: Optional[DocumentBoundaries]
+    """Packed documents of the global batch, padded like it; ``None``: one document per sequence."""
+    position_ids: Tensor
+    """Global positions of this rank's tokens ``(B, S/P)``."""
+    valid_tokens: Tensor
+    """This rank's tokens with a target (a device tensor: reading it would stall the step)."""
+
+    @property
+    def padded_len(self) -> int:
+        return self.layout.padded_length(self.seq_len)
+
+    @property
+    def attention_length(self) -> Optional[float]:
+        """``Σ L_d² / S`` of the packed documents (what FLOP counts use for ``S``); ``None``: one per sequence."""
+        return self.documents.attention_length() if self.documents is not None else None
+
+
+def check_batch(batch: Any) -> None:
+    """``ValueError`` unless ``batch`` is a mapping with an ``input_ids`` tensor of shape ``(B, S)``."""
+    if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), Tensor):
+        raise ValueError(
+            "the fpdt strategy shards batches by their 'input_ids' (B, S): return a dict with an 'input_ids' "
+            f"tensor from the dataloader (got {type(batch).__name__}"
+            f"{' with keys ' + str(sorted(batch)) if isinstance(batch, Mapping) else ''})"
+        )
+    if batch["input_ids"].dim() != 2:
+        raise ValueError(f"input_ids must be (batch, sequence), got shape {tuple(batch['input_ids'].shape)}")
+
+
+def packed_documents(
+    document_ids: Optional[Tensor], position_ids: Tensor, shape: torch.Size
+) -> tuple[Optional[DocumentBoundaries], Optional[Tensor]]:
+    """The documents of a packed global batch and the ``(B, S)`` mask of their starts; ``(None, None)`` for a batch
+    of one document per sequence. From ``document_ids`` when the batch has them, else from ``position_ids`` that
+    restart at 0 (one host synchronisation per packed batch, for the start offsets)."""
+    if document_ids is not None:
+        if not isinstance(document_ids, Tensor) or tuple(document_ids.shape) != tuple(shape):
+            raise ValueError(
+                f"batch['document_ids'] must be a tensor shaped like input_ids {tuple(shape)} (one document id per "
+                f"token), got {tuple(document_ids.shape) if isinstance(document_ids, Tensor) else type(document_ids)}"
+            )
+        starts = document_starts_mask(document_ids=document_ids)
+    else:
+        if position_ids.dim() != 2 or position_ids.shape[1] != shape[1] or position_ids.shape[0] not in (1, shape[0]):
+            raise ValueError(
+                f"batch['position_ids'] must be shaped like input_ids {tuple(shape)} (or (1, S)), got "
+                f"{tuple(position_ids.shape)}"
+            )
+        if not has_position_resets(position_ids):
+            return None, None
+        starts = document_starts_mask(position_ids=position_ids.expand(shape[0], -1))
+    return DocumentBoundaries.from_starts_mask(starts), starts
+
+
+def global_targets(batch: Mapping[str, Any], document_starts: Optional[Tensor]) -> Tensor:
+    """Per-token targets of the global batch: ``shift_labels`` as given, else ``labels`` (or the input ids) shifted;
+    the last token of every packed document predicts nothing (run alone it has no next token)."""
+    if "shift_labels" in batch:
+        targets = batch["shift_labels"]
+    else:
+        targets = shift_labels(batch.get("labels", batch["input_ids"]))
+    return targets if document_starts is None else ignore_document_ends(targets, document_starts)
+
+
+def shard_batch(
+    batch: Mapping[str, Any], *, layout: SequenceLayout, pad_token_id: int = 0, pad_to_multiple: bool = True
+) -> tuple[dict[str, Any], BatchPlan]:
+    """This rank's part of a global batch ``{"input_ids": (B, S), ...}`` under ``layout``, and the batch's plan.
+
+    The sequence is right-padded to a multiple of ``layout.num_pieces`` (``pad_token_id``, targets -100, positions
+    continued; ``pad_to_multiple=False`` raises instead). The result holds ``input_ids``, the global ``position_ids``
+    of the local tokens, ``labels`` = ``shift_labels`` (already shifted on the global sequence), ``document_ids``
+    when given, and every other ``(B, S, ...)`` tensor sharded alike; other values pass unchanged. An
+    ``attention_mask`` with zeros is refused (the attention is causal over the whole sequence).
+    """
+    check_batch(batch)
+    input_ids = batch["input_ids"]
+    batch_size, seq_len = input_ids.shape
+    padded = layout.padded_length(seq_len)
+    if padded != seq_len and not pad_to_multiple:
+        layout.check_divisible(seq_len)
+    attention_mask = batch.get("attention_mask")
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError(
+            "batch['attention_mask'] has zeros: the fpdt attention is causal over the whole sequence and takes no "
+            "padding mask; right-pad instead and set the padded labels to -100"
+        )
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch_size, -1)
+    documents, document_starts = packed_documents(batch.get("document_ids"), position_ids, input_ids.shape)
+    targets = global_targets(batch, document_starts)
+
+    sharded: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key in _SHARDED_BY_NAME or key == "attention_mask":
+            continue
+        if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[:2] == (batch_size, seq_len):
+            sharded[key] = layout.shard(layout.pad(value, dim=1, value=0), dim=1)  # any other per-token tensor
+        else:
+            sharded[key] = value
+    sharded["input_ids"] = layout.shard(layout.pad(input_ids, dim=1, value=pad_token_id))
+    local_targets = layout.shard(layout.pad(targets, dim=1, value=IGNORE_INDEX))
+    sharded["labels"] = sharded["shift_labels"] = local_targets
+    sharded["position_ids"] = layout.shard(layout.pad_position_ids(position_ids))
+    if "document_ids" in batch:
+        document_ids = batch["document_ids"]
+        pad_document = (document_ids[:, -1:] + 1).expand(-1, padded - seq_len)  # the padding is a document
+        sharded["document_ids"] = layout.shard(torch.cat([document_ids, pad_document], dim=1))
+    plan = BatchPlan(
+        layout=layout, batch_size=batch_size, seq_len=seq_len,
+        documents=documents.padded(padded) if documents is not None else None,
+        position_ids=sharded["position_ids"], valid_tokens=(local_targets != IGNORE_INDEX).sum(),
+    )
+    return sharded, plan
+
+
+def padding_message(plan: BatchPlan) -> str:
+    """What the log says, once, when sequences are padded."""
+    layout = plan.layout
+    return (
+        f"fpdt: padding sequences of {plan.seq_len} tokens to {plan.padded_len} (a multiple of {layout.num_pieces}: "
+        f"sequence_parallel_size {layout.sp_size} × chunks {layout.num_chunks}"
+        + (" × 2 for the ring's head-tail pieces" if layout.ring_size > 1 else "")
+        + "); padded labels are -100"
+    )

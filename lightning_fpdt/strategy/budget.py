@@ -1,0 +1,65 @@
+"""The memory a run may use: the GPU memory this process may take (what ``"auto"`` options are planned with), and
+the pinned host memory a run needs, checked before any pinned buffer exists (pinned-memory exhaustion takes the
+machine down, not just the job)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_fpdt.planner import available_host_memory, check_host_memory, plan_memory, resolve_geometry
+from lightning_fpdt.sequence.options import ResolvedOptions
+
+PLAN_FLAGS = ("tiled_mlp", "tiled_loss", "activation_checkpointing", "activation_offload", "recompute_attention")
+"""What the memory callbacks declare to the planner (``fpdt_plan_flags``); off unless a callback says so."""
+
+
+def usable_total_bytes(device: torch.device) -> int:
+    """The GPU memory this process may use: the card's, times ``torch.cuda.set_per_process_memory_fraction``."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return int(total * torch.cuda.get_per_process_memory_fraction(device))
+
+
+def usable_free_bytes(device: torch.device) -> int:
+    """Free GPU memory for planning: what the card has free, and no more than the process's cap leaves."""
+    free = torch.cuda.mem_get_info(device)[0]
+    return max(0, min(free, usable_total_bytes(device) - torch.cuda.memory_reserved(device)))
+
+
+def declared_plan_flags(callbacks: list[Any]) -> dict[str, bool]:
+    """The planner flags the callbacks declare, each on when any callback says so."""
+    flags = dict.fromkeys(PLAN_FLAGS, False)
+    for callback in callbacks:
+        declared: Mapping[str, bool] = getattr(callback, "fpdt_plan_flags", {})
+        for name, value in declared.items():
+            flags[name] = flags[name] or bool(value)
+    return flags
+
+
+def host_memory_refusal(
+    model: nn.Module, device: torch.device, *, seq_len: int, batch_size: int, options: ResolvedOptions,
+    plan_flags: dict[str, bool], **sizes: Any,
+) -> Optional[ValueError]:
+    """The error refusing a run whose pinned host memory does not fit this host, or ``None`` (also when nothing can
+    be checked: no CUDA, no readable model config, no reading of the host's memory). ``sizes``: the planner's
+    ``num_gpus``, ``gpus_per_node``, ``sequence_parallel_size``, ``ring_size``, ``precision``,
+    ``cpu_offload_params`` and ``head_chunks``."""
+    config = getattr(model, "config", None)
+    available = available_host_memory()
+    if device.type != "cuda" or config is None or available is None:
+        return None  # pinned memory is a CUDA matter; without a config there is no geometry to plan
+    try:
+        geometry = resolve_geometry(config)
+    except ValueError:
+        return None  # a config the planner cannot read: nothing to check against
+    plan = plan_memory(geometry=geometry, seq_len=seq_len, batch_size=batch_size, chunks=options.chunks,
+                       offload=options.offload, offload_dq=options.offload_dq, **plan_flags, **sizes,
+                       gpu_memory_gib=usable_total_bytes(device) / 2**30)
+    try:
+        check_host_memory(plan, available)
+    except ValueError as refusal:
+        return refusal
+    return None

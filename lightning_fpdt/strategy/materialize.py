@@ -1,0 +1,58 @@
+"""Materialising a model built on the meta device: each rank allocates only its FSDP2 shards and initialises them
+(docs/design.md §5)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Generator
+from contextlib import contextmanager
+
+import torch
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from torch import nn
+
+from lightning_fpdt.memory.surgery import find_model
+
+
+def has_meta_parameters(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+def materialize(module: nn.Module, device: torch.device, *, rank: int) -> None:
+    """Allocate the meta parameters and buffers of ``module`` on ``device`` (FSDP2 DTensors: each rank only its
+    shards) and initialise them: with the model's own ``reset_parameters`` when it has one (the reference Llama's
+    N(0, initializer_range) and norms at 1; per submodule, ``nn.Linear`` would give its Kaiming init instead), else
+    with each submodule's (Lightning's ``_materialize_distributed_module``)."""
+    model = find_model(module)
+    reset = getattr(model, "reset_parameters", None)
+    with _distinct_shard_draws(device, rank=rank):
+        if callable(reset):
+            module.to_empty(device=device)  # on the root, as Lightning's helper: nothing left on meta
+            reset()
+        else:
+            _materialize_distributed_module(module, device)
+    model.apply(_retie_weights)
+
+
+def _retie_weights(module: nn.Module) -> None:
+    # materialising meta parameters unties shared ones; models that tie re-tie here
+    tie = getattr(module, "tie_weights", None)
+    if callable(tie) and getattr(getattr(module, "config", None), "tie_word_embeddings", False):
+        tie()
+
+
+@contextmanager
+def _distinct_shard_draws(device: torch.device, *, rank: int) -> Generator[None, None, None]:
+    """Random ops on DTensors draw each rank's shard at its own offset of one shared stream on CUDA-like devices, but
+    shards in host memory from each rank's CPU generator as it stands (DTensor's ``OffsetBasedRNGTracker`` refuses
+    the CPU), so ranks seeded alike would draw equal shards. For those each rank draws from a stream of its own,
+    derived from the global RNG, which is left where it was (the flat FSDP2 mesh gives no two ranks the same
+    shard)."""
+    if device.type != "cpu":
+        yield
+        return
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # DTensor warns that its random ops may not fully support a CPU mesh: the per-rank stream is the answer
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        torch.manual_seed(int(torch.randint(2**62, ())) + rank)
+        yield

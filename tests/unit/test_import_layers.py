@@ -1,0 +1,99 @@
+"""The package's modules import one another without cycles, lazy imports counted, and every arrow points down the
+layers of docs/design.md §2."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_fpdt"
+
+LAYERS = ["flops", "sequence", "data", "models", "memory", "integrations", "planner", "callbacks", "strategy", "top"]
+"""Bottom to top: a subpackage imports only from its own layer and those before it (``top`` is the package's
+``__init__``, ``cli`` and ``export``)."""
+ALLOWED_BELOW = {"flops": set(), "sequence": set()}
+"""Layers that import less than everything below them: ``flops`` and ``sequence`` import nothing of the package
+but themselves."""
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def imported(path: Path, known: dict[str, Path]) -> set[str]:
+    """The package modules ``path`` imports anywhere in its body (functions included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from pkg import module` depends on that module; `from module import name` on the module
+            submodules = [f"{node.module}.{alias.name}" for alias in node.names]
+            names = [m for m in submodules if m in known] or [node.module]
+        else:
+            continue
+        found.update(name for name in names if name in known)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imported(path, known) - {name} for name, path in known.items()}
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] in ("cli", "export"):
+        return "top"
+    return parts[1]
+
+
+def test_no_import_cycle():
+    """No module reaches itself through imports, counting imports inside functions (no lazy import hides a cycle)."""
+    edges = graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module)
+
+
+def test_imports_point_down_the_layers():
+    """A subpackage imports only its own layer and the layers below it."""
+    wrong = []
+    for module, targets in graph().items():
+        here = layer(module)
+        below = ALLOWED_BELOW.get(here, set(LAYERS[:LAYERS.index(here)]))
+        wrong += [f"{module} -> {t}" for t in targets if layer(t) != here and layer(t) not in below]
+    assert not wrong, "imports that point up or sideways: " + ", ".join(sorted(wrong))
+
+
+def test_sequence_imports_no_lightning():
+    """``sequence/`` is plain PyTorch: no Lightning anywhere in it, functions included."""
+    offending = []
+    for path in (PACKAGE / "sequence").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offending += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("lightning", "pytorch_lightning")]
+    assert not offending, offending

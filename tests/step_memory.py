@@ -1,4 +1,4 @@
-"""What a one-GPU training step holds at its peak, counted on the CPU (docs/memory-1gpu.md).
+"""What a one-GPU training step holds at its peak, counted on the CPU (docs/planner.md).
 
 The step is the reference Llama on the real code path of a one-GPU long-context run: the FPDT attention with ``u``
 chunks offloaded to the host (partial dQ too), ``ActivationOffload(recompute_attention=True)``, ``TiledMLP`` and

@@ -215,7 +215,7 @@ def attention_backward_bytes(
 
     With a ring (``ring_size > 1``; ``u = 1``, no offload) the chunk is the ring rank's share ``B·S/R`` with
     ``h = H/U``, ``hk = max(Hkv, U)/U`` heads, and the kv share and fp32 dK/dV accumulator arriving from the previous
-    ring rank are live next to the own ones (``ring_backward``). Not yet measured on a GPU.
+    ring rank are live next to the own ones (``ring_backward``). The ring's terms have no GPU measurement behind them.
     """
     g, b = geometry, geometry.dtype_bytes
     ulysses = sp_size // ring_size
@@ -326,16 +326,14 @@ def components(
     moments = OPTIMIZER_STATES[o.optimizer] * dtypes["master"] * total // W
     add("optimizer states", *on(moments, offloaded_states), formula=f"{OPTIMIZER_STATES[o.optimizer]} x sharded master")
 
-    # RMSNorm: fp32 copy of its input, normalised input, output. The reference Llama's norm and RoPE now run over
-    # token tiles and save one fp32 per token (models/ops.py); these terms, calibrated on GPU runs of the plain forms,
-    # are kept until runs of the tiled forms re-calibrate them (a conservative GPU estimate meanwhile)
+    # RMSNorm: fp32 copy of its input, normalised input, output (the plain form's; the reference Llama's tiled norm
+    # and RoPE save one fp32 per token, models/ops.py, so these terms count high for it: docs/planner.md)
     norm = N * h * 4 * (b < 4) + 2 * A
     rope = ROPE_TABLES * N * g.head_dim * 4
     mlp_saved = 0 if o.tiled_mlp else 4 * N * g.intermediate_size * b
     # what one layer's backward needs; head groups keep their outputs in the stash ("kept out") and recompute RoPE.
-    # The block output A: a checkpoint's recompute no longer keeps it through the block's backward (ActivationOffload's
-    # inner backward starts from gradient edges, docs/memory-1gpu.md); the term stays, as the norms' above, until GPU
-    # runs of the new code re-calibrate the checkpointed phases (the calibration runs kept it)
+    # The block output A: a checkpoint's recompute frees it before the block's backward (memory/block_offload.py),
+    # so under checkpointing this term counts high as the norms' do (docs/planner.md)
     layer = 2 * norm + (N * attn_width * b + rope if G == 1 else 0) + A + mlp_saved
     if o.activation_offload:
         add("checkpointed block inputs", 2 * A, L * A, formula="2 on GPU (current, prefetched), L on host")
@@ -387,7 +385,7 @@ def components(
         add("attention backward", A + N * attn_width * b + N * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * b
             + backward_chunks, phase="attention backward", formula="grads + dq, dk, dv + FPDT backward chunks")
     else:
-        # a group's backward (sequence/head_chunks.py) holds no other hidden-sized tensor: the output projection
+        # a group's backward (integrations/head_groups.py) holds no other hidden-sized tensor: the output projection
         # is differentiated by hand and the q/k/v projections' input gradients are added into dx in place; at its
         # peak (RoPE's backward of dq) the group's dout, dq and rotated dq, dk and dv are alive: (out + qkv)/G
         add("attention backward", 2 * A + (N * attn_width * b + qkv_out) // G + backward_chunks,

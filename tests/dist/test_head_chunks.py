@@ -1,4 +1,4 @@
-"""Head-group chunking (issue 10, UPipe) on gloo processes against the single-process attention (docs/design.md §7):
+"""Head-group chunking on gloo processes against the single-process attention (docs/design.md §7):
 one attention module's output and the gradients of its input and every parameter, and whole training."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Packed documents in the FPDT attention: per-document causal masking against each document run on its own
-(docs/design.md §4, §7; issue 10 part 3)."""
+(docs/design.md §4, §7)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Training on packed documents under Trainer(strategy="fpdt") equals training on each document separately, the
-loss being the token-weighted mean of the documents' losses (issue 10 part 3; docs/design.md §5, §7)."""
+loss being the token-weighted mean of the documents' losses (docs/design.md §5, §7)."""
 
 from __future__ import annotations
 

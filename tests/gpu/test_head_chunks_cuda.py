@@ -96,10 +96,9 @@ def test_attention_peaks_are_lower_with_groups():
         peaks[head_chunks] = _attention_peaks(layer, h, grad_out, position_ids)
         del layer, h
     # The norm stays outside the measure: its backward holds fp32 tile buffers of its input (64K × 1024 × 4 B = 256
-    # MiB each; models/ops.py, one tile; five until the third session, three and a bf16 one since) whatever G is,
-    # and set the peak of norm + attention for G = 4 (1798 MiB by the CPU live-byte count, 1792 on an H100). Since
-    # the norm and RoPE went tiled (49a4831), G = 1's peak in RoPE fell from 2224 to 1826 MiB (1820 on the H100),
-    # just above it: this test failed while it measured the norm too.
+    # MiB each; models/ops.py, one tile; three and a bf16 one) whatever G is, which set the peak of norm + attention
+    # for G = 4 (1798 MiB by the CPU live-byte count, 1792 on an H100) just below G = 1's peak in RoPE (1826 MiB,
+    # 1820 on the H100): measured with the norm, the comparison would be the norm's, not the head groups'.
     # In the attention module (q/k/v/out = 64K × (16 + 2·8 + 16) × 64 × 2 B = 384 MiB), by the CPU count of
     # tests/unit/test_head_chunks.py, which is exact at 8K and scales with the tokens here (one RoPE tile at both):
     # - forward: G = 1 peaks in RoPE of q, on q, k, v and the rotated q, RoPE's two fp32 tile buffers of q and its

@@ -1,5 +1,5 @@
-"""Head-group chunking (issue 10, UPipe) in one process: equal to the whole-layer attention, attention run once per
-group, no full-width activation kept for the backward, misconfigurations named (sequence/head_chunks.py)."""
+"""Head-group chunking in one process: equal to the whole-layer attention, attention run once per
+group, no full-width activation kept for the backward, misconfigurations named (integrations/head_groups.py)."""
 
 from __future__ import annotations
 

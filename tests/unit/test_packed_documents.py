@@ -1,5 +1,5 @@
 """Packed documents: boundaries from ids or position resets, block segmentation and skipping (kernel calls
-counted), the reference Llama on a packed batch, and every misuse a ValueError naming the fix (issue 10 part 3)."""
+counted), the reference Llama on a packed batch, and every misuse a ValueError naming the fix."""
 
 import pytest
 import torch

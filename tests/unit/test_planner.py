@@ -24,7 +24,7 @@ from lightning_fpdt.planner import (
 from lightning_fpdt.sequence.planning import AttentionGeometry, choose_chunks, stash_bytes
 
 GIB = 2**30
-CALIBRATION_TOLERANCE = 0.15  # the bar: predicted peak within 15% of the measured one
+CALIBRATION_TOLERANCE = 0.15  # the planner's bar: predicted peak within 15% of the measured one
 
 # A small made-up geometry whose numbers are derived by hand below.
 SMALL = ModelGeometry(num_layers=2, hidden_size=1024, num_heads=8, num_kv_heads=2, head_dim=128,
@@ -238,9 +238,8 @@ def test_calibration_attention_host(gpus, seq_len, measured_host_gib):
 @pytest.mark.parametrize(
     ("case", "tokens", "tiled", "measured_peak_gib"),
     [
-        # python bench/memory_tiles.py; Llama-3-8B layer geometry, bf16 (docs/benchmarks.md §2). Untiled: one
-        # NVIDIA H200 (first session). Tiled: one H100 80GB, after the loss tiles grew to 1 GiB of fp32 logits and
-        # TiledMLP summed its weight gradients in fp32 (third session, bench/device_calls/2026-11-26-s3-3-h100.sh)
+        # python bench/memory_tiles.py; Llama-3-8B layer geometry, bf16 (docs/benchmarks.md). Untiled: one NVIDIA
+        # H200. Tiled: one H100 80GB, loss tiles of 1 GiB of fp32 logits, TiledMLP's weight gradients summed in fp32
         ("loss", 16384, False, 23.48),
         ("loss", 16384, True, 4.04),
         ("loss", 524288, True, 7.95),

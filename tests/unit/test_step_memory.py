@@ -1,4 +1,4 @@
-"""The peak of a one-GPU training step, counted on the CPU (tests/step_memory.py, docs/memory-1gpu.md): how many
+"""The peak of a one-GPU training step, counted on the CPU (tests/step_memory.py, docs/planner.md): how many
 hidden-sized tensors each phase holds under ActivationOffload(recompute_attention=True), TiledMLP, TiledLoss and the
 offloaded FPDT attention."""
 
@@ -30,7 +30,7 @@ def test_block_backward_does_not_keep_the_recomputed_output():
     hidden-sized tensor, its value never read) is freed before the block's backward runs."""
     step = _step()
     chunk = step.unit / CHUNKS  # one bf16 chunk of q's size
-    # At the step's peak (the attention backward of a block with the next input prefetched, docs/memory-1gpu.md):
+    # At the step's peak (the attention backward of a block with the next input prefetched, docs/planner.md):
     # 8 hidden-sized tensors (block input, the prefetched next input, the incoming gradient, the input norm's output,
     # the attention output, the residual-stream gradient, dout, dq) and the half of one for dk, dv; the chunk terms of
     # the FPDT backward are 23 chunks at u = 16. With the recomputed output kept it was 10.94 A.

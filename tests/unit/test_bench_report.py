@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.peers import ballast, cli, records, runner, search, systems
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.models.llama import LlamaConfig, sdpa_attention
 
@@ -30,7 +31,6 @@ def load_bench(name: str):
 
 
 report = load_bench("report")
-peers = load_bench("peers")
 GIB = 2**30
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -151,15 +151,15 @@ def test_ballast_is_the_sharded_states_of_the_layers_not_run():
     geometry = ModelGeometry.from_config(LlamaConfig.from_name("llama3-8b"))
     block = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
     assert block == 218_112_000
-    assert peers.state_bytes_per_parameter("bf16-mixed") == 16 and peers.state_bytes_per_parameter("32-true") == 16
+    assert ballast.state_bytes_per_parameter("bf16-mixed") == 16 and ballast.state_bytes_per_parameter("32-true") == 16
     four = dict(num_gpus=4, precision="bf16-mixed", cpu_offload_params=False)
-    assert peers.ballast_bytes(geometry, layers_run=4, **four) == 28 * 218_112_000 * 16 // 4 == 24_428_544_000
-    assert peers.ballast_bytes(geometry, layers_run=8, **four) == 20_938_752_000
-    assert peers.ballast_bytes(geometry, layers_run=32, **four) == 0
-    assert peers.ballast_bytes(geometry, layers_run=2, num_gpus=1, precision="bf16-mixed",
+    assert ballast.ballast_bytes(geometry, layers_run=4, **four) == 28 * 218_112_000 * 16 // 4 == 24_428_544_000
+    assert ballast.ballast_bytes(geometry, layers_run=8, **four) == 20_938_752_000
+    assert ballast.ballast_bytes(geometry, layers_run=32, **four) == 0
+    assert ballast.ballast_bytes(geometry, layers_run=2, num_gpus=1, precision="bf16-mixed",
                                cpu_offload_params=True) == 0
     tiny = ModelGeometry.from_config(LlamaConfig.from_name("tiny"))  # block: 2·64·64 + 2·64·32 + 3·64·128 + 2·64
-    assert peers.ballast_bytes(tiny, layers_run=1, num_gpus=2, precision="32-true",
+    assert ballast.ballast_bytes(tiny, layers_run=1, num_gpus=2, precision="32-true",
                                cpu_offload_params=False) == 36_992 * 16 // 2
 
 
@@ -170,7 +170,7 @@ def test_ballast_holds_what_the_missing_blocks_keep_on_the_gpu():
     geometry = ModelGeometry.from_config(LlamaConfig.from_name("llama3-8b"))
 
     def kept(system, seq_len, offload=True):
-        return peers.kept_bytes_per_layer(system, geometry, seq_len=seq_len, num_gpus=4, precision="bf16-mixed",
+        return ballast.kept_bytes_per_layer(system, geometry, seq_len=seq_len, num_gpus=4, precision="bf16-mixed",
                                           attention_offload=offload)
 
     assert kept("modelparallel", 16_384) == 16_384 * 4096 * 2 == 134_217_728
@@ -179,10 +179,10 @@ def test_ballast_holds_what_the_missing_blocks_keep_on_the_gpu():
     local = 262_144 // 4
     assert kept("fpdt", 262_144, offload=False) == local * (48 * 128 * 2 + 32 * 4 + 32 * 128 * 2) == 1_350_565_888
     states = 28 * 218_112_000 * 16 // 4
-    assert peers.ballast_bytes(geometry, layers_run=4, num_gpus=4, precision="bf16-mixed", cpu_offload_params=False,
+    assert ballast.ballast_bytes(geometry, layers_run=4, num_gpus=4, precision="bf16-mixed", cpu_offload_params=False,
                                kept_per_layer=134_217_728) == states + 28 * 134_217_728 == 28_186_640_384
     with pytest.raises(ValueError, match="--ballast auto needs --offload on or off"):
-        peers.validate(peers.parse_args(["--system", "fpdt", "--ballast", "auto", "--offload", "auto",
+        cli.validate(cli.parse_args(["--system", "fpdt", "--ballast", "auto", "--offload", "auto",
                                          "--accelerator", "cpu"]), world_size=1)
 
 
@@ -192,33 +192,33 @@ def test_out_of_memory_becomes_a_record(monkeypatch, tmp_path):
         info.update(tokens_per_step=args.seq_len, step_times_s=[1.5], losses=[5.5], peak_gpu_bytes_per_step=[None])
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    monkeypatch.setitem(peers.SYSTEM_FUNCTIONS, "fpdt", runs_out)
-    args = peers.parse_args(["--system", "fpdt", "--model", "tiny", "--layers", "1", "--seq-len", "64", "--steps", "2",
+    monkeypatch.setitem(systems.SYSTEM_FUNCTIONS, "fpdt", runs_out)
+    args = cli.parse_args(["--system", "fpdt", "--model", "tiny", "--layers", "1", "--seq-len", "64", "--steps", "2",
                              "--accelerator", "cpu", "--precision", "32-true", "--ballast", "auto",
                              "--out", str(tmp_path / "r.jsonl")])
-    record = peers.run(args)
+    record = runner.run(args)
     assert record["status"] == "oom" and record["limit"] == "gpu" and "Tried to allocate" in record["error"]
     assert record["steps_done"] == 1 and record["losses"] == [5.5] and record["ranks_answered"] == [0]
-    assert record["ballast_bytes"] == 36_992 * 16 and record["command"].startswith("python bench/peers.py --system fpdt")
-    peers.append_record(args.out, record)
+    assert record["ballast_bytes"] == 36_992 * 16 and record["command"].startswith("python3 -m bench.peers --system fpdt")
+    records.append_record(args.out, record)
     assert "| oom (gpu) |" in report.render_markdown(report.load_records([args.out]))
 
     def crashes(args, **kwargs):
         raise KeyError("a bug, not a memory limit")
 
-    monkeypatch.setitem(peers.SYSTEM_FUNCTIONS, "fpdt", crashes)
+    monkeypatch.setitem(systems.SYSTEM_FUNCTIONS, "fpdt", crashes)
     with pytest.raises(KeyError, match="a bug"):
-        peers.run(args)
+        runner.run(args)
 
 
 def test_memory_errors_are_told_from_bugs():
     """CUDA OOM, allocation failures in libraries and the planner's pinned-memory refusal count as limits."""
-    assert peers.out_of_memory(torch.OutOfMemoryError("CUDA out of memory")) == "gpu"
-    assert peers.out_of_memory(RuntimeError("CUDA error: out of memory")) == "gpu"
-    assert peers.out_of_memory(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")) == "gpu"
-    assert peers.out_of_memory(ValueError("this run needs 900 GiB of pinned host memory per host")) == "host"
-    assert peers.out_of_memory(ValueError("chunks must be 'auto' or a positive int")) is None
-    assert peers.out_of_memory(RuntimeError("NCCL error")) is None
+    assert records.out_of_memory(torch.OutOfMemoryError("CUDA out of memory")) == "gpu"
+    assert records.out_of_memory(RuntimeError("CUDA error: out of memory")) == "gpu"
+    assert records.out_of_memory(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")) == "gpu"
+    assert records.out_of_memory(ValueError("this run needs 900 GiB of pinned host memory per host")) == "host"
+    assert records.out_of_memory(ValueError("chunks must be 'auto' or a positive int")) is None
+    assert records.out_of_memory(RuntimeError("NCCL error")) is None
 
 
 def test_length_search_doubles_then_bisects_once():
@@ -226,24 +226,24 @@ def test_length_search_doubles_then_bisects_once():
     def limit(longest):
         return lambda seq_len: seq_len <= longest
 
-    result = peers.search_lengths(limit(1_300_000), 262_144, multiple=8192, max_len=16 * 2**20)
+    result = search.search_lengths(limit(1_300_000), 262_144, multiple=8192, max_len=16 * 2**20)
     assert result["tried"] == [(262_144, True), (524_288, True), (1_048_576, True), (2_097_152, False),
                                (1_572_864, False)]
     assert (result["max_fit"], result["min_fail"]) == (1_048_576, 1_572_864)
-    result = peers.search_lengths(limit(100_000), 524_288, multiple=8192, max_len=16 * 2**20)
+    result = search.search_lengths(limit(100_000), 524_288, multiple=8192, max_len=16 * 2**20)
     assert [s for s, _ in result["tried"]] == [524_288, 262_144, 131_072, 65_536, 98_304]
     assert (result["max_fit"], result["min_fail"]) == (98_304, 131_072)
-    result = peers.search_lengths(limit(10**9), 1_048_576, multiple=8192, max_len=4_194_304)
+    result = search.search_lengths(limit(10**9), 1_048_576, multiple=8192, max_len=4_194_304)
     assert (result["max_fit"], result["min_fail"]) == (4_194_304, None)  # capped, nothing failed
     with pytest.raises(ValueError, match="multiple of --length-multiple"):
-        peers.search_lengths(limit(1), 1000, multiple=8192, max_len=10**6)
+        search.search_lengths(limit(1), 1000, multiple=8192, max_len=10**6)
 
 
 def test_attempt_argv_drops_the_search_options():
     """Each attempt runs the search's own options minus the search ones, at its own length."""
     argv = ["--system", "ring", "--max-length", "--gpus", "4", "--seq-len", "65536", "--deadline-s=500",
             "--layers", "2", "--length-multiple", "16384", "--ballast", "auto"]
-    assert peers.attempt_argv(argv, 131072, "a1") == ["--system", "ring", "--layers", "2", "--ballast", "auto",
+    assert search.attempt_argv(argv, 131072, "a1") == ["--system", "ring", "--layers", "2", "--ballast", "auto",
                                                        "--seq-len", "131072", "--attempt-id", "a1"]
 
 
@@ -254,7 +254,7 @@ def test_primed_adam_states_train_exactly_like_lazy_ones():
     primed = torch.nn.Linear(8, 4)
     primed.load_state_dict(reference.state_dict())
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (reference, primed)]
-    peers.prime_adam_states(optimizers[1])
+    systems.prime_adam_states(optimizers[1])
     state = optimizers[1].state[primed.weight]
     assert float(state["step"]) == 0 and not state["exp_avg"].any() and state["exp_avg_sq"].shape == (4, 8)
     for _ in range(3):
@@ -266,7 +266,7 @@ def test_primed_adam_states_train_exactly_like_lazy_ones():
     for a, b in zip(reference.parameters(), primed.parameters()):
         assert torch.equal(a, b)
     with pytest.raises(TypeError, match="Adam or AdamW"):
-        peers.prime_adam_states(torch.optim.SGD(primed.parameters(), lr=0.1))
+        systems.prime_adam_states(torch.optim.SGD(primed.parameters(), lr=0.1))
 
 
 def test_expanded_kv_attention_matches_the_reference():
@@ -275,26 +275,26 @@ def test_expanded_kv_attention_matches_the_reference():
     q = torch.randn(2, 24, 8, 16, dtype=torch.float64)  # (B, S, H, D)
     k, v = torch.randn(2, 24, 2, 16, dtype=torch.float64), torch.randn(2, 24, 2, 16, dtype=torch.float64)
     # fp64: the two differ only in where the heads are repeated, so they agree to rounding (~1e-15)
-    torch.testing.assert_close(peers.sdpa_expanded_kv(q, k, v, scale=0.3), sdpa_attention(q, k, v, scale=0.3),
+    torch.testing.assert_close(systems.sdpa_expanded_kv(q, k, v, scale=0.3), sdpa_attention(q, k, v, scale=0.3),
                                rtol=1e-12, atol=1e-12)
 
 
 def test_host_limit_is_the_planners_and_bounds_the_maximum():
     """The search's host limit: the longest full-depth length whose planned pinned memory fits (4 H100s, 500 GiB:
     557,056 tokens by lightning_fpdt.planner); when it is below the GPU's limit, the report gives it as the maximum."""
-    args = peers.parse_args(["--system", "fpdt", "--max-length", "--gpus", "4", "--check-host",
+    args = cli.parse_args(["--system", "fpdt", "--max-length", "--gpus", "4", "--check-host",
                              "--length-multiple", "16384", "--max-seq-len", "2097152"])
-    limit = peers.host_limit(args, available_bytes=500 * GIB, gpu_memory_bytes=int(79.2 * GIB))
+    limit = search.host_limit(args, available_bytes=500 * GIB, gpu_memory_bytes=int(79.2 * GIB))
     assert limit == 557_056
-    plan = peers.host_check(argparse.Namespace(**{**vars(args), "seq_len": limit + 16384}), num_gpus=4,
+    plan = ballast.host_check(argparse.Namespace(**{**vars(args), "seq_len": limit + 16384}), num_gpus=4,
                             gpus_per_node=4, resolved={}, gpu_memory_bytes=int(79.2 * GIB),
                             available_bytes=500 * GIB)
     assert plan["fits"] is False and plan["needed_bytes"] > 500 * GIB
-    search = {"kind": "max_length", "system": "fpdt", "model": "llama3-8b", "layers": 2, "full_layers": 32,
+    summary = {"kind": "max_length", "system": "fpdt", "model": "llama3-8b", "layers": 2, "full_layers": 32,
               "gpus": 4, "card": H100, "ballast": "auto", "max_seq_len": limit, "max_seq_len_gpu": 1_572_864,
               "first_failed_seq_len": 2_097_152, "host_max_seq_len": limit, "limited_by": "host (planned, full depth)",
               "command": "python bench/peers.py --system fpdt --max-length --gpus 4 --check-host"}
-    doc = report.render_markdown([search])
+    doc = report.render_markdown([summary])
     assert ("557,056 (host: full depth planned to fit up to 557,056; GPU: 1,572,864 ran, 2,097,152 failed) [1]"
             in doc)
     # the target: missed on both counts, the host's figure first and the GPU's (1.5M, also below 2M) beside it
@@ -341,16 +341,14 @@ def test_step_profile_categories_and_summary():
 def test_step_time_leaves_out_the_warm_up_and_the_profiled_step():
     """The profiler slows the step it records (more for the system launching more kernels): a step time that
     included it would compare a profiled step of one system with an unprofiled one of the other."""
-    from lightning_fpdt.flops import ModelGeometry
-
     geometry = ModelGeometry(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                              intermediate_size=128, vocab_size=96)
     info = {"step_times_s": [3.0, 0.44, 0.49, 0.46], "tokens_per_step": 1000}
     common = dict(geometry_run=geometry, seq_len=1000, world_size=1, peak=None)
-    assert peers.summarize(info, **common)["step_time_s"] == pytest.approx(0.46)
-    profiled = peers.summarize(info, **common, profile_step=2)
+    assert records.summarize(info, **common)["step_time_s"] == pytest.approx(0.46)
+    profiled = records.summarize(info, **common, profile_step=2)
     assert profiled["step_time_s"] == pytest.approx(0.45) and profiled["timed_steps"] == 2
-    only = peers.summarize({"step_times_s": [3.0, 0.49], "tokens_per_step": 1000}, **common, profile_step=1)
+    only = records.summarize({"step_times_s": [3.0, 0.49], "tokens_per_step": 1000}, **common, profile_step=1)
     assert only["step_time_s"] == pytest.approx(0.49) and only["timed_steps"] == 1  # nothing else to time
 
 
@@ -388,9 +386,9 @@ def test_capped_runs_and_fpdt_variants_are_told_apart():
     assert report.card_name(capped) == "NVIDIA H200"
     capped["gpu_memory_cap_bytes"] = int(79 * GIB)
     assert report.card_name(capped) == "NVIDIA H200, capped to 79 GiB"
-    search = {"kind": "max_length", "card": "NVIDIA H200", "gpu_memory_cap_bytes": int(79 * GIB),
+    summary = {"kind": "max_length", "card": "NVIDIA H200", "gpu_memory_cap_bytes": int(79 * GIB),
               "command": "python bench/peers.py --max-length --gpus 4 --system ring --gpu-memory-gib 79"}
-    assert report.card_name(search) == "NVIDIA H200, capped to 79 GiB"
+    assert report.card_name(summary) == "NVIDIA H200, capped to 79 GiB"
     fpdt = run_record("fpdt", gpus=1, layers=2, seq_len=1_048_576)
     assert report.variant(fpdt) == ""
     fpdt["options"] = {"recompute_attention": True, "head_chunks": 4, "offload": True}

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from bench.peers import cli, records, runner, search, systems
 from bench.provenance import current_commit
-from tests.unit.test_bench_report import load_bench
+from bench.report import page
 
 SEQ_LEN = 64
 COMMON = ["--model", "tiny", "--layers", "1", "--seq-len", str(SEQ_LEN), "--steps", "2", "--accelerator", "cpu",
@@ -67,8 +67,7 @@ def test_fpdt_and_modelparallel_records(dist_pool):
     assert grouped["options"]["head_chunks"] == 2 and fpdt["options"]["head_chunks"] == 1
     assert grouped["first_loss"] == pytest.approx(fpdt["first_loss"], abs=1e-4)
     # the records feed the report: the figures appear with their command
-    report = load_bench("report")
-    doc = report.render_markdown([r for records in ranks[:1] for r in records.values()])
+    doc = page.render_markdown([r for records in ranks[:1] for r in records.values()])
     assert fpdt["command"] in doc and "| cpu | 2 | tiny |" in doc
 
 

@@ -1,46 +1,41 @@
-"""bench/report.py's tables and plots from synthetic records, and the pieces of bench/peers.py that need no process
-group: the ballast arithmetic, the out-of-memory record, the length search, primed AdamW states."""
+"""bench.report's page and plots from synthetic and stored records, the provenance every record carries, and the
+pieces of bench.peers that need no process group: the ballast arithmetic, the out-of-memory record, the length search,
+primed AdamW states."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import glob
 import json
+import re
+import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench import provenance, step_profile
 from bench.peers import ballast, cli, records, runner, search, systems
+from bench.report import lengths, page
+from bench.report import records as shown
+from bench.report.plots import Plot, write_plots
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.models.llama import LlamaConfig, sdpa_attention
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def load_bench(name: str):
-    """bench/<name>.py as a module (bench/ is scripts, not a package), loaded once per process."""
-    key = f"bench_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-report = load_bench("report")
+ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
 H100 = "NVIDIA H100 80GB HBM3"
+COMMIT = "abc1234"
 
 
 def run_record(system: str, *, gpus: int, layers: int, seq_len: int, status: str = "ok", peak_gib: float = 40.0,
                ballast_gib: float = 0.0, mfu: float = 0.4, tokens_per_s: float = 10_000.0, card: str = H100,
                host_fits: bool = True, limit: str = None, timed_steps: int = 2) -> dict:
-    """A record shaped as bench/peers.py writes it (the fields the report reads)."""
+    """A record shaped as bench.peers writes it (the fields the report reads)."""
     ok = status == "ok"
-    command = (f"torchrun --standalone --nproc_per_node {gpus} bench/peers.py --system {system} --model llama3-8b "
+    command = (f"torchrun --standalone --nproc_per_node {gpus} -m bench.peers --system {system} --model llama3-8b "
                f"--layers {layers} --seq-len {seq_len} --ballast auto --check-host")
     return {
         "kind": "run", "system": system, "status": status, "limit": limit, "card": card,
@@ -53,7 +48,7 @@ def run_record(system: str, *, gpus: int, layers: int, seq_len: int, status: str
         "peak_gpu_bytes_minus_ballast": int((peak_gib - ballast_gib) * GIB) if ok else None,
         "first_loss": 11.9321, "host_check": {"needed_bytes": 100 * GIB, "available_bytes": 1500 * GIB,
                                               "fits": host_fits, "planned_peak_gpu_bytes": 70 * GIB},
-        "command": command, "env": {"NCCL_NVLS_ENABLE": "0"},
+        "command": command, "commit": COMMIT, "env": {"NCCL_NVLS_ENABLE": "0"},
     }
 
 
@@ -62,10 +57,12 @@ def synthetic_records() -> list[dict]:
     return [
         {"kind": "max_length", "system": "fpdt", "model": "llama3-8b", "layers": 2, "full_layers": 32, "gpus": 1,
          "card": H100, "ballast": "auto", "max_seq_len": 1_048_576, "first_failed_seq_len": 1_572_864,
-         "limited_by": "gpu", "command": "python bench/peers.py --system fpdt --max-length --gpus 1 --seq-len 262144"},
+         "limited_by": "gpu", "command": "python3 -m bench.peers --system fpdt --max-length --gpus 1 --seq-len 262144",
+         "commit": COMMIT},
         {"kind": "max_length", "system": "ring", "model": "llama3-8b", "layers": 2, "full_layers": 32, "gpus": 1,
          "card": H100, "ballast": "auto", "max_seq_len": 131_072, "first_failed_seq_len": 196_608,
-         "limited_by": "gpu", "command": "python bench/peers.py --system ring --max-length --gpus 1 --seq-len 65536"},
+         "limited_by": "gpu", "command": "python3 -m bench.peers --system ring --max-length --gpus 1 --seq-len 65536",
+         "commit": COMMIT},
         run_record("modelparallel", gpus=1, layers=2, seq_len=16_384, peak_gib=71.5),
         run_record("modelparallel", gpus=1, layers=2, seq_len=32_768, status="oom", limit="gpu"),
         run_record("fpdt", gpus=4, layers=2, seq_len=1_048_576, peak_gib=61.2, ballast_gib=25.4),
@@ -79,10 +76,10 @@ def synthetic_records() -> list[dict]:
 
 
 def test_report_names_every_figure_with_its_command(tmp_path):
-    """Tables carry card, GPUs, geometry, length and a command reference; targets are judged from the figures."""
-    doc = report.render_markdown(synthetic_records(), plot_note="no plots")
-    for command in ("python bench/peers.py --system fpdt --max-length --gpus 1 --seq-len 262144",
-                    "NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 4 bench/peers.py --system fpdt "
+    """Tables carry card, GPUs, geometry, length and a command reference with its commit."""
+    doc = page.render_markdown(synthetic_records(), plot_note="no plots")
+    for command in ("python3 -m bench.peers --system fpdt --max-length --gpus 1 --seq-len 262144",
+                    "NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 4 -m bench.peers --system fpdt "
                     "--model llama3-8b --layers 32 --seq-len 524288"):
         assert f"`{command}" in doc, command
     lines = doc.splitlines()
@@ -102,23 +99,118 @@ def test_report_names_every_figure_with_its_command(tmp_path):
     assert ("1,048,576 (host: full depth planned to fit up to 1,048,576; GPU: 2,097,152 ran [4], nothing longer "
             "failed)") in four_gpus
     assert "≥ 262,144 (nothing longer run)" in four_gpus and "? (no failing length for ring)" in four_gpus
-    assert row("maximum length, fpdt / ring, 4 GPUs").endswith("| not conclusive |")
-    # targets: 1 GPU met, MFU 47% missed, throughput 1.30x met, the 4-GPU length (1M < 2M) missed
-    assert row("maximum length, 1 GPU, fpdt").endswith("| met |")
-    assert "47.0%" in row("MFU (causal), full depth") and "**missed**" in row("MFU (causal), full depth")
-    assert "1.30×" in row("tokens/s, fpdt / ring") and row("tokens/s, fpdt / ring").endswith("| met |")
-    assert "**missed**" in row("maximum length, 4 GPUs, fpdt")
     # the ballast protocol: two depths at 1M, their peaks and their spread (0.2 GiB)
     assert "61.2" in row("| fpdt | NVIDIA H100 80GB HBM3 | 4 |", "2 of 32 layers + ballast", "1,048,576", "25.4")
     assert "| 0.2 |" in row("| fpdt | NVIDIA H100 80GB HBM3 | 4 |", "4 of 32 layers + ballast", "1,048,576")
     # throughput at equal length, with the ratio against ring in the same group; a one-step run (warm-up only) is not
     # a throughput figure, only a memory one
     assert "1.30×" in row("| 262,144 | fpdt |", "26,000")
+    assert "47.0%" in row("| llama3-8b (32 layers) | 524,288 | fpdt |")
     assert not [line for line in lines if "| 131,072 | ring |" in line]
     assert "(warm-up)" in row("| ring | ok |", "131,072")
     # every run is listed, out-of-memory ones with their limit
     assert "oom (gpu)" in row("| modelparallel | oom")
     assert doc.count("| ok |") == 8  # the 9 runs of the "every run" table, one out of memory
+
+
+def table_rows(doc: str) -> list[tuple[list[str], list[str]]]:
+    """``(header, cells)`` of every data row of every Markdown table in ``doc``."""
+    rows, header = [], None
+    for line in doc.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if header is None:
+            header = cells
+        elif not set(line) <= set("|-"):
+            rows.append((header, cells))
+    return rows
+
+
+def listed_commands(doc: str) -> dict[str, str]:
+    """``{"[n]": commit}`` of the page's command list."""
+    return {f"[{n}]": commit for n, commit in re.findall(r"^(\d+)\. `.+` at commit `([0-9a-f]{7,})`", doc, re.M)}
+
+
+def assert_provenance(doc: str) -> None:
+    """Every table row and every plot names its card and GPU count, cites listed commands and names their commits."""
+    commands = listed_commands(doc)
+    rows = table_rows(doc)
+    assert rows and commands
+    for header, cells in rows:
+        row = dict(zip(header, cells))
+        assert row["card"] not in ("", "?", "–") and row["GPUs"].isdigit(), cells
+        refs = re.findall(r"\[\d+\]", " ".join(cells))
+        assert refs and all(ref in commands for ref in refs), cells
+        assert {commands[ref] for ref in refs} <= set(re.findall(r"`([0-9a-f]{7,})`", row["commit"])), cells
+    for image in re.finditer(r"^!\[(.+)\]\(.+\)\n\n(.+)$", doc, re.M):
+        title, caption = image.groups()
+        assert "GPU" in title, title  # card, GPU count and model
+        refs = re.findall(r"\[\d+\]", caption)
+        assert refs and all(ref in commands for ref in refs), caption
+        assert {commands[ref] for ref in refs} <= set(re.findall(r"`([0-9a-f]{7,})`", caption)), caption
+
+
+def test_every_figure_names_card_command_and_commit():
+    """The page from the stored records: no record is left out for want of provenance, every table row names its card
+    and GPU count and cites a listed command with the commit beside it, and so does every plot's caption. The page
+    says how to regenerate itself and judges nothing against plans."""
+    paths = sorted(glob.glob(str(ROOT / "bench" / "results" / "*.jsonl")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a stored record the page would leave out fails here
+        stored = shown.load_records(paths)
+    assert {record["kind"] for record in stored} == set(shown.KINDS)
+    fake_plots = [Plot(path=str(ROOT / "docs" / "plots" / "p.png"), title="peak GPU memory: NVIDIA H200, 4 GPUs",
+                       records=[r for r in stored if r["kind"] == "run"][:3])]
+    doc = page.render_markdown(stored, plots=fake_plots, doc_dir=str(ROOT / "docs"))
+    assert_provenance(doc)
+    assert "![peak GPU memory: NVIDIA H200, 4 GPUs](plots/p.png)" in doc
+    assert page.REGENERATE in doc and page.REGENERATE.startswith("python3 -m bench.report ")
+    assert "target" not in doc.lower() and "verdict" not in doc.lower()
+
+
+def test_records_without_commit_are_left_out_with_a_warning(tmp_path):
+    """An old-format record (no commit field, or one that could not be named) is not shown: a figure appears only with
+    the commit that produced it. The warning names the line and the fix; the other records are shown."""
+    old = run_record("fpdt", gpus=1, layers=2, seq_len=786_432, peak_gib=73.3)
+    del old["commit"]
+    unknown = {**run_record("ring", gpus=1, layers=2, seq_len=24_576), "commit": None}
+    cardless = {**run_record("modelparallel", gpus=1, layers=2, seq_len=12_288), "card": None}
+    kept = run_record("fpdt", gpus=1, layers=2, seq_len=262_144, peak_gib=35.8)
+    path = tmp_path / "old.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (old, unknown, cardless, kept)))
+    with pytest.warns(UserWarning) as caught:
+        loaded = shown.load_records([str(path)])
+    messages = [str(w.message) for w in caught]
+    assert any(m.startswith(f"{path}:1: no commit") and "the one that added it to the repository" in m
+               for m in messages)
+    assert any(m.startswith(f"{path}:2: no commit") for m in messages)
+    assert any(m.startswith(f"{path}:3: no card") for m in messages)
+    assert loaded == [kept]
+    assert shown.missing_provenance(old) == ["commit"] and shown.missing_provenance(kept) == []
+    doc = page.render_markdown(loaded)
+    assert "786,432" not in doc and "24,576" not in doc and "262,144" in doc
+    assert_provenance(doc)
+
+
+def test_commit_comes_from_git_then_the_environment(tmp_path, monkeypatch):
+    """A checkout names its own commit; a copy without .git takes $FPDT_COMMIT; neither gives None, not a guess."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        monkeypatch.setenv(provenance.COMMIT_VARIABLE, "fffffff")
+        assert provenance.current_commit() == head.stdout.strip()  # git wins over the variable
+    monkeypatch.setenv(provenance.COMMIT_VARIABLE, "1234abc")
+    assert provenance.current_commit(tmp_path) == "1234abc"
+    monkeypatch.delenv(provenance.COMMIT_VARIABLE)
+    assert provenance.current_commit(tmp_path) is None
+    stamp = provenance.stamp("attention", card="cpu", gpus=1, command="python3 bench/attention.py")
+    assert set(stamp) >= {"kind", "card", "gpus", "command", "commit", "torch", "time"}
+    assert provenance.launch_command("-m bench.peers", ["--system", "fpdt"], gpus_per_node=1, world_size=1,
+                                     under_torchrun=False) == "python3 -m bench.peers --system fpdt"
+    assert provenance.launch_command("bench/attention.py", ["--seq-lens", "1024"], gpus_per_node=4, world_size=8,
+                                     under_torchrun=True) == ("torchrun --nnodes 2 --nproc_per_node 4 "
+                                                              "bench/attention.py --seq-lens 1024")
 
 
 def test_plots_skipped_cleanly_without_matplotlib(tmp_path, monkeypatch, capsys):
@@ -127,22 +219,24 @@ def test_plots_skipped_cleanly_without_matplotlib(tmp_path, monkeypatch, capsys)
     path = tmp_path / "peers.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in synthetic_records()) + "not json\n")
     with pytest.warns(UserWarning, match="not JSON"):
-        assert report.main([str(path), "--doc", str(tmp_path / "peers.md"), "--plots", str(tmp_path / "plots")]) == 0
+        assert page.main([str(path), "--doc", str(tmp_path / "bench.md"), "--plots", str(tmp_path / "plots")]) == 0
     assert "matplotlib is not installed, plots skipped" in capsys.readouterr().err
-    doc = (tmp_path / "peers.md").read_text()
+    doc = (tmp_path / "bench.md").read_text()
     assert "Plots not drawn: matplotlib was not installed" in doc and "1,048,576" in doc
     assert not (tmp_path / "plots").exists()
 
 
 def test_plots_written_with_matplotlib(tmp_path):
-    """With matplotlib: a memory and an MFU plot per card, GPU count and model, linked from the document."""
+    """With matplotlib: a memory and an MFU plot per card, GPU count and model, linked from the document with the
+    commands and commits of their points."""
     pytest.importorskip("matplotlib")
-    plots = report.write_plots(synthetic_records(), str(tmp_path / "plots"))
-    names = sorted(Path(p).name for p in plots)
+    plots = write_plots(synthetic_records(), str(tmp_path / "plots"))
+    names = sorted(Path(p.path).name for p in plots)
     assert names == [f"peers_{m}_nvidia-h100-80gb-hbm3_{g}gpu_llama3-8b.png" for m in ("memory", "mfu") for g in (1, 4)]
-    assert all(Path(p).stat().st_size > 1000 for p in plots)
-    doc = report.render_markdown(synthetic_records(), plots=plots, doc_dir=str(tmp_path))
-    assert "![peers_mfu_nvidia-h100-80gb-hbm3_4gpu_llama3-8b.png](plots/peers_mfu_" in doc
+    assert all(Path(p.path).stat().st_size > 1000 for p in plots)
+    doc = page.render_markdown(synthetic_records(), plots=plots, doc_dir=str(tmp_path))
+    assert "](plots/peers_mfu_nvidia-h100-80gb-hbm3_4gpu_llama3-8b.png)" in doc
+    assert_provenance(doc)
 
 
 def test_ballast_is_the_sharded_states_of_the_layers_not_run():
@@ -188,6 +282,7 @@ def test_ballast_holds_what_the_missing_blocks_keep_on_the_gpu():
 
 def test_out_of_memory_becomes_a_record(monkeypatch, tmp_path):
     """A CUDA out-of-memory error inside a system ends the run with status "oom", the steps done and the message."""
+    monkeypatch.setenv(provenance.COMMIT_VARIABLE, COMMIT)  # names the commit where the tree is not a checkout
     def runs_out(args, *, info, **kwargs):
         info.update(tokens_per_step=args.seq_len, step_times_s=[1.5], losses=[5.5], peak_gpu_bytes_per_step=[None])
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
@@ -201,7 +296,7 @@ def test_out_of_memory_becomes_a_record(monkeypatch, tmp_path):
     assert record["steps_done"] == 1 and record["losses"] == [5.5] and record["ranks_answered"] == [0]
     assert record["ballast_bytes"] == 36_992 * 16 and record["command"].startswith("python3 -m bench.peers --system fpdt")
     records.append_record(args.out, record)
-    assert "| oom (gpu) |" in report.render_markdown(report.load_records([args.out]))
+    assert "| oom (gpu) |" in page.render_markdown(shown.load_records([args.out]))
 
     def crashes(args, **kwargs):
         raise KeyError("a bug, not a memory limit")
@@ -293,20 +388,16 @@ def test_host_limit_is_the_planners_and_bounds_the_maximum():
     summary = {"kind": "max_length", "system": "fpdt", "model": "llama3-8b", "layers": 2, "full_layers": 32,
               "gpus": 4, "card": H100, "ballast": "auto", "max_seq_len": limit, "max_seq_len_gpu": 1_572_864,
               "first_failed_seq_len": 2_097_152, "host_max_seq_len": limit, "limited_by": "host (planned, full depth)",
-              "command": "python bench/peers.py --system fpdt --max-length --gpus 4 --check-host"}
-    doc = report.render_markdown([summary])
+              "command": "python3 -m bench.peers --system fpdt --max-length --gpus 4 --check-host", "commit": COMMIT}
+    doc = page.render_markdown([summary])
     assert ("557,056 (host: full depth planned to fit up to 557,056; GPU: 1,572,864 ran, 2,097,152 failed) [1]"
             in doc)
-    # the target: missed on both counts, the host's figure first and the GPU's (1.5M, also below 2M) beside it
-    assert ("| maximum length, 4 GPUs, fpdt | ≥ 2,097,152 | NVIDIA H100 80GB HBM3 | 557,056 with the full depth's "
-            "pinned host memory; GPU memory: 1,572,864 ran | **missed** |") in doc
 
 
 def test_step_profile_categories_and_summary():
     """Kernels and copies are grouped by name; busy = attention + matmul + other; waiting is the rest of the wall."""
     from types import SimpleNamespace
 
-    step_profile = load_bench("step_profile")
     names = {
         "void cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob": "attention",
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "matmul",
@@ -352,30 +443,31 @@ def test_step_time_leaves_out_the_warm_up_and_the_profiled_step():
     assert only["step_time_s"] == pytest.approx(0.49) and only["timed_steps"] == 1  # nothing else to time
 
 
-def test_host_bound_targets_show_the_gpu_verdict_beside_the_hosts():
+def test_host_bound_lengths_show_the_gpu_limit_beside_the_hosts():
     """fpdt ran 1M on one GPU but the host holds the full depth's pinned memory at no length run; the peers fit 32K
-    and failed at 48K on the same card: the targets say the GPU verdict (met, the ratio ≥ 32×) and the host's (missed)
-    side by side, never one for the other."""
+    and failed at 48K on the same card: the length table gives the host's limit (none) and the GPU's (1M ran), and
+    the ratio over the peer on GPU memory (≥ 32×) beside the host's, never one for the other."""
     records = [
         run_record("fpdt", gpus=1, layers=2, seq_len=1_048_576, timed_steps=0, host_fits=False),
         {"kind": "max_length", "system": "modelparallel", "model": "llama3-8b", "layers": 2, "full_layers": 32,
          "gpus": 1, "card": H100, "ballast": "auto", "max_seq_len": 32_768, "first_failed_seq_len": 49_152,
          "max_seq_len_gpu": 32_768, "host_max_seq_len": 16_777_216, "limited_by": "gpu",
-         "command": "python bench/peers.py --system modelparallel --max-length --gpus 1 --seq-len 32768"},
+         "command": "python3 -m bench.peers --system modelparallel --max-length --gpus 1 --seq-len 32768",
+         "commit": COMMIT},
     ]
-    rows = {row[0]: row for row in report.targets(records)}
-    length_row = rows["maximum length, 1 GPU, fpdt"]
-    assert length_row[3] == "none with the full depth's pinned host memory; GPU memory: ≥ 1,048,576 ran"
-    assert length_row[4] == "met on GPU memory, **missed** on this host"
-    ratio_row = rows["maximum length, fpdt / modelparallel, 1 GPU"]
-    assert ratio_row[3] == ("0 (fpdt fits no length run; modelparallel: 32,768); on GPU memory: ≥ 32.00× "
-                            "(1,048,576 / 32,768)")
-    assert ratio_row[4] == "met on GPU memory, **missed** on this host"
-    # where the host does not bind there is one verdict only
+    systems_found = lengths.max_lengths(records)[(H100, 1, "llama3-8b")]
+    ours, theirs = systems_found["fpdt"], systems_found["modelparallel"]
+    assert lengths.gpu_limit(ours) == {"max": 1_048_576, "exact": False, "system": "fpdt"}
+    assert lengths.both_ratios(ours, theirs) == "– (GPU memory: ≥ 32.00×)"
+    doc = page.render_markdown(records)
+    assert ("| none (host: the full depth's pinned memory fits no length run; GPU: 1,048,576 ran [1], nothing longer "
+            "failed) [1] | 32,768; 49,152 failed (gpu) [2] | not run | – (GPU memory: ≥ 32.00×) |") in doc
+    # where the host does not bind there is one figure only
     records[0] = run_record("fpdt", gpus=1, layers=2, seq_len=1_048_576, timed_steps=0)
-    rows = {row[0]: row for row in report.targets(records)}
-    assert rows["maximum length, 1 GPU, fpdt"][3:] == ["≥ 1,048,576", "met"]
-    assert rows["maximum length, fpdt / modelparallel, 1 GPU"][3:] == ["≥ 32.00× (1,048,576 / 32,768)", "met"]
+    systems_found = lengths.max_lengths(records)[(H100, 1, "llama3-8b")]
+    assert lengths.gpu_limit(systems_found["fpdt"]) is None
+    assert lengths.both_ratios(systems_found["fpdt"], systems_found["modelparallel"]) == "≥ 32.00×"
+    assert "| ≥ 1,048,576 (nothing longer run) [1] | 32,768; 49,152 failed (gpu) [2] |" in page.render_markdown(records)
 
 
 def test_capped_runs_and_fpdt_variants_are_told_apart():
@@ -383,15 +475,15 @@ def test_capped_runs_and_fpdt_variants_are_told_apart():
     summary (it carries its attempts' cap); fpdt runs that recompute the attention, use head groups or keep the chunks on
     the GPU are separate lines of the plots."""
     capped = run_record("ring", gpus=4, layers=2, seq_len=65_536, card="NVIDIA H200")
-    assert report.card_name(capped) == "NVIDIA H200"
+    assert shown.card_name(capped) == "NVIDIA H200"
     capped["gpu_memory_cap_bytes"] = int(79 * GIB)
-    assert report.card_name(capped) == "NVIDIA H200, capped to 79 GiB"
+    assert shown.card_name(capped) == "NVIDIA H200, capped to 79 GiB"
     summary = {"kind": "max_length", "card": "NVIDIA H200", "gpu_memory_cap_bytes": int(79 * GIB),
-              "command": "python bench/peers.py --max-length --gpus 4 --system ring --gpu-memory-gib 79"}
-    assert report.card_name(summary) == "NVIDIA H200, capped to 79 GiB"
+              "command": "python3 -m bench.peers --max-length --gpus 4 --system ring --gpu-memory-gib 79"}
+    assert shown.card_name(summary) == "NVIDIA H200, capped to 79 GiB"
     fpdt = run_record("fpdt", gpus=1, layers=2, seq_len=1_048_576)
-    assert report.variant(fpdt) == ""
+    assert shown.variant(fpdt) == ""
     fpdt["options"] = {"recompute_attention": True, "head_chunks": 4, "offload": True}
-    assert report.variant(fpdt) == "attention recomputed, 4 head groups"
+    assert shown.variant(fpdt) == "attention recomputed, 4 head groups"
     fpdt["options"] = {"recompute_attention": False, "head_chunks": 1, "offload": False}
-    assert report.variant(fpdt) == "offload off"
+    assert shown.variant(fpdt) == "offload off"

@@ -7,9 +7,11 @@ stamps its records with :func:`stamp`, and bench/report leaves out records that 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -45,6 +47,14 @@ def launch_command(target: str, argv: Sequence[str], *, gpus_per_node: int, worl
     return f"torchrun {nodes}--nproc_per_node {gpus_per_node} {tail}"
 
 
+def this_command(target: str, argv: Optional[Sequence[str]] = None) -> str:
+    """:func:`launch_command` of the running process: its arguments, and its GPU counts from torchrun's environment."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return launch_command(target, sys.argv[1:] if argv is None else argv, world_size=world_size,
+                          gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))),
+                          under_torchrun="LOCAL_WORLD_SIZE" in os.environ)
+
+
 def stamp(kind: str, *, card: Optional[str], gpus: Optional[int], command: str) -> dict[str, Any]:
     """The fields every record starts with: what it is, where and how it ran, which code, when."""
     return {
@@ -57,3 +67,10 @@ def stamp(kind: str, *, card: Optional[str], gpus: Optional[int], command: str) 
 def card_name(device: torch.device) -> str:
     """The card as torch names it (``"NVIDIA H100 80GB HBM3"``), or ``"cpu"``."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def append_record(path: str, record: dict[str, Any]) -> None:
+    """Append ``record`` to the JSONL file ``path`` (bench/report reads these)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")

@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 
 from bench.peers.ballast import full_depth, layers_run
-from bench.peers.records import append_record, print_record
+from bench.peers.records import print_record
 from bench.peers.runner import dist_environment, run
 from bench.peers.search import max_length_search
 from bench.peers.systems import SYSTEMS
+from bench.provenance import append_record
 from lightning_fpdt.models.llama import NAMED_CONFIGS
 
 PROG = "python3 -m bench.peers"

@@ -1,5 +1,5 @@
-"""The JSON record of a run: its figures, its provenance, writing and reading it, and the ranks' agreement on its
-status.
+"""The JSON record of a run: its figures, its provenance, reading it back, and the ranks' agreement on its status
+(``bench.provenance.append_record`` writes it).
 
 Figures: step times are the median of the steps after the first (a warm-up); FLOPs in the causal convention
 (``lightning_fpdt.flops.flops_per_token`` of the layers run), MFU against ``lightning_fpdt.flops.peak_flops`` of the
@@ -198,14 +198,7 @@ def run_record(args: argparse.Namespace, context: RunContext, info: dict[str, An
     }
 
 
-# ---- writing and reading -------------------------------------------------------------------------------------------
-def append_record(path: str, record: dict[str, Any]) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
+# ---- reading ---------------------------------------------------------------------------------------------------------
 def read_attempt(path: str, attempt_id: str) -> Optional[dict[str, Any]]:
     """The last run record of ``path`` written by the search's attempt ``attempt_id`` (``None`` if it wrote none)."""
     if not os.path.exists(path):

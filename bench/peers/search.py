@@ -19,8 +19,8 @@ import time
 from typing import Any, Callable, Optional
 
 from bench.peers.ballast import full_depth, host_check, layers_run
-from bench.peers.records import MODULE, append_record, command_line, read_attempt
-from bench.provenance import REPO_ROOT, launch_command, stamp
+from bench.peers.records import MODULE, command_line, read_attempt
+from bench.provenance import REPO_ROOT, append_record, launch_command, stamp
 
 SEARCH_ONLY_OPTIONS = {"--max-length": 0, "--gpus": 1, "--max-seq-len": 1, "--length-multiple": 1, "--deadline-s": 1}
 """Options of the search process (with the number of values each takes), not passed on to the attempts."""

@@ -295,7 +295,7 @@ def test_out_of_memory_becomes_a_record(monkeypatch, tmp_path):
     assert record["status"] == "oom" and record["limit"] == "gpu" and "Tried to allocate" in record["error"]
     assert record["steps_done"] == 1 and record["losses"] == [5.5] and record["ranks_answered"] == [0]
     assert record["ballast_bytes"] == 36_992 * 16 and record["command"].startswith("python3 -m bench.peers --system fpdt")
-    records.append_record(args.out, record)
+    provenance.append_record(args.out, record)
     assert "| oom (gpu) |" in page.render_markdown(shown.load_records([args.out]))
 
     def crashes(args, **kwargs):

@@ -12,10 +12,10 @@ GPUs with bf16 compute and fp32 master weights and gradient reduction (FSDP2's `
 - ``fpdt``: ``Trainer(strategy=FPDTStrategy(...))`` with ``ActivationOffload``, ``TiledMLP``, ``TiledLoss`` and
   ``MFUMonitor``, attention chunks offloaded to host memory (``--offload on``): every feature of this project. The
   GPUs share one sequence (Ulysses + FPDT); a step trains ``S`` tokens.
-- ``modelparallel``: what a Lightning user does today: ``ModelParallelStrategy`` (data parallel only), FSDP2 and
-  torch's non-reentrant activation checkpointing per block in ``configure_model``, the reference Llama's SDPA attention,
-  untiled loss. Every GPU holds a whole sequence of ``S`` tokens (its own sample): a step trains ``GPUs × S`` tokens,
-  and the longest sequence does not grow with the GPU count.
+- ``modelparallel``: what a Lightning user writes without this project: ``ModelParallelStrategy`` (data parallel
+  only), FSDP2 and torch's non-reentrant activation checkpointing per block in ``configure_model``, the reference
+  Llama's SDPA attention, untiled loss. Every GPU holds a whole sequence of ``S`` tokens (its own sample): a step
+  trains ``GPUs × S`` tokens, and the longest sequence does not grow with the GPU count.
 - ``ring``: PyTorch's context parallelism (``torch.distributed.tensor.experimental.context_parallel``: ring attention
   over SDPA, head-tail load balancing by the API) on a 1-D mesh of all GPUs, FSDP2 over the same mesh, each block
   checkpointed; a plain PyTorch loop, as its users write it. ``input_ids``, ``position_ids`` and the globally shifted

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+import dataclasses
+from typing import Any, Callable, Iterable, Optional
 
 from bench.report.records import GIB
 
@@ -78,3 +79,23 @@ def _note(record: dict[str, Any]) -> str:
     if record.get("source"):
         parts.append(record["source"])
     return f" ({'; '.join(parts)})" if parts else ""
+
+
+Record = dict[str, Any]
+Rows = Callable[[list[Record]], Iterable[tuple[Record, list[str]]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """A titled table of one record per row: ``rows(records)`` gives each row's record and cells, and every row ends
+    with that record's command and commit."""
+
+    title: str
+    intro: str
+    columns: tuple[str, ...]
+    rows: Rows
+    empty: str
+
+    def render(self, records: list[Record], commands: Commands) -> list[str]:
+        cells = [[*row, *commands.cells(record)] for record, row in self.rows(records)]
+        return [self.title, "", self.intro, "", *table([*self.columns, "cmd", "commit"], cells, self.empty)]

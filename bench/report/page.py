@@ -54,11 +54,11 @@ def _peers(records: list[dict[str, Any]], commands: Commands, plots: Optional[li
              "fp32 master weights through FSDP2's MixedPrecisionPolicy, AdamW) with each system:", ""]
     lines += [f"- **{system}**: {name}." for system, name in SYSTEM_NAMES.items()]
     lines += ["", "The example configurations run through `lightning_fpdt.cli` are fpdt runs too.", ""]
-    for section in (lengths.section, training.depth_section, training.throughput_section, training.profile_section,
-                    training.host_section):
-        lines += [*section(records, commands), ""]
+    lines += [*lengths.section(records, commands), ""]
+    for section in (training.DEPTH, training.THROUGHPUT, training.PROFILES, training.HOST):
+        lines += [*section.render(records, commands), ""]
     lines += _plots(plots, commands, doc_dir, plot_note)
-    return lines + training.runs_section(records, commands)
+    return lines + training.RUNS.render(records, commands)
 
 
 def _plots(plots: Optional[list[Plot]], commands: Commands, doc_dir: str, note: str) -> list[str]:
@@ -77,9 +77,8 @@ def render_markdown(records: list[dict[str, Any]], *, plots: Optional[list[Plot]
     """The whole page."""
     commands = Commands()
     lines = _header(records)
-    for section in (components.attention_section, components.memory_tiles_section, components.head_chunks_section,
-                    components.packed_section, components.smoke_train_section):
-        lines += [*section(records, commands), ""]
+    for section in components.SECTIONS:
+        lines += [*section.render(records, commands), ""]
     if of_kind(records, "run") or of_kind(records, "max_length"):
         lines += [*_peers(records, commands, plots, doc_dir, plot_note), ""]
     lines += ["## Commands", "", "Run from the repository root at the commit given.", "", *commands.markdown()]

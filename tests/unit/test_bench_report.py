@@ -53,7 +53,8 @@ def run_record(system: str, *, gpus: int, layers: int, seq_len: int, status: str
 
 
 def synthetic_records() -> list[dict]:
-    """1 GPU: searches for fpdt and ring, single runs for modelparallel; 4 GPUs: two depths, equal length, full depth."""
+    """1 GPU: searches for fpdt and ring, single runs for modelparallel; 4 GPUs: two depths, equal length, full
+    depth."""
     return [
         {"kind": "max_length", "system": "fpdt", "model": "llama3-8b", "layers": 2, "full_layers": 32, "gpus": 1,
          "card": H100, "ballast": "auto", "max_seq_len": 1_048_576, "first_failed_seq_len": 1_572_864,
@@ -294,7 +295,8 @@ def test_out_of_memory_becomes_a_record(monkeypatch, tmp_path):
     record = runner.run(args)
     assert record["status"] == "oom" and record["limit"] == "gpu" and "Tried to allocate" in record["error"]
     assert record["steps_done"] == 1 and record["losses"] == [5.5] and record["ranks_answered"] == [0]
-    assert record["ballast_bytes"] == 36_992 * 16 and record["command"].startswith("python3 -m bench.peers --system fpdt")
+    assert record["ballast_bytes"] == 36_992 * 16
+    assert record["command"].startswith("python3 -m bench.peers --system fpdt") and record["commit"]
     provenance.append_record(args.out, record)
     assert "| oom (gpu) |" in page.render_markdown(shown.load_records([args.out]))
 
@@ -472,8 +474,8 @@ def test_host_bound_lengths_show_the_gpu_limit_beside_the_hosts():
 
 def test_capped_runs_and_fpdt_variants_are_told_apart():
     """A run capped with --gpu-memory-gib is another card in every table (what fits differs), and so is a search's
-    summary (it carries its attempts' cap); fpdt runs that recompute the attention, use head groups or keep the chunks on
-    the GPU are separate lines of the plots."""
+    summary (it carries its attempts' cap); fpdt runs that recompute the attention, use head groups or keep the chunks
+    on the GPU are separate lines of the plots."""
     capped = run_record("ring", gpus=4, layers=2, seq_len=65_536, card="NVIDIA H200")
     assert shown.card_name(capped) == "NVIDIA H200"
     capped["gpu_memory_cap_bytes"] = int(79 * GIB)

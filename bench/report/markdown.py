@@ -78,7 +78,7 @@ def _note(record: dict[str, Any]) -> str:
     parts = [f"raw log{'s' if len(logs) > 1 else ''}: {', '.join(logs)}"] if logs else []
     if record.get("source"):
         parts.append(record["source"])
-    return f" ({'; '.join(parts)})" if parts else ""
+    return f"; {'; '.join(parts)}" if parts else ""
 
 
 Record = dict[str, Any]

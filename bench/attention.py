@@ -1,29 +1,32 @@
 """The FPDT attention op alone, forward + backward: memory, TFLOP/s, offload cost, all-to-all share.
 
-One GPU:   python bench/attention.py --seq-lens 131072,262144,524288,1048576 --chunk-tokens 32768 --offload on
-Several:   torchrun --nproc_per_node 4 bench/attention.py --seq-lens 262144,524288 --chunk-tokens 65536
-Ring:      torchrun --nproc_per_node 4 bench/attention.py --seq-lens 262144 --ring-size 2 --offload both
+One GPU:   python3 bench/attention.py --seq-lens 131072,262144,524288,1048576 --chunk-tokens 32768 --offload on
+Several:   torchrun --standalone --nproc_per_node 4 bench/attention.py --seq-lens 262144,524288 --chunk-tokens 65536
+Ring:      torchrun --standalone --nproc_per_node 4 bench/attention.py --seq-lens 262144 --ring-size 2 --offload both
            (the Ulysses x ring hybrid of sequence/ring.py: U = GPUs / ring size Ulysses ranks, chunks 1; run
-           --ring-size 1 in the same call for the Ulysses baseline)
+           --ring-size 1 on the same machine for the Ulysses baseline)
 
 Geometry defaults to Llama-3-8B attention (32 heads, 8 kv heads, head dim 128), bf16, causal. ``--seq-lens`` are
-global lengths; with P GPUs each holds S/P tokens. FLOPs follow the convention of DESIGN.md's kernel figures
-(../shared/probes/probe_env.py): causal forward = 2·B·H·S²·D, forward + backward = 3.5 × forward. Prints one table
-row per case and writes JSON lines to ``--out``.
+global lengths; with P GPUs each holds S/P tokens. FLOPs: causal forward = 2·B·H·S²·D, forward + backward = 3.5 ×
+forward. Prints one table row per case and appends one JSON record per case to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from lightning_fpdt.sequence import all_to_all as a2a
-from lightning_fpdt.sequence import StashFactory, fpdt_attention, new_sequence_groups
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from bench.provenance import append_record, stamp, this_command  # noqa: E402
+from lightning_fpdt.sequence import all_to_all as a2a  # noqa: E402
+from lightning_fpdt.sequence import StashFactory, fpdt_attention, new_sequence_groups  # noqa: E402
 
 
 class A2ATimer:
@@ -91,13 +94,16 @@ def run_case(seq_len: int, num_chunks: int, offload: bool, args, rank: int, worl
     median = sorted(times)[len(times) // 2]
     flops = 3.5 * 2 * args.heads * seq_len * seq_len * args.head_dim  # global, causal, fwd + bwd
     return dict(
-        card=torch.cuda.get_device_name(), gpus=world, ring=args.ring_size, seq_len=seq_len, chunks=num_chunks,
-        offload=offload,
+        **_stamp(world), ring=args.ring_size, seq_len=seq_len, chunks=num_chunks, offload=offload,
         heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, backend=args.backend,
         step_s=median, tflops_per_gpu=flops / median / world / 1e12,
         peak_extra_gib=(peak - io_bytes) / 2**30, inputs_gib=base / 2**30,
         a2a_share=a2a_seconds / median, host_gib=stashes.host_bytes / 2**30,
     )
+
+
+def _stamp(world: int) -> dict:
+    return stamp("attention", card=torch.cuda.get_device_name(), gpus=world, command=this_command("bench/attention.py"))
 
 
 def main() -> None:
@@ -114,7 +120,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--ring-size", type=int, default=1,
                         help="ring ranks R of the Ulysses x ring hybrid (GPUs = U x R; chunks are 1 with R > 1)")
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "attention.jsonl"))
+    parser.add_argument("--out", default="attention.jsonl", help="JSONL file the records are appended to")
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -129,12 +135,12 @@ def main() -> None:
             try:
                 row = run_case(seq_len, num_chunks, offload, args, rank, world)
             except torch.OutOfMemoryError:
-                row = dict(seq_len=seq_len, chunks=num_chunks, offload=offload, gpus=world, oom=True)
+                row = dict(**_stamp(world), ring=args.ring_size, seq_len=seq_len, chunks=num_chunks, offload=offload,
+                           heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, oom=True)
             torch.cuda.empty_cache()
             rows.append(row)
             if rank == 0:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                append_record(args.out, row)
     if rank == 0:
         print(f"{'card':24s} {'gpus':>4s} {'ring':>4s} {'S':>8s} {'u':>3s} {'offl':>5s} {'step s':>8s} "
               f"{'TFLOP/s/gpu':>11s} {'extra GiB':>9s} {'in GiB':>7s} {'a2a %':>6s} {'host GiB':>8s}")

@@ -1,8 +1,8 @@
-"""Peak GPU memory and step time of one Llama-3-8B-geometry layer with head-group chunking (issue 10, UPipe).
+"""Peak GPU memory and step time of one Llama-3-8B-geometry layer with head-group chunking.
 
-    python bench/head_chunks.py --seq-len 262144 --head-chunks 1,2,4,8 --out $OUT/head_chunks.json
-    python bench/head_chunks.py --seq-len 262144 --budget-gib 70          # + extrapolated maximum length per G
-    python bench/head_chunks.py --device cpu --tiny --seq-len 64          # CPU smoke run of the script itself
+    python3 bench/head_chunks.py --seq-len 262144 --head-chunks 1,2,4,8 --out head_chunks.jsonl
+    python3 bench/head_chunks.py --seq-len 262144 --budget-gib 70          # + extrapolated maximum length per G
+    python3 bench/head_chunks.py --device cpu --tiny --seq-len 64          # CPU smoke run of the script itself
 
 One GPU, so the local length is the whole sequence. The layer is the reference Llama's decoder layer (hidden 4096,
 32 query / 8 kv heads of 128, MLP 14336, bf16 weights and activations), its attention the FPDT attention with
@@ -21,14 +21,14 @@ gradient). The step time is the median of ``--repeats`` timed runs after one war
 buffers). ``--budget-gib`` also runs every case at half the length and extrapolates the longest length whose peak
 (plus the weights and inputs) fits the budget, linearly in the length: with chunks of a fixed size every term of the
 peak is linear in the local length (a model, marked "extrapolated"; confirm near it with ``--seq-len``). The JSON
-record also holds the planner's prediction of the two attention phases (``lightning_fpdt.planner``) for calibration.
+record (one per run, appended to ``--out``) also holds the planner's prediction of the two attention phases
+(``lightning_fpdt.planner``) for calibration.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from bench.provenance import append_record, stamp, this_command  # noqa: E402
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload  # noqa: E402
 from lightning_fpdt.callbacks.tiled_mlp import apply_tiled_mlp  # noqa: E402
 from lightning_fpdt.flops import ModelGeometry  # noqa: E402
@@ -73,7 +74,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--backend", default="auto", help="attention block kernel: auto, cudnn, flash, math")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="a tiny geometry (CPU smoke test of this script)")
-    parser.add_argument("--out", default=None, help="write the JSON record here")
+    parser.add_argument("--out", default=None, help="append the JSON record to this JSONL file")
     args = parser.parse_args(argv)
     args.head_chunks = [int(g) for g in args.head_chunks.split(",")]
     args.cases = [c for c in args.cases.split(",") if c]
@@ -222,16 +223,16 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                     half, row, args.budget_gib, lambda n: allocated_before_gib(args, dtype, n))
             rows.append(row)
             print(f"  {case:<9} G={head_chunks}: {row}", file=sys.stderr, flush=True)
+    command = this_command("bench/head_chunks.py", sys.argv[1:] if argv is None else argv)
     record = dict(
-        card=card, torch=torch.__version__, geometry="tiny" if args.tiny else "llama3-8b (1 layer)",
-        seq_len=args.seq_len,
+        **stamp("head_chunks", card=card, gpus=1, command=command),
+        geometry="tiny" if args.tiny else "llama3-8b (1 layer)", seq_len=args.seq_len,
         chunks=args.chunks, offload=args.offload, checkpoint=not args.no_checkpoint, dtype=str(dtype),
-        budget_gib=args.budget_gib, command="python " + " ".join(sys.argv), rows=rows,
+        budget_gib=args.budget_gib, rows=rows,
     )
     print(format_table(record))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=2))
+        append_record(args.out, record)
     return record
 
 

@@ -1,7 +1,7 @@
 """Peak GPU memory of the tiled loss and the tiled MLP against their untiled forms, Llama-3-8B layer geometry.
 
-    python bench/memory_tiles.py                       # 512K-token loss, 256K-token MLP, bf16, one GPU
-    python bench/memory_tiles.py --loss-tokens 262144 --mlp-tokens 131072 --small-loss-tokens 8192
+    python3 bench/memory_tiles.py --out memory_tiles.jsonl   # 512K-token loss, 256K-token MLP, bf16, one GPU
+    python3 bench/memory_tiles.py --loss-tokens 262144 --mlp-tokens 131072 --small-loss-tokens 8192
 
 Every case runs forward + backward on one GPU, from inputs already on it: the loss from final hidden states
 ``(N, 4096)`` and a ``(128256, 4096)`` lm_head weight, the MLP (gate/up 14336 wide, down) from its input
@@ -10,7 +10,8 @@ before it (the inputs, the weights, the output gradient); "grads" is the part of
 input gradient and the weight gradients), so ``peak - grads`` is the working memory of the computation itself.
 The untiled loss is not run at the long length (its fp32 logits alone exceed any GPU): it is run at a short length
 to give the ratio, and its size at the long length is given from the fp32 logits alone. A case that does not fit
-prints OOM. Times are of one run each, for orientation (not a throughput benchmark).
+prints OOM. Times are of one run each, for orientation (not a throughput benchmark). With ``--out``, one JSON record
+per case is appended to that file.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from bench.provenance import append_record, stamp, this_command  # noqa: E402
 from lightning_fpdt.callbacks.tiled_loss import auto_loss_tiles, tiled_cross_entropy  # noqa: E402
 from lightning_fpdt.callbacks.tiled_mlp import apply_tiled_mlp, auto_mlp_tiles  # noqa: E402
 from lightning_fpdt.models.llama import LlamaConfig, LlamaMLP  # noqa: E402
@@ -131,6 +133,16 @@ def fmt(value: Optional[float], spec: str = "8.2f") -> str:
     return "OOM".rjust(int(spec.split(".")[0])) if value is None else format(value, spec)
 
 
+def write_records(rows: list[Row], args: argparse.Namespace) -> None:
+    """One record per case: the row, its work (peak minus grads), the geometry and where it ran."""
+    provenance = stamp("memory_tiles", card=torch.cuda.get_device_name(), gpus=1,
+                       command=this_command("bench/memory_tiles.py"))
+    for row in rows:
+        work = None if row.peak_gib is None else row.peak_gib - row.grads_gib
+        append_record(args.out, {**provenance, "hidden": args.hidden, "intermediate": args.intermediate,
+                                 "vocab": args.vocab, "dtype": "bf16", **asdict(row), "work_gib": work})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--loss-tokens", type=int, default=524288, help="local tokens of the long tiled loss")
@@ -143,6 +155,7 @@ def main() -> None:
     parser.add_argument("--loss-tiles", type=tiles_arg, default="auto")
     parser.add_argument("--mlp-tiles", type=tiles_arg, default="auto")
     parser.add_argument("--skip-untiled-mlp", action="store_true", help="do not run the untiled MLP")
+    parser.add_argument("--out", default=None, help="append one JSON record per case to this JSONL file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/memory_tiles.py measures GPU memory: it needs a CUDA device")
@@ -182,6 +195,8 @@ def main() -> None:
     small, mlp = args.small_loss_tokens, args.mlp_tokens
     print(f"loss peak tiled / untiled at {small} tokens: {ratio(('loss tiled', small), ('loss untiled', small))}")
     print(f"mlp peak tiled / untiled at {mlp} tokens: {ratio(('mlp tiled', mlp), ('mlp untiled', mlp))}")
+    if args.out:
+        write_records(rows, args)
 
 
 if __name__ == "__main__":

@@ -1,30 +1,35 @@
 """Packed documents in the FPDT attention op: time of forward + backward with per-document masking against the same
 sequence as one document, and the block kernel calls each makes.
 
-One GPU:   python bench/packed.py --seq-lens 32768,131072 --doc-lens 2048,8192 --chunk-tokens 32768
-Several:   torchrun --nproc_per_node 4 bench/packed.py --seq-lens 262144 --doc-lens 8192 --chunk-tokens 65536
+One GPU:   python3 bench/packed.py --seq-lens 32768,131072 --doc-lens 2048,8192 --chunk-tokens 32768
+Several:   torchrun --standalone --nproc_per_node 4 bench/packed.py --seq-lens 262144 --doc-lens 8192
+           --chunk-tokens 65536
 Per-segment calls instead of one varlen flash call per block: add --no-varlen.
 
 Geometry defaults to Llama-3-8B attention (32 heads, 8 kv heads, head dim 128), bf16. Documents have random lengths,
 uniform in [1, 2·doc_len) (mean doc_len), the same on every rank. "useful" TFLOP/s counts only the attention the
 documents need: causal forward 2·B·H·Σ L_d²·D, forward + backward 3.5 × forward (bench/attention.py's
 convention).
-Prints one row per case and writes JSON lines to ``--out``.
+Prints one row per case and appends one JSON record per case to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from lightning_fpdt.sequence import fpdt_attention
-from lightning_fpdt.sequence import fpdt as fpdt_module
-from lightning_fpdt.sequence.documents import DocumentBoundaries
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from bench.provenance import append_record, stamp, this_command  # noqa: E402
+from lightning_fpdt.sequence import fpdt_attention  # noqa: E402
+from lightning_fpdt.sequence import fpdt as fpdt_module  # noqa: E402
+from lightning_fpdt.sequence.documents import DocumentBoundaries  # noqa: E402
 
 
 def random_documents(seq_len: int, doc_len: int, seed: int) -> DocumentBoundaries:
@@ -83,8 +88,11 @@ def run_case(seq_len: int, doc_len: int, args, rank: int, world: int) -> dict:
     lengths = ([b - a for a, b in zip(documents.starts[0], documents.starts[0][1:] + (seq_len,))]
                if documents else [seq_len])
     flops = 3.5 * 2 * args.heads * sum(n * n / 2 for n in lengths) * args.head_dim  # useful causal flops
-    return dict(card=torch.cuda.get_device_name(), gpus=world, seq_len=seq_len, chunks=num_chunks,
-                doc_len=doc_len, documents=len(lengths), backend=args.backend, varlen=not args.no_varlen, step_s=step,
+    provenance = stamp("packed", card=torch.cuda.get_device_name(), gpus=world,
+                       command=this_command("bench/packed.py"))
+    return dict(**provenance, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                seq_len=seq_len, chunks=num_chunks, doc_len=doc_len, documents=len(lengths), backend=args.backend,
+                varlen=not args.no_varlen, step_s=step,
                 kernel_calls=kernels[-1].calls + (varlens[-1].calls if varlens and varlens[-1] else 0),
                 useful_tflops_per_gpu=flops / step / world / 1e12)
 
@@ -100,7 +108,7 @@ def main() -> None:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-varlen", action="store_true", help="one kernel call per document segment")
-    parser.add_argument("--out", default="packed.jsonl")
+    parser.add_argument("--out", default="packed.jsonl", help="JSONL file the records are appended to")
     args = parser.parse_args()
     if args.no_varlen:
         fpdt_module.varlen_kernel_for = lambda *a: None
@@ -115,8 +123,7 @@ def main() -> None:
             if rank == 0:
                 print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()),
                       flush=True)
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                append_record(args.out, record)
     if world > 1:
         dist.destroy_process_group()
 

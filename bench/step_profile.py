@@ -1,7 +1,7 @@
 """One training step under ``torch.profiler``, summarised as "which kernel, which copy, which wait".
 
-Used by ``bench/peers.py --profile-step N`` (any system): step ``N`` (0-based; after the warm-up step 0) runs under
-the profiler on every rank; rank 0 writes the summary (JSON) and, with ``--profile-trace``, a Chrome trace, and
+Used by ``python3 -m bench.peers --profile-step N`` (any system): step ``N`` (0-based; after the warm-up step 0) runs
+under the profiler on every rank; rank 0 writes the summary (JSON) and, with ``--profile-trace``, a Chrome trace, and
 prints the table. Device time is grouped by kernel kind:
 
 | category | kernels (lower-cased name contains) |
@@ -95,7 +95,8 @@ def summarize(events: Any, wall_s: float, *, top: int = 12) -> dict[str, Any]:
         "wait_s": max(wall_s - busy, 0.0),
         "host_stalls_s": stalls,
         "top_kernels": [
-            {"seconds": s, "calls": count, "category": label, "name": name[:120]} for s, count, label, name in kernels[:top]
+            {"seconds": s, "calls": count, "category": label, "name": name[:120]}
+            for s, count, label, name in kernels[:top]
         ],
     }
 
@@ -106,7 +107,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines += [f"  {name:<22} {value:8.3f} s" for name, value in summary["device_s"].items()]
     lines += [f"  {name:<22} {value:8.3f} s (host)" for name, value in summary.get("host_stalls_s", {}).items()]
     lines.append("  top kernels:")
-    lines += [f"  {k['seconds']:8.3f} s {k['calls']:6d}x {k['category']:<14} {k['name']}" for k in summary["top_kernels"]]
+    lines += [f"  {k['seconds']:8.3f} s {k['calls']:6d}x {k['category']:<14} {k['name']}"
+              for k in summary["top_kernels"]]
     return "\n".join(lines)
 
 

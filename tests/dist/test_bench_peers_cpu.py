@@ -1,5 +1,5 @@
-"""bench/peers.py on 2 gloo CPU processes: the fpdt and modelparallel systems write well-formed records with the same
-first loss, the ranks agree on an out-of-memory status; ring is CUDA-only, so only its option checks run here."""
+"""python3 -m bench.peers on 2 gloo CPU processes: the fpdt and modelparallel systems write well-formed records with the
+same first loss, the ranks agree on an out-of-memory status; ring is CUDA-only, so only its option checks run here."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.unit.test_bench_report import load_bench
+from bench.peers import cli, records, runner, search, systems
+from bench.provenance import current_commit
+from bench.report import page
 
 SEQ_LEN = 64
 COMMON = ["--model", "tiny", "--layers", "1", "--seq-len", str(SEQ_LEN), "--steps", "2", "--accelerator", "cpu",
@@ -20,14 +22,13 @@ COMMON = ["--model", "tiny", "--layers", "1", "--seq-len", str(SEQ_LEN), "--step
 def train_both_systems() -> dict[str, dict]:
     """Every rank: one fpdt run (2 chunks, attention offload on), one more in 2 head groups, and one modelparallel run
     of the same model and data."""
-    peers = load_bench("peers")
     records = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # MFUMonitor: no peak FLOP/s for a CPU
         for system, extra in (("fpdt", ["--chunks", "2"]), ("modelparallel", [])):
-            records[system] = peers.run(peers.parse_args(["--system", system, *COMMON, *extra]))
-        grouped = peers.parse_args(["--system", "fpdt", *COMMON, "--chunks", "2", "--head-chunks", "2"])
-        records["fpdt head groups"] = peers.run(grouped)
+            records[system] = runner.run(cli.parse_args(["--system", system, *COMMON, *extra]))
+        grouped = cli.parse_args(["--system", "fpdt", *COMMON, "--chunks", "2", "--head-chunks", "2"])
+        records["fpdt head groups"] = runner.run(grouped)
     return records
 
 
@@ -49,8 +50,9 @@ def test_fpdt_and_modelparallel_records(dist_pool):
             kept = 0 if system == "fpdt" else SEQ_LEN * 64 * 4
             assert (record["ballast_state_bytes"], record["ballast_bytes"]) == (36_992 * 16 // 2, 36_992 * 8 + kept)
             assert record["host_check"]["layers"] == 2 and record["host_check"]["fits"] is True
-            assert record["command"].startswith(f"torchrun --standalone --nproc_per_node 2 bench/peers.py --system "
+            assert record["command"].startswith(f"torchrun --standalone --nproc_per_node 2 -m bench.peers --system "
                                                 f"{system} --model tiny")
+            assert record["commit"] == current_commit() and record["card"] == "cpu"
             assert record["host_peak_rss_bytes"] > 0  # both ranks, summed
     fpdt, modelparallel = ranks[0]["fpdt"], ranks[0]["modelparallel"]
     # fpdt: the 2 ranks share one sequence (sp 2); modelparallel: each rank trains its own sequence (dp 2)
@@ -65,17 +67,15 @@ def test_fpdt_and_modelparallel_records(dist_pool):
     assert grouped["options"]["head_chunks"] == 2 and fpdt["options"]["head_chunks"] == 1
     assert grouped["first_loss"] == pytest.approx(fpdt["first_loss"], abs=1e-4)
     # the records feed the report: the figures appear with their command
-    report = load_bench("report")
-    doc = report.render_markdown([r for records in ranks[:1] for r in records.values()])
+    doc = page.render_markdown([r for records in ranks[:1] for r in records.values()])
     assert fpdt["command"] in doc and "| cpu | 2 | tiny |" in doc
 
 
 def profiled_fpdt_run(out: str) -> dict:
-    peers = load_bench("peers")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = [a if a != "unused.jsonl" else out for a in COMMON]
-        return peers.run(peers.parse_args(["--system", "fpdt", *args, "--chunks", "2", "--profile-step", "1"]))
+        return runner.run(cli.parse_args(["--system", "fpdt", *args, "--chunks", "2", "--profile-step", "1"]))
 
 
 def test_profiled_step_lands_in_the_record(dist_pool, tmp_path):
@@ -92,28 +92,26 @@ def test_profiled_step_lands_in_the_record(dist_pool, tmp_path):
 
 def agree(statuses: dict[int, str], key: str, timeout_s: float):
     """Ranks named in ``statuses`` post theirs; the others stay away, as a rank stuck in a collective would."""
-    peers = load_bench("peers")
     rank = dist.get_rank()
     if rank not in statuses:
         return None
-    return peers.agree_on_status(statuses[rank], key=key, timeout_s=timeout_s)
+    return records.agree_on_status(statuses[rank], key=key, timeout_s=timeout_s)
 
 
 def out_of_memory_on_rank_zero() -> dict:
     """run() whose system runs out of memory on rank 0 only; rank 1 finishes its steps."""
-    peers = load_bench("peers")
 
     def system(args, *, info, **kwargs):
         info.update(tokens_per_step=SEQ_LEN, step_times_s=[0.1], losses=[5.0], peak_gpu_bytes_per_step=[None])
         if dist.get_rank() == 0:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    original = peers.SYSTEM_FUNCTIONS["fpdt"]
-    peers.SYSTEM_FUNCTIONS["fpdt"] = system
+    original = systems.SYSTEM_FUNCTIONS["fpdt"]
+    systems.SYSTEM_FUNCTIONS["fpdt"] = system
     try:
-        return peers.run(peers.parse_args(["--system", "fpdt", *COMMON, "--agree-timeout-s", "30"]))
+        return runner.run(cli.parse_args(["--system", "fpdt", *COMMON, "--agree-timeout-s", "30"]))
     finally:
-        peers.SYSTEM_FUNCTIONS["fpdt"] = original
+        systems.SYSTEM_FUNCTIONS["fpdt"] = original
 
 
 def test_ranks_agree_on_out_of_memory(dist_pool):
@@ -133,25 +131,24 @@ def test_ranks_agree_on_out_of_memory(dist_pool):
 def test_cuda_only_options_are_checked_on_cpu():
     """ring is CUDA-only (torch dispatches only the CUDA SDPA kernels to ring attention), so is FSDP2's CPU offload:
     on CPU only their checks run, with the other option checks."""
-    peers = load_bench("peers")
-    args = peers.parse_args(["--system", "ring", "--model", "tiny", "--seq-len", "64", "--accelerator", "cpu"])
+    args = cli.parse_args(["--system", "ring", "--model", "tiny", "--seq-len", "64", "--accelerator", "cpu"])
     with pytest.raises(ValueError, match="only the CUDA SDPA kernels"):
-        peers.validate(args, world_size=2)
-    args = peers.parse_args(["--system", "ring", "--model", "tiny", "--seq-len", "66", "--accelerator", "cpu"])
+        cli.validate(args, world_size=2)
+    args = cli.parse_args(["--system", "ring", "--model", "tiny", "--seq-len", "66", "--accelerator", "cpu"])
     with pytest.raises(ValueError, match=r"multiple of 2 x GPUs = 8: .* pick 72"):
-        peers.validate(args, world_size=4)
+        cli.validate(args, world_size=4)
     with pytest.raises(ValueError, match="--cpu-offload-params needs a GPU"):
-        peers.validate(peers.parse_args(["--system", "modelparallel", "--model", "tiny", "--cpu-offload-params",
+        cli.validate(cli.parse_args(["--system", "modelparallel", "--model", "tiny", "--cpu-offload-params",
                                          "--accelerator", "cpu"]), world_size=1)
     with pytest.raises(ValueError, match=r"--gpu-memory-gib \(79.0\) caps a GPU's memory"):
-        peers.validate(peers.parse_args(["--system", "fpdt", "--model", "tiny", "--gpu-memory-gib", "79",
+        cli.validate(cli.parse_args(["--system", "fpdt", "--model", "tiny", "--gpu-memory-gib", "79",
                                          "--accelerator", "cpu"]), world_size=1)
     with pytest.raises(ValueError, match="between 1 and the depth of tiny"):
-        peers.validate(peers.parse_args(["--system", "fpdt", "--model", "tiny", "--layers", "3"]), world_size=1)
-    args = peers.parse_args(["--system", "modelparallel", "--model", "tiny", "--rotate-method", "alltoall",
+        cli.validate(cli.parse_args(["--system", "fpdt", "--model", "tiny", "--layers", "3"]), world_size=1)
+    args = cli.parse_args(["--system", "modelparallel", "--model", "tiny", "--rotate-method", "alltoall",
                              "--accelerator", "cpu"])
     with pytest.warns(UserWarning, match="--rotate-method alltoall has no effect on --system modelparallel"):
-        peers.validate(args, world_size=1)
-    search = peers.parse_args(["--system", "ring", "--max-length", "--gpus", "4", "--length-multiple", "12"])
+        cli.validate(args, world_size=1)
+    ring_search = cli.parse_args(["--system", "ring", "--max-length", "--gpus", "4", "--length-multiple", "12"])
     with pytest.raises(ValueError, match="must be a multiple of 2 x GPUs"):
-        peers.max_length_search(search)
+        search.max_length_search(ring_search)

@@ -1,46 +1,41 @@
-"""bench/report.py's tables and plots from synthetic records, and the pieces of bench/peers.py that need no process
-group: the ballast arithmetic, the out-of-memory record, the length search, primed AdamW states."""
+"""bench.report's page and plots from synthetic and stored records, the provenance every record carries, and the
+pieces of bench.peers that need no process group: the ballast arithmetic, the out-of-memory record, the length search,
+primed AdamW states."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import glob
 import json
+import re
+import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench import provenance, step_profile
+from bench.peers import ballast, cli, records, runner, search, systems
+from bench.report import lengths, page
+from bench.report import records as shown
+from bench.report.plots import Plot, write_plots
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.models.llama import LlamaConfig, sdpa_attention
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def load_bench(name: str):
-    """bench/<name>.py as a module (bench/ is scripts, not a package), loaded once per process."""
-    key = f"bench_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-report = load_bench("report")
-peers = load_bench("peers")
+ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
 H100 = "NVIDIA H100 80GB HBM3"
+COMMIT = "abc1234"
 
 
 def run_record(system: str, *, gpus: int, layers: int, seq_len: int, status: str = "ok", peak_gib: float = 40.0,
                ballast_gib: float = 0.0, mfu: float = 0.4, tokens_per_s: float = 10_000.0, card: str = H100,
                host_fits: bool = True, limit: str = None, timed_steps: int = 2) -> dict:
-    """A record shaped as bench/peers.py writes it (the fields the report reads)."""
+    """A record shaped as bench.peers writes it (the fields the report reads)."""
     ok = status == "ok"
-    command = (f"torchrun --standalone --nproc_per_node {gpus} bench/peers.py --system {system} --model llama3-8b "
+    command = (f"torchrun --standalone --nproc_per_node {gpus} -m bench.peers --system {system} --model llama3-8b "
                f"--layers {layers} --seq-len {seq_len} --ballast auto --check-host")
     return {
         "kind": "run", "system": system, "status": status, "limit": limit, "card": card,
@@ -53,19 +48,22 @@ def run_record(system: str, *, gpus: int, layers: int, seq_len: int, status: str
         "peak_gpu_bytes_minus_ballast": int((peak_gib - ballast_gib) * GIB) if ok else None,
         "first_loss": 11.9321, "host_check": {"needed_bytes": 100 * GIB, "available_bytes": 1500 * GIB,
                                               "fits": host_fits, "planned_peak_gpu_bytes": 70 * GIB},
-        "command": command, "env": {"NCCL_NVLS_ENABLE": "0"},
+        "command": command, "commit": COMMIT, "env": {"NCCL_NVLS_ENABLE": "0"},
     }
 
 
 def synthetic_records() -> list[dict]:
-    """1 GPU: searches for fpdt and ring, single runs for modelparallel; 4 GPUs: two depths, equal length, full depth."""
+    """1 GPU: searches for fpdt and ring, single runs for modelparallel; 4 GPUs: two depths, equal length, full
+    depth."""
     return [
         {"kind": "max_length", "system": "fpdt", "model": "llama3-8b", "layers": 2, "full_layers": 32, "gpus": 1,
          "card": H100, "ballast": "auto", "max_seq_len": 1_048_576, "first_failed_seq_len": 1_572_864,
-         "limited_by": "gpu", "command": "python bench/peers.py --system fpdt --max-length --gpus 1 --seq-len 262144"},
+         "limited_by": "gpu", "command": "python3 -m bench.peers --system fpdt --max-length --gpus 1 --seq-len 262144",
+         "commit": COMMIT},
         {"kind": "max_length", "system": "ring", "model": "llama3-8b", "layers": 2, "full_layers": 32, "gpus": 1,
          "card": H100, "ballast": "auto", "max_seq_len": 131_072, "first_failed_seq_len": 196_608,
-         "limited_by": "gpu", "command": "python bench/peers.py --system ring --max-length --gpus 1 --seq-len 65536"},
+         "limited_by": "gpu", "command": "python3 -m bench.peers --system ring --max-length --gpus 1 --seq-len 65536",
+         "commit": COMMIT},
         run_record("modelparallel", gpus=1, layers=2, seq_len=16_384, peak_gib=71.5),
         run_record("modelparallel", gpus=1, layers=2, seq_len=32_768, status="oom", limit="gpu"),
         run_record("fpdt", gpus=4, layers=2, seq_len=1_048_576, peak_gib=61.2, ballast_gib=25.4),
@@ -79,10 +77,10 @@ def synthetic_records() -> list[dict]:
 
 
 def test_report_names_every_figure_with_its_command(tmp_path):
-    """Tables carry card, GPUs, geometry, length and a command reference; targets are judged from the figures."""
-    doc = report.render_markdown(synthetic_records(), plot_note="no plots")
-    for command in ("python bench/peers.py --system fpdt --max-length --gpus 1 --seq-len 262144",
-                    "NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 4 bench/peers.py --system fpdt "
+    """Tables carry card, GPUs, geometry, length and a command reference with its commit."""
+    doc = page.render_markdown(synthetic_records(), plot_note="no plots")
+    for command in ("python3 -m bench.peers --system fpdt --max-length --gpus 1 --seq-len 262144",
+                    "NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 4 -m bench.peers --system fpdt "
                     "--model llama3-8b --layers 32 --seq-len 524288"):
         assert f"`{command}" in doc, command
     lines = doc.splitlines()
@@ -102,23 +100,118 @@ def test_report_names_every_figure_with_its_command(tmp_path):
     assert ("1,048,576 (host: full depth planned to fit up to 1,048,576; GPU: 2,097,152 ran [4], nothing longer "
             "failed)") in four_gpus
     assert "≥ 262,144 (nothing longer run)" in four_gpus and "? (no failing length for ring)" in four_gpus
-    assert row("maximum length, fpdt / ring, 4 GPUs").endswith("| not conclusive |")
-    # targets: 1 GPU met, MFU 47% missed, throughput 1.30x met, the 4-GPU length (1M < 2M) missed
-    assert row("maximum length, 1 GPU, fpdt").endswith("| met |")
-    assert "47.0%" in row("MFU (causal), full depth") and "**missed**" in row("MFU (causal), full depth")
-    assert "1.30×" in row("tokens/s, fpdt / ring") and row("tokens/s, fpdt / ring").endswith("| met |")
-    assert "**missed**" in row("maximum length, 4 GPUs, fpdt")
     # the ballast protocol: two depths at 1M, their peaks and their spread (0.2 GiB)
     assert "61.2" in row("| fpdt | NVIDIA H100 80GB HBM3 | 4 |", "2 of 32 layers + ballast", "1,048,576", "25.4")
     assert "| 0.2 |" in row("| fpdt | NVIDIA H100 80GB HBM3 | 4 |", "4 of 32 layers + ballast", "1,048,576")
     # throughput at equal length, with the ratio against ring in the same group; a one-step run (warm-up only) is not
     # a throughput figure, only a memory one
     assert "1.30×" in row("| 262,144 | fpdt |", "26,000")
+    assert "47.0%" in row("| llama3-8b (32 layers) | 524,288 | fpdt |")
     assert not [line for line in lines if "| 131,072 | ring |" in line]
     assert "(warm-up)" in row("| ring | ok |", "131,072")
     # every run is listed, out-of-memory ones with their limit
     assert "oom (gpu)" in row("| modelparallel | oom")
     assert doc.count("| ok |") == 8  # the 9 runs of the "every run" table, one out of memory
+
+
+def table_rows(doc: str) -> list[tuple[list[str], list[str]]]:
+    """``(header, cells)`` of every data row of every Markdown table in ``doc``."""
+    rows, header = [], None
+    for line in doc.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if header is None:
+            header = cells
+        elif not set(line) <= set("|-"):
+            rows.append((header, cells))
+    return rows
+
+
+def listed_commands(doc: str) -> dict[str, str]:
+    """``{"[n]": commit}`` of the page's command list."""
+    return {f"[{n}]": commit for n, commit in re.findall(r"^(\d+)\. `.+` at commit `([0-9a-f]{7,})`", doc, re.M)}
+
+
+def assert_provenance(doc: str) -> None:
+    """Every table row and every plot names its card and GPU count, cites listed commands and names their commits."""
+    commands = listed_commands(doc)
+    rows = table_rows(doc)
+    assert rows and commands
+    for header, cells in rows:
+        row = dict(zip(header, cells))
+        assert row["card"] not in ("", "?", "–") and row["GPUs"].isdigit(), cells
+        refs = re.findall(r"\[\d+\]", " ".join(cells))
+        assert refs and all(ref in commands for ref in refs), cells
+        assert {commands[ref] for ref in refs} <= set(re.findall(r"`([0-9a-f]{7,})`", row["commit"])), cells
+    for image in re.finditer(r"^!\[(.+)\]\(.+\)\n\n(.+)$", doc, re.M):
+        title, caption = image.groups()
+        assert "GPU" in title, title  # card, GPU count and model
+        refs = re.findall(r"\[\d+\]", caption)
+        assert refs and all(ref in commands for ref in refs), caption
+        assert {commands[ref] for ref in refs} <= set(re.findall(r"`([0-9a-f]{7,})`", caption)), caption
+
+
+def test_every_figure_names_card_command_and_commit():
+    """The page from the stored records: no record is left out for want of provenance, every table row names its card
+    and GPU count and cites a listed command with the commit beside it, and so does every plot's caption. The page
+    says how to regenerate itself and judges nothing against plans."""
+    paths = sorted(glob.glob(str(ROOT / "bench" / "results" / "*.jsonl")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a stored record the page would leave out fails here
+        stored = shown.load_records(paths)
+    assert {record["kind"] for record in stored} == set(shown.KINDS)
+    fake_plots = [Plot(path=str(ROOT / "docs" / "plots" / "p.png"), title="peak GPU memory: NVIDIA H200, 4 GPUs",
+                       records=[r for r in stored if r["kind"] == "run"][:3])]
+    doc = page.render_markdown(stored, plots=fake_plots, doc_dir=str(ROOT / "docs"))
+    assert_provenance(doc)
+    assert "![peak GPU memory: NVIDIA H200, 4 GPUs](plots/p.png)" in doc
+    assert page.REGENERATE in doc and page.REGENERATE.startswith("python3 -m bench.report ")
+    assert "target" not in doc.lower() and "verdict" not in doc.lower()
+
+
+def test_records_without_commit_are_left_out_with_a_warning(tmp_path):
+    """An old-format record (no commit field, or one that could not be named) is not shown: a figure appears only with
+    the commit that produced it. The warning names the line and the fix; the other records are shown."""
+    old = run_record("fpdt", gpus=1, layers=2, seq_len=786_432, peak_gib=73.3)
+    del old["commit"]
+    unknown = {**run_record("ring", gpus=1, layers=2, seq_len=24_576), "commit": None}
+    cardless = {**run_record("modelparallel", gpus=1, layers=2, seq_len=12_288), "card": None}
+    kept = run_record("fpdt", gpus=1, layers=2, seq_len=262_144, peak_gib=35.8)
+    path = tmp_path / "old.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (old, unknown, cardless, kept)))
+    with pytest.warns(UserWarning) as caught:
+        loaded = shown.load_records([str(path)])
+    messages = [str(w.message) for w in caught]
+    assert any(m.startswith(f"{path}:1: no commit") and "the one that added it to the repository" in m
+               for m in messages)
+    assert any(m.startswith(f"{path}:2: no commit") for m in messages)
+    assert any(m.startswith(f"{path}:3: no card") for m in messages)
+    assert loaded == [kept]
+    assert shown.missing_provenance(old) == ["commit"] and shown.missing_provenance(kept) == []
+    doc = page.render_markdown(loaded)
+    assert "786,432" not in doc and "24,576" not in doc and "262,144" in doc
+    assert_provenance(doc)
+
+
+def test_commit_comes_from_git_then_the_environment(tmp_path, monkeypatch):
+    """A checkout names its own commit; a copy without .git takes $FPDT_COMMIT; neither gives None, not a guess."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        monkeypatch.setenv(provenance.COMMIT_VARIABLE, "fffffff")
+        assert provenance.current_commit() == head.stdout.strip()  # git wins over the variable
+    monkeypatch.setenv(provenance.COMMIT_VARIABLE, "1234abc")
+    assert provenance.current_commit(tmp_path) == "1234abc"
+    monkeypatch.delenv(provenance.COMMIT_VARIABLE)
+    assert provenance.current_commit(tmp_path) is None
+    stamp = provenance.stamp("attention", card="cpu", gpus=1, command="python3 bench/attention.py")
+    assert set(stamp) >= {"kind", "card", "gpus", "command", "commit", "torch", "time"}
+    assert provenance.launch_command("-m bench.peers", ["--system", "fpdt"], gpus_per_node=1, world_size=1,
+                                     under_torchrun=False) == "python3 -m bench.peers --system fpdt"
+    assert provenance.launch_command("bench/attention.py", ["--seq-lens", "1024"], gpus_per_node=4, world_size=8,
+                                     under_torchrun=True) == ("torchrun --nnodes 2 --nproc_per_node 4 "
+                                                              "bench/attention.py --seq-lens 1024")
 
 
 def test_plots_skipped_cleanly_without_matplotlib(tmp_path, monkeypatch, capsys):
@@ -127,22 +220,24 @@ def test_plots_skipped_cleanly_without_matplotlib(tmp_path, monkeypatch, capsys)
     path = tmp_path / "peers.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in synthetic_records()) + "not json\n")
     with pytest.warns(UserWarning, match="not JSON"):
-        assert report.main([str(path), "--doc", str(tmp_path / "peers.md"), "--plots", str(tmp_path / "plots")]) == 0
+        assert page.main([str(path), "--doc", str(tmp_path / "bench.md"), "--plots", str(tmp_path / "plots")]) == 0
     assert "matplotlib is not installed, plots skipped" in capsys.readouterr().err
-    doc = (tmp_path / "peers.md").read_text()
+    doc = (tmp_path / "bench.md").read_text()
     assert "Plots not drawn: matplotlib was not installed" in doc and "1,048,576" in doc
     assert not (tmp_path / "plots").exists()
 
 
 def test_plots_written_with_matplotlib(tmp_path):
-    """With matplotlib: a memory and an MFU plot per card, GPU count and model, linked from the document."""
+    """With matplotlib: a memory and an MFU plot per card, GPU count and model, linked from the document with the
+    commands and commits of their points."""
     pytest.importorskip("matplotlib")
-    plots = report.write_plots(synthetic_records(), str(tmp_path / "plots"))
-    names = sorted(Path(p).name for p in plots)
+    plots = write_plots(synthetic_records(), str(tmp_path / "plots"))
+    names = sorted(Path(p.path).name for p in plots)
     assert names == [f"peers_{m}_nvidia-h100-80gb-hbm3_{g}gpu_llama3-8b.png" for m in ("memory", "mfu") for g in (1, 4)]
-    assert all(Path(p).stat().st_size > 1000 for p in plots)
-    doc = report.render_markdown(synthetic_records(), plots=plots, doc_dir=str(tmp_path))
-    assert "![peers_mfu_nvidia-h100-80gb-hbm3_4gpu_llama3-8b.png](plots/peers_mfu_" in doc
+    assert all(Path(p.path).stat().st_size > 1000 for p in plots)
+    doc = page.render_markdown(synthetic_records(), plots=plots, doc_dir=str(tmp_path))
+    assert "](plots/peers_mfu_nvidia-h100-80gb-hbm3_4gpu_llama3-8b.png)" in doc
+    assert_provenance(doc)
 
 
 def test_ballast_is_the_sharded_states_of_the_layers_not_run():
@@ -151,15 +246,15 @@ def test_ballast_is_the_sharded_states_of_the_layers_not_run():
     geometry = ModelGeometry.from_config(LlamaConfig.from_name("llama3-8b"))
     block = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
     assert block == 218_112_000
-    assert peers.state_bytes_per_parameter("bf16-mixed") == 16 and peers.state_bytes_per_parameter("32-true") == 16
+    assert ballast.state_bytes_per_parameter("bf16-mixed") == 16 and ballast.state_bytes_per_parameter("32-true") == 16
     four = dict(num_gpus=4, precision="bf16-mixed", cpu_offload_params=False)
-    assert peers.ballast_bytes(geometry, layers_run=4, **four) == 28 * 218_112_000 * 16 // 4 == 24_428_544_000
-    assert peers.ballast_bytes(geometry, layers_run=8, **four) == 20_938_752_000
-    assert peers.ballast_bytes(geometry, layers_run=32, **four) == 0
-    assert peers.ballast_bytes(geometry, layers_run=2, num_gpus=1, precision="bf16-mixed",
+    assert ballast.ballast_bytes(geometry, layers_run=4, **four) == 28 * 218_112_000 * 16 // 4 == 24_428_544_000
+    assert ballast.ballast_bytes(geometry, layers_run=8, **four) == 20_938_752_000
+    assert ballast.ballast_bytes(geometry, layers_run=32, **four) == 0
+    assert ballast.ballast_bytes(geometry, layers_run=2, num_gpus=1, precision="bf16-mixed",
                                cpu_offload_params=True) == 0
     tiny = ModelGeometry.from_config(LlamaConfig.from_name("tiny"))  # block: 2·64·64 + 2·64·32 + 3·64·128 + 2·64
-    assert peers.ballast_bytes(tiny, layers_run=1, num_gpus=2, precision="32-true",
+    assert ballast.ballast_bytes(tiny, layers_run=1, num_gpus=2, precision="32-true",
                                cpu_offload_params=False) == 36_992 * 16 // 2
 
 
@@ -170,7 +265,7 @@ def test_ballast_holds_what_the_missing_blocks_keep_on_the_gpu():
     geometry = ModelGeometry.from_config(LlamaConfig.from_name("llama3-8b"))
 
     def kept(system, seq_len, offload=True):
-        return peers.kept_bytes_per_layer(system, geometry, seq_len=seq_len, num_gpus=4, precision="bf16-mixed",
+        return ballast.kept_bytes_per_layer(system, geometry, seq_len=seq_len, num_gpus=4, precision="bf16-mixed",
                                           attention_offload=offload)
 
     assert kept("modelparallel", 16_384) == 16_384 * 4096 * 2 == 134_217_728
@@ -179,46 +274,48 @@ def test_ballast_holds_what_the_missing_blocks_keep_on_the_gpu():
     local = 262_144 // 4
     assert kept("fpdt", 262_144, offload=False) == local * (48 * 128 * 2 + 32 * 4 + 32 * 128 * 2) == 1_350_565_888
     states = 28 * 218_112_000 * 16 // 4
-    assert peers.ballast_bytes(geometry, layers_run=4, num_gpus=4, precision="bf16-mixed", cpu_offload_params=False,
+    assert ballast.ballast_bytes(geometry, layers_run=4, num_gpus=4, precision="bf16-mixed", cpu_offload_params=False,
                                kept_per_layer=134_217_728) == states + 28 * 134_217_728 == 28_186_640_384
     with pytest.raises(ValueError, match="--ballast auto needs --offload on or off"):
-        peers.validate(peers.parse_args(["--system", "fpdt", "--ballast", "auto", "--offload", "auto",
+        cli.validate(cli.parse_args(["--system", "fpdt", "--ballast", "auto", "--offload", "auto",
                                          "--accelerator", "cpu"]), world_size=1)
 
 
 def test_out_of_memory_becomes_a_record(monkeypatch, tmp_path):
     """A CUDA out-of-memory error inside a system ends the run with status "oom", the steps done and the message."""
+    monkeypatch.setenv(provenance.COMMIT_VARIABLE, COMMIT)  # names the commit where the tree is not a checkout
     def runs_out(args, *, info, **kwargs):
         info.update(tokens_per_step=args.seq_len, step_times_s=[1.5], losses=[5.5], peak_gpu_bytes_per_step=[None])
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    monkeypatch.setitem(peers.SYSTEM_FUNCTIONS, "fpdt", runs_out)
-    args = peers.parse_args(["--system", "fpdt", "--model", "tiny", "--layers", "1", "--seq-len", "64", "--steps", "2",
+    monkeypatch.setitem(systems.SYSTEM_FUNCTIONS, "fpdt", runs_out)
+    args = cli.parse_args(["--system", "fpdt", "--model", "tiny", "--layers", "1", "--seq-len", "64", "--steps", "2",
                              "--accelerator", "cpu", "--precision", "32-true", "--ballast", "auto",
                              "--out", str(tmp_path / "r.jsonl")])
-    record = peers.run(args)
+    record = runner.run(args)
     assert record["status"] == "oom" and record["limit"] == "gpu" and "Tried to allocate" in record["error"]
     assert record["steps_done"] == 1 and record["losses"] == [5.5] and record["ranks_answered"] == [0]
-    assert record["ballast_bytes"] == 36_992 * 16 and record["command"].startswith("python bench/peers.py --system fpdt")
-    peers.append_record(args.out, record)
-    assert "| oom (gpu) |" in report.render_markdown(report.load_records([args.out]))
+    assert record["ballast_bytes"] == 36_992 * 16
+    assert record["command"].startswith("python3 -m bench.peers --system fpdt") and record["commit"]
+    provenance.append_record(args.out, record)
+    assert "| oom (gpu) |" in page.render_markdown(shown.load_records([args.out]))
 
     def crashes(args, **kwargs):
         raise KeyError("a bug, not a memory limit")
 
-    monkeypatch.setitem(peers.SYSTEM_FUNCTIONS, "fpdt", crashes)
+    monkeypatch.setitem(systems.SYSTEM_FUNCTIONS, "fpdt", crashes)
     with pytest.raises(KeyError, match="a bug"):
-        peers.run(args)
+        runner.run(args)
 
 
 def test_memory_errors_are_told_from_bugs():
     """CUDA OOM, allocation failures in libraries and the planner's pinned-memory refusal count as limits."""
-    assert peers.out_of_memory(torch.OutOfMemoryError("CUDA out of memory")) == "gpu"
-    assert peers.out_of_memory(RuntimeError("CUDA error: out of memory")) == "gpu"
-    assert peers.out_of_memory(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")) == "gpu"
-    assert peers.out_of_memory(ValueError("this run needs 900 GiB of pinned host memory per host")) == "host"
-    assert peers.out_of_memory(ValueError("chunks must be 'auto' or a positive int")) is None
-    assert peers.out_of_memory(RuntimeError("NCCL error")) is None
+    assert records.out_of_memory(torch.OutOfMemoryError("CUDA out of memory")) == "gpu"
+    assert records.out_of_memory(RuntimeError("CUDA error: out of memory")) == "gpu"
+    assert records.out_of_memory(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")) == "gpu"
+    assert records.out_of_memory(ValueError("this run needs 900 GiB of pinned host memory per host")) == "host"
+    assert records.out_of_memory(ValueError("chunks must be 'auto' or a positive int")) is None
+    assert records.out_of_memory(RuntimeError("NCCL error")) is None
 
 
 def test_length_search_doubles_then_bisects_once():
@@ -226,24 +323,24 @@ def test_length_search_doubles_then_bisects_once():
     def limit(longest):
         return lambda seq_len: seq_len <= longest
 
-    result = peers.search_lengths(limit(1_300_000), 262_144, multiple=8192, max_len=16 * 2**20)
+    result = search.search_lengths(limit(1_300_000), 262_144, multiple=8192, max_len=16 * 2**20)
     assert result["tried"] == [(262_144, True), (524_288, True), (1_048_576, True), (2_097_152, False),
                                (1_572_864, False)]
     assert (result["max_fit"], result["min_fail"]) == (1_048_576, 1_572_864)
-    result = peers.search_lengths(limit(100_000), 524_288, multiple=8192, max_len=16 * 2**20)
+    result = search.search_lengths(limit(100_000), 524_288, multiple=8192, max_len=16 * 2**20)
     assert [s for s, _ in result["tried"]] == [524_288, 262_144, 131_072, 65_536, 98_304]
     assert (result["max_fit"], result["min_fail"]) == (98_304, 131_072)
-    result = peers.search_lengths(limit(10**9), 1_048_576, multiple=8192, max_len=4_194_304)
+    result = search.search_lengths(limit(10**9), 1_048_576, multiple=8192, max_len=4_194_304)
     assert (result["max_fit"], result["min_fail"]) == (4_194_304, None)  # capped, nothing failed
     with pytest.raises(ValueError, match="multiple of --length-multiple"):
-        peers.search_lengths(limit(1), 1000, multiple=8192, max_len=10**6)
+        search.search_lengths(limit(1), 1000, multiple=8192, max_len=10**6)
 
 
 def test_attempt_argv_drops_the_search_options():
     """Each attempt runs the search's own options minus the search ones, at its own length."""
     argv = ["--system", "ring", "--max-length", "--gpus", "4", "--seq-len", "65536", "--deadline-s=500",
             "--layers", "2", "--length-multiple", "16384", "--ballast", "auto"]
-    assert peers.attempt_argv(argv, 131072, "a1") == ["--system", "ring", "--layers", "2", "--ballast", "auto",
+    assert search.attempt_argv(argv, 131072, "a1") == ["--system", "ring", "--layers", "2", "--ballast", "auto",
                                                        "--seq-len", "131072", "--attempt-id", "a1"]
 
 
@@ -254,7 +351,7 @@ def test_primed_adam_states_train_exactly_like_lazy_ones():
     primed = torch.nn.Linear(8, 4)
     primed.load_state_dict(reference.state_dict())
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (reference, primed)]
-    peers.prime_adam_states(optimizers[1])
+    systems.prime_adam_states(optimizers[1])
     state = optimizers[1].state[primed.weight]
     assert float(state["step"]) == 0 and not state["exp_avg"].any() and state["exp_avg_sq"].shape == (4, 8)
     for _ in range(3):
@@ -266,7 +363,7 @@ def test_primed_adam_states_train_exactly_like_lazy_ones():
     for a, b in zip(reference.parameters(), primed.parameters()):
         assert torch.equal(a, b)
     with pytest.raises(TypeError, match="Adam or AdamW"):
-        peers.prime_adam_states(torch.optim.SGD(primed.parameters(), lr=0.1))
+        systems.prime_adam_states(torch.optim.SGD(primed.parameters(), lr=0.1))
 
 
 def test_expanded_kv_attention_matches_the_reference():
@@ -275,38 +372,34 @@ def test_expanded_kv_attention_matches_the_reference():
     q = torch.randn(2, 24, 8, 16, dtype=torch.float64)  # (B, S, H, D)
     k, v = torch.randn(2, 24, 2, 16, dtype=torch.float64), torch.randn(2, 24, 2, 16, dtype=torch.float64)
     # fp64: the two differ only in where the heads are repeated, so they agree to rounding (~1e-15)
-    torch.testing.assert_close(peers.sdpa_expanded_kv(q, k, v, scale=0.3), sdpa_attention(q, k, v, scale=0.3),
+    torch.testing.assert_close(systems.sdpa_expanded_kv(q, k, v, scale=0.3), sdpa_attention(q, k, v, scale=0.3),
                                rtol=1e-12, atol=1e-12)
 
 
 def test_host_limit_is_the_planners_and_bounds_the_maximum():
     """The search's host limit: the longest full-depth length whose planned pinned memory fits (4 H100s, 500 GiB:
     557,056 tokens by lightning_fpdt.planner); when it is below the GPU's limit, the report gives it as the maximum."""
-    args = peers.parse_args(["--system", "fpdt", "--max-length", "--gpus", "4", "--check-host",
+    args = cli.parse_args(["--system", "fpdt", "--max-length", "--gpus", "4", "--check-host",
                              "--length-multiple", "16384", "--max-seq-len", "2097152"])
-    limit = peers.host_limit(args, available_bytes=500 * GIB, gpu_memory_bytes=int(79.2 * GIB))
+    limit = search.host_limit(args, available_bytes=500 * GIB, gpu_memory_bytes=int(79.2 * GIB))
     assert limit == 557_056
-    plan = peers.host_check(argparse.Namespace(**{**vars(args), "seq_len": limit + 16384}), num_gpus=4,
+    plan = ballast.host_check(argparse.Namespace(**{**vars(args), "seq_len": limit + 16384}), num_gpus=4,
                             gpus_per_node=4, resolved={}, gpu_memory_bytes=int(79.2 * GIB),
                             available_bytes=500 * GIB)
     assert plan["fits"] is False and plan["needed_bytes"] > 500 * GIB
-    search = {"kind": "max_length", "system": "fpdt", "model": "llama3-8b", "layers": 2, "full_layers": 32,
+    summary = {"kind": "max_length", "system": "fpdt", "model": "llama3-8b", "layers": 2, "full_layers": 32,
               "gpus": 4, "card": H100, "ballast": "auto", "max_seq_len": limit, "max_seq_len_gpu": 1_572_864,
               "first_failed_seq_len": 2_097_152, "host_max_seq_len": limit, "limited_by": "host (planned, full depth)",
-              "command": "python bench/peers.py --system fpdt --max-length --gpus 4 --check-host"}
-    doc = report.render_markdown([search])
+              "command": "python3 -m bench.peers --system fpdt --max-length --gpus 4 --check-host", "commit": COMMIT}
+    doc = page.render_markdown([summary])
     assert ("557,056 (host: full depth planned to fit up to 557,056; GPU: 1,572,864 ran, 2,097,152 failed) [1]"
             in doc)
-    # the target: missed on both counts, the host's figure first and the GPU's (1.5M, also below 2M) beside it
-    assert ("| maximum length, 4 GPUs, fpdt | ≥ 2,097,152 | NVIDIA H100 80GB HBM3 | 557,056 with the full depth's "
-            "pinned host memory; GPU memory: 1,572,864 ran | **missed** |") in doc
 
 
 def test_step_profile_categories_and_summary():
     """Kernels and copies are grouped by name; busy = attention + matmul + other; waiting is the rest of the wall."""
     from types import SimpleNamespace
 
-    step_profile = load_bench("step_profile")
     names = {
         "void cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob": "attention",
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "matmul",
@@ -341,59 +434,58 @@ def test_step_profile_categories_and_summary():
 def test_step_time_leaves_out_the_warm_up_and_the_profiled_step():
     """The profiler slows the step it records (more for the system launching more kernels): a step time that
     included it would compare a profiled step of one system with an unprofiled one of the other."""
-    from lightning_fpdt.flops import ModelGeometry
-
     geometry = ModelGeometry(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                              intermediate_size=128, vocab_size=96)
     info = {"step_times_s": [3.0, 0.44, 0.49, 0.46], "tokens_per_step": 1000}
     common = dict(geometry_run=geometry, seq_len=1000, world_size=1, peak=None)
-    assert peers.summarize(info, **common)["step_time_s"] == pytest.approx(0.46)
-    profiled = peers.summarize(info, **common, profile_step=2)
+    assert records.summarize(info, **common)["step_time_s"] == pytest.approx(0.46)
+    profiled = records.summarize(info, **common, profile_step=2)
     assert profiled["step_time_s"] == pytest.approx(0.45) and profiled["timed_steps"] == 2
-    only = peers.summarize({"step_times_s": [3.0, 0.49], "tokens_per_step": 1000}, **common, profile_step=1)
+    only = records.summarize({"step_times_s": [3.0, 0.49], "tokens_per_step": 1000}, **common, profile_step=1)
     assert only["step_time_s"] == pytest.approx(0.49) and only["timed_steps"] == 1  # nothing else to time
 
 
-def test_host_bound_targets_show_the_gpu_verdict_beside_the_hosts():
+def test_host_bound_lengths_show_the_gpu_limit_beside_the_hosts():
     """fpdt ran 1M on one GPU but the host holds the full depth's pinned memory at no length run; the peers fit 32K
-    and failed at 48K on the same card: the targets say the GPU verdict (met, the ratio ≥ 32×) and the host's (missed)
-    side by side, never one for the other."""
+    and failed at 48K on the same card: the length table gives the host's limit (none) and the GPU's (1M ran), and
+    the ratio over the peer on GPU memory (≥ 32×) beside the host's, never one for the other."""
     records = [
         run_record("fpdt", gpus=1, layers=2, seq_len=1_048_576, timed_steps=0, host_fits=False),
         {"kind": "max_length", "system": "modelparallel", "model": "llama3-8b", "layers": 2, "full_layers": 32,
          "gpus": 1, "card": H100, "ballast": "auto", "max_seq_len": 32_768, "first_failed_seq_len": 49_152,
          "max_seq_len_gpu": 32_768, "host_max_seq_len": 16_777_216, "limited_by": "gpu",
-         "command": "python bench/peers.py --system modelparallel --max-length --gpus 1 --seq-len 32768"},
+         "command": "python3 -m bench.peers --system modelparallel --max-length --gpus 1 --seq-len 32768",
+         "commit": COMMIT},
     ]
-    rows = {row[0]: row for row in report.targets(records)}
-    length_row = rows["maximum length, 1 GPU, fpdt"]
-    assert length_row[3] == "none with the full depth's pinned host memory; GPU memory: ≥ 1,048,576 ran"
-    assert length_row[4] == "met on GPU memory, **missed** on this host"
-    ratio_row = rows["maximum length, fpdt / modelparallel, 1 GPU"]
-    assert ratio_row[3] == ("0 (fpdt fits no length run; modelparallel: 32,768); on GPU memory: ≥ 32.00× "
-                            "(1,048,576 / 32,768)")
-    assert ratio_row[4] == "met on GPU memory, **missed** on this host"
-    # where the host does not bind there is one verdict only
+    systems_found = lengths.max_lengths(records)[(H100, 1, "llama3-8b")]
+    ours, theirs = systems_found["fpdt"], systems_found["modelparallel"]
+    assert lengths.gpu_limit(ours) == {"max": 1_048_576, "exact": False, "system": "fpdt"}
+    assert lengths.both_ratios(ours, theirs) == "– (GPU memory: ≥ 32.00×)"
+    doc = page.render_markdown(records)
+    assert ("| none (host: the full depth's pinned memory fits no length run; GPU: 1,048,576 ran [1], nothing longer "
+            "failed) [1] | 32,768; 49,152 failed (gpu) [2] | not run | – (GPU memory: ≥ 32.00×) |") in doc
+    # where the host does not bind there is one figure only
     records[0] = run_record("fpdt", gpus=1, layers=2, seq_len=1_048_576, timed_steps=0)
-    rows = {row[0]: row for row in report.targets(records)}
-    assert rows["maximum length, 1 GPU, fpdt"][3:] == ["≥ 1,048,576", "met"]
-    assert rows["maximum length, fpdt / modelparallel, 1 GPU"][3:] == ["≥ 32.00× (1,048,576 / 32,768)", "met"]
+    systems_found = lengths.max_lengths(records)[(H100, 1, "llama3-8b")]
+    assert lengths.gpu_limit(systems_found["fpdt"]) is None
+    assert lengths.both_ratios(systems_found["fpdt"], systems_found["modelparallel"]) == "≥ 32.00×"
+    assert "| ≥ 1,048,576 (nothing longer run) [1] | 32,768; 49,152 failed (gpu) [2] |" in page.render_markdown(records)
 
 
 def test_capped_runs_and_fpdt_variants_are_told_apart():
     """A run capped with --gpu-memory-gib is another card in every table (what fits differs), and so is a search's
-    summary (it carries its attempts' cap); fpdt runs that recompute the attention, use head groups or keep the chunks on
-    the GPU are separate lines of the plots."""
+    summary (it carries its attempts' cap); fpdt runs that recompute the attention, use head groups or keep the chunks
+    on the GPU are separate lines of the plots."""
     capped = run_record("ring", gpus=4, layers=2, seq_len=65_536, card="NVIDIA H200")
-    assert report.card_name(capped) == "NVIDIA H200"
+    assert shown.card_name(capped) == "NVIDIA H200"
     capped["gpu_memory_cap_bytes"] = int(79 * GIB)
-    assert report.card_name(capped) == "NVIDIA H200, capped to 79 GiB"
-    search = {"kind": "max_length", "card": "NVIDIA H200", "gpu_memory_cap_bytes": int(79 * GIB),
-              "command": "python bench/peers.py --max-length --gpus 4 --system ring --gpu-memory-gib 79"}
-    assert report.card_name(search) == "NVIDIA H200, capped to 79 GiB"
+    assert shown.card_name(capped) == "NVIDIA H200, capped to 79 GiB"
+    summary = {"kind": "max_length", "card": "NVIDIA H200", "gpu_memory_cap_bytes": int(79 * GIB),
+              "command": "python3 -m bench.peers --max-length --gpus 4 --system ring --gpu-memory-gib 79"}
+    assert shown.card_name(summary) == "NVIDIA H200, capped to 79 GiB"
     fpdt = run_record("fpdt", gpus=1, layers=2, seq_len=1_048_576)
-    assert report.variant(fpdt) == ""
+    assert shown.variant(fpdt) == ""
     fpdt["options"] = {"recompute_attention": True, "head_chunks": 4, "offload": True}
-    assert report.variant(fpdt) == "attention recomputed, 4 head groups"
+    assert shown.variant(fpdt) == "attention recomputed, 4 head groups"
     fpdt["options"] = {"recompute_attention": False, "head_chunks": 1, "offload": False}
-    assert report.variant(fpdt) == "offload off"
+    assert shown.variant(fpdt) == "offload off"

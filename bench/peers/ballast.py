@@ -1,0 +1,117 @@
+"""The ballast protocol: run ``L`` layers of a model and hold on each GPU what the layers not run would hold there, so
+the peak GPU memory is the full depth's; and the host check, the pinned host memory the full depth would need.
+
+``--layers L --ballast auto`` allocates on each GPU a uint8 tensor the size of the sharded fp32 parameters, gradients
+and AdamW moments of the layers not run, plus what each of them would keep on the GPU between its forward and backward
+(the baselines' checkpointed block inputs; fpdt's attention chunks when they are not offloaded). Run one length at two
+depths to show the peak does not depend on ``L``. ``--check-host`` plans (``lightning_fpdt.planner.plan_memory``) the
+pinned host memory of the full depth and compares it with what the host had available when the run started.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional
+
+from lightning_fpdt.flops import ModelGeometry
+from lightning_fpdt.models.llama import LlamaConfig
+from lightning_fpdt.planner import OPTIMIZER_STATES, PRECISIONS, attention_geometry, parameter_counts, plan_memory
+from lightning_fpdt.sequence.planning import stash_bytes
+
+GIB = 2**30
+
+
+def full_depth(model: str) -> int:
+    return LlamaConfig.from_name(model).num_layers
+
+
+def layers_run(args: argparse.Namespace) -> int:
+    return args.layers if args.layers is not None else full_depth(args.model)
+
+
+def state_bytes_per_parameter(precision: str, optimizer: str = "adamw") -> int:
+    """Bytes of master weight, gradient and optimizer moments per parameter (16 for bf16-mixed AdamW)."""
+    dtypes = PRECISIONS[precision]
+    return dtypes["master"] + dtypes["grad"] + OPTIMIZER_STATES[optimizer] * dtypes["master"]
+
+
+def kept_bytes_per_layer(system: str, geometry: ModelGeometry, *, seq_len: int, num_gpus: int, precision: str,
+                         attention_offload: bool, recompute_attention: bool = False) -> int:
+    """GPU bytes one block keeps from its forward to its backward (batch 1): what the ballast must also stand in for,
+    for each block not run.
+
+    ``modelparallel``: its checkpointed input, ``S·h·b`` (every GPU holds the whole sequence); ``ring``: the same for
+    its ``S/W`` tokens; ``fpdt``: nothing when the attention offloads (ActivationOffload keeps the block inputs in host
+    memory, the attention its chunks), else the layer's attention chunks (``planning.stash_bytes``) and its output
+    kept for the recompute, ``S/P·H·D·b``, as ``lightning_fpdt.planner`` counts them (``P`` = all GPUs, one node);
+    nothing either when the recompute runs the attention again (only the layer in backward holds chunks)."""
+    act = PRECISIONS[precision]["act"]
+    if system == "modelparallel":
+        return seq_len * geometry.hidden_size * act
+    if system == "ring":
+        return seq_len // num_gpus * geometry.hidden_size * act
+    if attention_offload or recompute_attention:
+        return 0
+    attention = attention_geometry(geometry, act)
+    kept_out = seq_len // num_gpus * geometry.num_heads * geometry.head_dim * act
+    return stash_bytes(attention, batch_size=1, seq_len=seq_len, sp_size=num_gpus) + kept_out
+
+
+def ballast_bytes(
+    geometry: ModelGeometry, *, layers_run: int, num_gpus: int, precision: str, cpu_offload_params: bool,
+    kept_per_layer: int = 0, optimizer: str = "adamw",
+) -> int:
+    """What the ``geometry.num_layers - layers_run`` blocks not run would hold on each GPU: their parameters,
+    gradients and optimizer moments, sharded by FSDP2 over all ``num_gpus`` (none when those live in host memory),
+    and what each keeps between its forward and backward (:func:`kept_bytes_per_layer`).
+
+    The rest of a step's memory does not depend on the depth: the gathered weights of the current and the prefetched
+    block, the root unit, the working set of the block computing, the loss."""
+    block, _rest = parameter_counts(geometry)
+    missing = geometry.num_layers - layers_run
+    states = 0 if cpu_offload_params else missing * block * state_bytes_per_parameter(precision, optimizer) // num_gpus
+    return states + missing * kept_per_layer
+
+
+def run_ballast(args: argparse.Namespace, geometry: ModelGeometry, world_size: int) -> tuple[int, int]:
+    """``(ballast bytes, of which the states of the layers not run)`` for ``--ballast`` (both 0 without it)."""
+    if args.ballast != "auto":
+        return 0, 0
+    kept = kept_bytes_per_layer(args.system, geometry, seq_len=args.seq_len, num_gpus=world_size,
+                                precision=args.precision, attention_offload=args.offload == "on",
+                                recompute_attention=args.system == "fpdt" and args.recompute_attention)
+    common = dict(layers_run=layers_run(args), num_gpus=world_size, precision=args.precision,
+                  cpu_offload_params=args.cpu_offload_params)
+    return ballast_bytes(geometry, kept_per_layer=kept, **common), ballast_bytes(geometry, **common)
+
+
+def host_check(
+    args: argparse.Namespace, *, num_gpus: int, gpus_per_node: int, resolved: dict[str, Any],
+    gpu_memory_bytes: Optional[int], available_bytes: Optional[int],
+) -> dict[str, Any]:
+    """The planner's pinned host memory per host for the *full* depth, beside what the host had when the run began.
+
+    Only ``fpdt`` pins activations and attention chunks; the baselines pin host memory only for CPU-offloaded states.
+    ``planned_peak_gpu_bytes`` (fpdt only) is the planner's GPU peak of the full depth, to set beside the measured one.
+    """
+    fpdt = args.system == "fpdt"
+    offload = {"on": True, "off": False, "auto": "auto"}[args.offload]
+    plan = plan_memory(
+        geometry=args.model, seq_len=args.seq_len, num_gpus=num_gpus, gpus_per_node=gpus_per_node,
+        sequence_parallel_size=resolved.get("sequence_parallel_size", "auto") if fpdt else 1,
+        chunks=resolved.get("chunks", args.chunks) if fpdt else 1,
+        offload=resolved.get("offload", offload) if fpdt else False,
+        offload_dq=resolved.get("offload_dq", "auto") if fpdt else False,
+        activation_offload=fpdt, activation_checkpointing=True, tiled_mlp=fpdt, tiled_loss=fpdt,
+        precision=args.precision, cpu_offload_params=args.cpu_offload_params,
+        gpu_memory_gib=(gpu_memory_bytes or 80 * GIB) / GIB,
+        host_memory_gib=None if available_bytes is None else available_bytes / GIB,
+        recompute_attention=fpdt and args.recompute_attention, head_chunks=args.head_chunks if fpdt else 1,
+    )
+    return {
+        "layers": plan.geometry.num_layers,
+        "needed_bytes": plan.host_bytes_per_node,
+        "available_bytes": available_bytes,
+        "fits": None if available_bytes is None else plan.fits_host,
+        "planned_peak_gpu_bytes": plan.peak_gpu_bytes if fpdt else None,
+    }

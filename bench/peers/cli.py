@@ -1,0 +1,180 @@
+"""The options of ``python3 -m bench.peers``, their checks, and its entry: one run or a ``--max-length`` search."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from bench.peers.ballast import full_depth, layers_run
+from bench.peers.records import print_record
+from bench.peers.runner import dist_environment, run
+from bench.peers.search import max_length_search
+from bench.peers.systems import SYSTEMS
+from bench.provenance import append_record
+from lightning_fpdt.models.llama import NAMED_CONFIGS
+
+PROG = "python3 -m bench.peers"
+
+
+def _auto_or_int(value: str) -> Any:
+    return value if value == "auto" else int(value)
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--system", choices=SYSTEMS, required=True)
+    parser.add_argument("--model", default="llama3-8b", choices=sorted(NAMED_CONFIGS), help="named geometry")
+    parser.add_argument("--layers", type=int, default=None, help="layers run (default: the full depth)")
+    parser.add_argument("--seq-len", type=int, default=131072, help="global tokens of one sequence")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps (the first is a warm-up)")
+    parser.add_argument("--ballast", choices=["none", "auto"], default="none",
+                        help="auto: hold the sharded states of the layers not run on each GPU")
+    parser.add_argument("--check-host", action="store_true",
+                        help="plan the pinned host memory of the full depth and compare it with the host's")
+    parser.add_argument("--recompute-attention", action="store_true",
+                        help="fpdt: ActivationOffload(recompute_attention=True), one layer's attention stash instead "
+                             "of every layer's (for lengths where the full depth's stashes exceed host memory)")
+    parser.add_argument("--cpu-offload-params", action="store_true",
+                        help="FSDP2 CPUOffloadPolicy in every system (Llama-3-8B's states do not fit one 80 GB GPU)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="cap each process's GPU memory here (torch.cuda.set_per_process_memory_fraction; the "
+                             "fpdt planner follows the cap): an 80 GB card's 79 GiB run on a larger card")
+    parser.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
+    parser.add_argument("--attention-backend", choices=["auto", "cudnn", "flash", "efficient", "math"], default="auto",
+                        help="fpdt: FPDTStrategy(attention_backend=...); modelparallel, ring: sdpa_kernel(...)")
+
+
+def _add_system_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chunks", type=_auto_or_int, default="auto", help="fpdt: FPDT chunks per rank")
+    parser.add_argument("--head-chunks", type=int, default=1,
+                        help="fpdt: FPDTStrategy(head_chunks=G), attention in G head groups (lower attention peaks)")
+    parser.add_argument("--offload", choices=["on", "off", "auto"], default="on", help="fpdt: attention chunk offload")
+    parser.add_argument("--rotate-method", choices=["allgather", "alltoall"], default="allgather",
+                        help="ring: how the kv shards travel (torch's set_rotate_method)")
+    parser.add_argument("--ring-kv-heads", choices=["native", "expand"], default="native",
+                        help="ring: native GQA (enable_gqa) or k, v repeated to the query heads before SDPA")
+    parser.add_argument("--accelerator", choices=["cuda", "cpu"], default="cuda", help="cpu: the gloo tests only")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    parser.add_argument("--agree-timeout-s", type=float, default=120.0,
+                        help="how long a rank waits for the others' status after an out-of-memory error")
+    parser.add_argument("--profile-step", type=int, default=None,
+                        help="run this step (0-based; 0 is the warm-up) under torch.profiler: device time by kernel "
+                             "kind, busy fraction, top kernels (bench/step_profile.py), in the record and beside --out")
+    parser.add_argument("--profile-trace", action="store_true", help="with --profile-step: a Chrome trace too")
+    parser.add_argument("--out", default="peers.jsonl", help="JSONL file the records are appended to")
+    parser.add_argument("--attempt-id", default=None, help=argparse.SUPPRESS)  # set by the --max-length search
+
+
+def _add_search_options(parser: argparse.ArgumentParser) -> None:
+    search = parser.add_argument_group("maximum-length search (run with python3; it launches the attempts)")
+    search.add_argument("--max-length", action="store_true",
+                        help="double --seq-len until a step does not fit, then bisect once")
+    search.add_argument("--gpus", type=int, default=1, help="GPUs of each attempt (torchrun when more than 1)")
+    search.add_argument("--max-seq-len", type=int, default=16 * 2**20, help="stop doubling here")
+    search.add_argument("--length-multiple", type=int, default=8192, help="lengths tried are multiples of this")
+    search.add_argument("--deadline-s", type=float, default=3600.0,
+                        help="wall time of the whole search; an attempt cut by it is recorded as 'timeout'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Train the reference Llama with fpdt, ModelParallelStrategy or ring context "
+        "parallelism and write one JSON record per run.",
+    )
+    _add_run_options(parser)
+    _add_system_options(parser)
+    _add_search_options(parser)
+    return parser
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    return args
+
+
+def _check_ring(args: argparse.Namespace, world_size: int) -> None:
+    if args.seq_len % (2 * world_size):
+        raise ValueError(
+            f"ring: --seq-len ({args.seq_len}) must be a multiple of 2 x GPUs = {2 * world_size}: below that "
+            "context_parallel silently drops its head-tail load balancing; pick "
+            f"{math.ceil(args.seq_len / (2 * world_size)) * 2 * world_size}"
+        )
+    if args.accelerator != "cuda":
+        raise ValueError(
+            "ring: torch's context parallelism dispatches only the CUDA SDPA kernels (flash, efficient, cuDNN) to "
+            "ring attention; on CPU it fails in aten._scaled_dot_product_flash_attention_for_cpu. Run it on GPUs"
+        )
+
+
+def _check_memory_options(args: argparse.Namespace) -> None:
+    if args.gpu_memory_gib is not None and (args.gpu_memory_gib <= 0 or args.accelerator != "cuda"):
+        raise ValueError(f"--gpu-memory-gib ({args.gpu_memory_gib}) caps a GPU's memory: give a positive number of "
+                         "GiB on --accelerator cuda, or drop it")
+    if args.cpu_offload_params and args.accelerator != "cuda":
+        raise ValueError("--cpu-offload-params needs a GPU: FSDP2's CPUOffloadPolicy pins the sharded parameters for "
+                         "the accelerator (_fsdp_param._init_sharded_param fails without one); drop it on CPU")
+    if args.system == "fpdt" and args.ballast == "auto" and args.offload == "auto":
+        raise ValueError("fpdt: --ballast auto needs --offload on or off, not auto: without offload the attention "
+                         "chunks of the layers not run belong in the ballast, and auto decides only at the first "
+                         "batch, after the ballast is allocated")
+
+
+def _warn_ignored(args: argparse.Namespace) -> None:
+    ignored = {
+        "--chunks": (args.chunks, "auto", "fpdt"), "--offload": (args.offload, "on", "fpdt"),
+        "--head-chunks": (args.head_chunks, 1, "fpdt"),
+        "--rotate-method": (args.rotate_method, "allgather", "ring"),
+        "--ring-kv-heads": (args.ring_kv_heads, "native", "ring"),
+    }
+    for option, (value, default, system) in ignored.items():
+        if value != default and args.system != system:
+            warnings.warn(f"{option} {value} has no effect on --system {args.system} (only on {system})")
+
+
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    """``ValueError`` for options that cannot work together, a warning for an option the system ignores."""
+    full = full_depth(args.model)
+    if not 1 <= layers_run(args) <= full:
+        raise ValueError(f"--layers ({args.layers}) must be between 1 and the depth of {args.model} ({full})")
+    if args.seq_len < 2 or args.steps < 1:
+        raise ValueError(f"--seq-len ({args.seq_len}) must be at least 2 and --steps ({args.steps}) at least 1")
+    if args.system == "ring":
+        _check_ring(args, world_size)
+    _check_memory_options(args)
+    if args.system == "fpdt" and args.attention_backend == "efficient":
+        raise ValueError("fpdt: --attention-backend efficient is an SDPA kernel FPDT does not use; pick auto, cudnn, "
+                         "flash or math")
+    _warn_ignored(args)
+    if args.accelerator == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--accelerator cuda but torch sees no CUDA device; the CPU path (--accelerator cpu) is for "
+                         "the tests")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    if args.max_length:
+        max_length_search(args)
+        return
+    validate(args, dist_environment()[1])
+    record = run(args)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == min(record["ranks_answered"]):
+        append_record(args.out, record)
+        print_record(record)
+    if record["status"] != "ok":
+        # skip the process group's teardown: a rank still stuck in a collective would hang it. A non-zero exit when a
+        # rank never answered makes torchrun end that rank.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0 if len(record["ranks_answered"]) == record["gpus"] else 3)
+    if dist.is_initialized():
+        dist.destroy_process_group()

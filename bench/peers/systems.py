@@ -1,0 +1,309 @@
+"""The three systems: ``fpdt`` and ``modelparallel`` through Lightning's Trainer, ``ring`` as a plain PyTorch loop.
+
+Each trains ``args.steps`` steps of the same model on the same data and fills ``info`` with every step's time, loss
+and peak GPU memory as the run goes, so an out-of-memory error still leaves the steps done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import Tensor
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.data import DataLoader, Dataset
+
+from bench.peers.ballast import layers_run
+from bench.step_profile import StepProfiler
+from lightning_fpdt import ActivationOffload, FPDTStrategy, MFUMonitor, TiledLoss, TiledMLP
+from lightning_fpdt.models.llama import IGNORE_INDEX, LlamaConfig, LlamaForCausalLM, sdpa_attention
+from lightning_fpdt.models.module import LlamaLM
+from lightning_fpdt.sequence.layout import SequenceLayout
+
+SYSTEMS = ("fpdt", "modelparallel", "ring")
+
+
+class RandomTokens(Dataset):
+    """Sample ``i``: ``seq_len`` token ids from a generator seeded with ``i`` (bench/smoke_train.py's data)."""
+
+    def __init__(self, vocab_size: int, seq_len: int, num_samples: int) -> None:
+        self.vocab_size, self.seq_len, self.num_samples = vocab_size, seq_len, num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        generator = torch.Generator().manual_seed(index)
+        ids = torch.randint(0, self.vocab_size, (self.seq_len,), generator=generator)
+        return {"input_ids": ids, "labels": ids}
+
+
+# ---- shared pieces of the systems ------------------------------------------------------------------------------------
+def prime_adam_states(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam(W)'s moments now, exactly as its first ``step`` would (zeros, step 0), so that the first step's peak
+    memory is already the steady state's. Parameters that already have state are left alone."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise TypeError(f"prime_adam_states: expected Adam or AdamW, got {type(optimizer).__name__}")
+    scalar_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for group in optimizer.param_groups:
+        on_device = bool(group.get("capturable")) or bool(group.get("fused"))
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state or not p.requires_grad:
+                continue
+            # torch keeps `step` on the CPU unless capturable or fused (torch/optim/adam.py, _init_group)
+            state["step"] = torch.zeros((), dtype=scalar_dtype, device=p.device if on_device else "cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def mixed_precision(precision: str) -> Optional[MixedPrecisionPolicy]:
+    """FSDP2's policy for ``--precision``: the one ``FPDTPrecision`` uses, so all three systems compute alike."""
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def shard_with_checkpointing(
+    model: LlamaForCausalLM, mesh: DeviceMesh, *, mp_policy: Optional[MixedPrecisionPolicy], cpu_offload: bool,
+) -> LlamaForCausalLM:
+    """The baselines' parallelization, as torchtitan and Lightning's FSDP2 guide write it: each block wrapped in torch's
+    non-reentrant ``checkpoint_wrapper`` and sharded as its own FSDP2 unit, then the root (embedding, norm, lm_head)."""
+    kwargs = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
+                  offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    layers = model.model.layers
+    for index, layer in enumerate(layers):
+        # checkpointing inside the FSDP unit (torchtitan's order): the recompute runs with the block's weights gathered
+        layers[index] = checkpoint_wrapper(layer)
+        fully_shard(layers[index], **kwargs)
+    fully_shard(model, **kwargs)  # last: the root unit takes what the blocks left
+    return model
+
+
+def sdpa_expanded_kv(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, scale: Optional[float] = None) -> Tensor:
+    """``sdpa_attention`` with ``k, v`` repeated to the query heads and no ``enable_gqa``, for a ring-attention kernel
+    that refuses grouped-query attention (``--ring-kv-heads expand``; costs 4x the kv traffic for Llama-3-8B)."""
+    groups = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(groups, dim=2)  # (B, S, Hkv, D) -> (B, S, H, D)
+    v = v.repeat_interleave(groups, dim=2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                                         scale=scale)  # (B, H, S, D)
+    return out.transpose(1, 2)
+
+
+@contextmanager
+def sdpa_backend(name: str) -> Iterator[None]:
+    """``torch.nn.attention.sdpa_kernel`` for ``--attention-backend`` (``auto``: torch's own choice)."""
+    if name == "auto":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+    with sdpa_kernel(backend):
+        yield
+
+
+def device_peaks(device: torch.device) -> tuple[Optional[int], Optional[int]]:
+    """``(max allocated, max reserved)`` bytes since the last reset; ``(None, None)`` off a GPU."""
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+
+
+def _reset_peaks(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _append_step(info: dict[str, Any], device: torch.device, seconds: Optional[float], loss: float) -> None:
+    allocated, reserved = device_peaks(device)
+    info.setdefault("step_times_s", []).append(seconds)
+    info.setdefault("losses", []).append(loss)
+    info.setdefault("peak_gpu_bytes_per_step", []).append(allocated)
+    info.setdefault("peak_reserved_bytes_per_step", []).append(reserved)
+
+
+def step_profiler(args: argparse.Namespace, device: torch.device, info: dict[str, Any]) -> StepProfiler:
+    """The run's :class:`StepProfiler` (inert without ``--profile-step``); its summary lands in ``info["profile"]``."""
+    prefix = os.path.join(os.path.dirname(os.path.abspath(args.out)),
+                          f"profile-{args.system}-{args.seq_len}-{args.layers or 'all'}layers")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return StepProfiler(args.profile_step, prefix, device=device, rank=rank, trace=args.profile_trace, sink=info)
+
+
+# ---- the Lightning systems: fpdt and modelparallel -----------------------------------------------------------------
+class ModelParallelLlamaLM(LlamaLM):
+    """The reference Llama as a Lightning user parallelizes it for ``ModelParallelStrategy``: FSDP2 and activation
+    checkpointing per block in ``configure_model`` (:func:`shard_with_checkpointing`), SDPA, untiled loss."""
+
+    def __init__(self, name: str, *, precision: str, cpu_offload_params: bool, **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self.bench_precision, self.bench_cpu_offload = precision, cpu_offload_params
+
+    def configure_model(self) -> None:
+        if isinstance(self.model, FSDPModule):
+            return
+        shard_with_checkpointing(self.model, self.device_mesh["data_parallel"],
+                                 mp_policy=mixed_precision(self.bench_precision), cpu_offload=self.bench_cpu_offload)
+
+
+class _KeepOffloadedParams(ModelParallelStrategy):
+    """``ModelParallelStrategy`` moves the whole module to the GPU after ``configure_model`` (``model_to_device``),
+    which would undo FSDP2's ``CPUOffloadPolicy``; FSDP2 has already put every parameter where it belongs."""
+
+    def model_to_device(self) -> None:
+        pass
+
+
+class _StepLog(L.Callback):
+    """Primes AdamW's moments, and keeps each step's time, loss and peak GPU memory in ``info`` as the run goes (an
+    out-of-memory error then still leaves the steps done). Placed after ``MFUMonitor``, whose step times it copies."""
+
+    def __init__(self, info: dict[str, Any], monitor: MFUMonitor, seq_len: int, profiler: StepProfiler) -> None:
+        self.info, self.monitor, self.seq_len, self.profiler = info, monitor, seq_len, profiler
+        self._primed = False
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if not self._primed:
+            # here, not at on_train_start: the fpdt strategy measures the free GPU memory its "auto" options plan
+            # with when it shards the first batch (batch_to_device, just before this hook), without the moments, as
+            # in any run of it
+            self._primed = True
+            for optimizer in trainer.optimizers:
+                prime_adam_states(optimizer)
+            self.info.update(_layout(trainer, self.seq_len))
+        _reset_peaks(trainer.strategy.root_device)
+        self.profiler.start(idx)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           idx: int) -> None:
+        self.profiler.stop(idx)
+        record = self.monitor.step_records[-1] if self.monitor.step_records else None
+        # the strategy's loss (under fpdt the sequence group's token mean); callbacks run before the module's own hook
+        loss = outputs["loss"].detach().float().item() * trainer.accumulate_grad_batches
+        _append_step(self.info, trainer.strategy.root_device, record and record.step_time_s, loss)
+        self.info["tokens_per_step"] = record.tokens if record else None
+
+
+def _layout(trainer: L.Trainer, seq_len: int) -> dict[str, Any]:
+    """How the run split the work: fpdt's resolved chunks, offload and mesh; modelparallel's data parallelism."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, FPDTStrategy):
+        return dict(sequence_parallel_size=1, data_parallel_size=trainer.world_size)
+    offload = strategy.offload_for(seq_len)
+    return dict(chunks=strategy.num_chunks_for(seq_len), offload=offload,
+                offload_dq=strategy.offload_dq_for(seq_len, 1, offload),
+                sequence_parallel_size=strategy.sequence_parallel_size, data_parallel_size=strategy.data_parallel_size)
+
+
+def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[LlamaLM, Any, list[L.Callback], str]:
+    """``(module, strategy, callbacks, precision)`` of ``fpdt`` or ``modelparallel``."""
+    layers = layers_run(args)
+    if args.system == "fpdt":
+        module = LlamaLM(args.model, lr=args.lr, seed=args.seed, num_layers=layers)
+        strategy = FPDTStrategy(chunks=args.chunks, offload={"on": True, "off": False, "auto": "auto"}[args.offload],
+                                attention_backend=args.attention_backend, head_chunks=args.head_chunks,
+                                cpu_offload_params=args.cpu_offload_params)
+        callbacks: list[L.Callback] = [ActivationOffload(recompute_attention=args.recompute_attention), TiledMLP(),
+                                       TiledLoss()]
+        return module, strategy, callbacks, args.precision  # FPDTPrecision: FSDP2 MixedPrecisionPolicy, no autocast
+    module = ModelParallelLlamaLM(args.model, precision=args.precision, cpu_offload_params=args.cpu_offload_params,
+                                  lr=args.lr, seed=args.seed, num_layers=layers)
+    strategy_class = _KeepOffloadedParams if args.cpu_offload_params else ModelParallelStrategy
+    strategy = strategy_class(data_parallel_size=world_size, tensor_parallel_size=1)
+    return module, strategy, [], "32-true"  # bf16 comes from FSDP2's MixedPrecisionPolicy in configure_model
+
+
+def train_lightning(args: argparse.Namespace, *, device: torch.device, world_size: int, gpus_per_node: int,
+                    info: dict[str, Any], peak: Optional[float]) -> None:
+    """``fpdt`` or ``modelparallel``: ``args.steps`` steps of ``Trainer.fit``."""
+    module, strategy, callbacks, precision = _lightning_parts(args, world_size)
+    monitor = MFUMonitor(peak_flops=peak)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="gpu" if device.type == "cuda" else "cpu", devices=gpus_per_node,
+        num_nodes=world_size // gpus_per_node, precision=precision, max_steps=args.steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[*callbacks, monitor, _StepLog(info, monitor, args.seq_len, step_profiler(args, device, info))],
+    )
+    vocab = LlamaConfig.from_name(args.model).vocab_size
+    # Lightning shards the samples over the data-parallel ranks: under modelparallel rank r trains samples r, r + W, ...
+    loader = DataLoader(RandomTokens(vocab, args.seq_len, args.steps * world_size), batch_size=1, shuffle=False)
+    with sdpa_backend(args.attention_backend if args.system != "fpdt" else "auto"):
+        trainer.fit(module, loader)
+
+
+# ---- the ring system: a plain PyTorch loop ---------------------------------------------------------------------------
+def _ring_model(args: argparse.Namespace, mesh: DeviceMesh) -> LlamaForCausalLM:
+    """The Lightning systems' init, SDPA attention the context-parallel dispatcher can intercept, sharded per block."""
+    model = LlamaLM(args.model, seed=args.seed, num_layers=layers_run(args)).model
+    for module in model.modules():
+        if hasattr(module, "attention_fn"):
+            # sdpa_attention calls F.scaled_dot_product_attention(..., is_causal=True) on (B, H, S, D): the call the
+            # context_parallel dispatcher intercepts
+            module.attention_fn = sdpa_expanded_kv if args.ring_kv_heads == "expand" else sdpa_attention
+    return shard_with_checkpointing(model, mesh, mp_policy=mixed_precision(args.precision),
+                                    cpu_offload=args.cpu_offload_params)
+
+
+def train_ring(args: argparse.Namespace, *, device: torch.device, world_size: int, gpus_per_node: int,
+               info: dict[str, Any], peak: Optional[float]) -> None:
+    """``ring``: ``args.steps`` steps of context-parallel training on a 1-D mesh of all GPUs (torchtitan's recipe)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("cp",))
+    model = _ring_model(args, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)  # LlamaLM's optimizer
+    prime_adam_states(optimizer)
+    set_rotate_method(args.rotate_method)
+    info.update(sequence_parallel_size=world_size, data_parallel_size=1, tokens_per_step=args.seq_len)
+    profiler = step_profiler(args, device, info)
+    dataset = RandomTokens(LlamaConfig.from_name(args.model).vocab_size, args.seq_len, args.steps)
+    global_targets = args.seq_len - 1  # the last token has nothing to predict
+    with sdpa_backend(args.attention_backend):
+        for step in range(args.steps):
+            input_ids = dataset[step]["input_ids"][None].to(device)  # (1, S), sample `step` as in the other systems
+            position_ids = torch.arange(args.seq_len, device=device)[None]  # (1, S)
+            targets = SequenceLayout.shift_labels(input_ids)  # (1, S): shifted on the whole sequence, then sharded
+            buffers = [input_ids, position_ids, targets]
+            _reset_peaks(device)
+            profiler.start(step)
+            start = time.perf_counter()
+            with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
+                # the buffers are now this rank's (1, S/W) load-balanced shards
+                local_mean = model(input_ids, position_ids=position_ids, shift_labels=targets)
+                count = (targets != IGNORE_INDEX).sum()
+                # FSDP2 averages gradients over the W ranks: scaled so the average is the global token mean's gradient
+                (local_mean * count * world_size / global_targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - start
+            profiler.stop(step)
+            loss_sum = (local_mean.detach().float() * count).reshape(1)
+            dist.all_reduce(loss_sum)
+            _append_step(info, device, seconds, loss_sum.item() / global_targets)
+
+
+SYSTEM_FUNCTIONS: dict[str, Callable[..., None]] = {
+    "fpdt": train_lightning, "modelparallel": train_lightning, "ring": train_ring,
+}
+"""The function that trains each ``--system``; every one takes ``(args, *, device, world_size, gpus_per_node, info,
+peak)``."""

@@ -1,0 +1,145 @@
+"""The tables of the component benchmarks: the FPDT attention op, the memory tiles, head-group chunking, packed
+documents and the short training steps of bench/smoke_train.py."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+from bench.report.markdown import NONE, Record, Section, length, number, percent
+from bench.report.records import of_kind
+
+Row = tuple[Record, list[str]]
+
+
+def _heads(record: Record) -> str:
+    """The attention geometry: query heads / kv heads × head dim."""
+    if record.get("heads") is None:
+        return NONE
+    return f"{record['heads']}/{record['kv_heads']} heads × {record['head_dim']}"
+
+
+def _on_off(value: Any) -> str:
+    return {True: "on", False: "off"}.get(value, str(value))
+
+
+def _gib(value: Optional[float]) -> str:
+    """GiB as the scripts record them, two decimals."""
+    return number(value, 2)
+
+
+def _attention_rows(records: list[Record]) -> Iterator[Row]:
+    for r in of_kind(records, "attention"):
+        yield r, [r["card"], str(r["gpus"]), _heads(r), length(r["seq_len"]), str(r.get("chunks")),
+                  _on_off(r["offload"]), "out of memory" if r.get("oom") else number(r.get("step_s"), 3),
+                  number(r.get("tflops_per_gpu")), _gib(r.get("peak_extra_gib")), percent(r.get("a2a_share")),
+                  number(r.get("host_gib"))]
+
+
+ATTENTION = Section(
+    title="## The FPDT attention op",
+    intro="bench/attention.py: forward + backward of the attention op alone, bf16, causal, batch 1; S is the global "
+          "length, each GPU holds S / GPUs tokens. TFLOP/s per GPU: causal forward 2·H·S²·D, forward + backward "
+          "3.5 × forward. \"extra GiB\": the peak GPU memory of one forward + backward minus what the op must hold "
+          "whatever it does (q, k, v, dout in; out, dq, dk, dv out). \"a2a\": the share of the step in the "
+          "all-to-alls (synchronised around each). \"host GiB\": pinned host memory of the offloaded chunks.",
+    columns=("card", "GPUs", "geometry", "S", "chunks", "offload", "step s", "TFLOP/s per GPU", "extra GiB", "a2a",
+             "host GiB"),
+    rows=_attention_rows, empty="No attention-op records.",
+)
+
+
+def _memory_tile_rows(records: list[Record]) -> Iterator[Row]:
+    for r in of_kind(records, "memory_tiles"):
+        geometry = f"hidden {r['hidden']}, MLP {r['intermediate']}, vocab {r['vocab']:,}"
+        work = r.get("note") if r.get("peak_gib") is None else _gib(r.get("work_gib"))
+        yield r, [r["card"], str(r["gpus"]), geometry, r["case"], length(r["tokens"]), str(r["tiles"]),
+                  _gib(r.get("peak_gib")), _gib(r.get("grads_gib")), work or NONE, number(r.get("ms"))]
+
+
+MEMORY_TILES = Section(
+    title="## Memory tiles (TiledLoss, TiledMLP)",
+    intro="bench/memory_tiles.py: one loss or MLP forward + backward, bf16. \"grads\": the gradients any loss or MLP "
+          "backward leaves (hidden-state and weight gradients); \"work\": the rest of the peak. \"auto=n\": the tile "
+          "count the callback chose.",
+    columns=("card", "GPUs", "geometry", "case", "tokens", "tiles", "peak GiB", "grads GiB", "work GiB", "ms"),
+    rows=_memory_tile_rows, empty="No memory-tile records.",
+)
+
+
+def _versus(row: Record, base: Optional[Record], field: str) -> str:
+    if base is None or not row.get(field) or not base.get(field):
+        return NONE
+    return f"{row[field] / base[field]:.2f}"
+
+
+def _planned(row: Record) -> str:
+    planned = row.get("planner_gib") or {}
+    if not planned:
+        return NONE
+    return f"{planned['attention forward']:.2f} / {planned['attention backward']:.2f}"
+
+
+def _head_chunk_rows(records: list[Record]) -> Iterator[Row]:
+    for r in of_kind(records, "head_chunks"):
+        base = {row["case"]: row for row in r["rows"] if row["head_chunks"] == 1 and row["status"] == "ok"}
+        for row in r["rows"]:
+            peak = _gib(row.get("peak_gib")) if row["status"] == "ok" else "out of memory"
+            yield r, [r["card"], str(r["gpus"]), r["geometry"], length(row["seq_len"]), str(r["chunks"]),
+                      str(r["offload"]), row["case"], str(row["head_chunks"]), peak,
+                      _versus(row, base.get(row["case"]), "peak_gib"), number(row.get("step_s"), 3),
+                      _versus(row, base.get(row["case"]), "step_s"), _planned(row)]
+
+
+HEAD_CHUNKS = Section(
+    title="## Head-group chunking",
+    intro="bench/head_chunks.py: one decoder layer on one GPU, forward + backward from inputs already on the GPU, its "
+          "attention in G head groups. \"attention\": the attention block alone; \"layer\": the whole layer "
+          "(TiledMLP, checkpointed as ActivationOffload does). Peak: allocated during the case beyond what was "
+          "allocated before it; \"vs G = 1\" within the same run. \"planner\": lightning_fpdt.planner's attention "
+          "forward / backward phases for the case.",
+    columns=("card", "GPUs", "geometry", "S", "chunks", "offload", "case", "G", "peak GiB", "vs G = 1", "step s",
+             "vs G = 1", "planner GiB"),
+    rows=_head_chunk_rows, empty="No head-chunking records.",
+)
+
+
+def _packed_rows(records: list[Record]) -> Iterator[Row]:
+    for r in of_kind(records, "packed"):
+        yield r, [r["card"], str(r["gpus"]), _heads(r), length(r["seq_len"]), str(r["chunks"]),
+                  length(r["doc_len"] or None), str(r["documents"]), "yes" if r.get("varlen") else "no",
+                  number(r.get("step_s"), 3), str(r.get("kernel_calls")), number(r.get("useful_tflops_per_gpu"))]
+
+
+PACKED = Section(
+    title="## Packed documents",
+    intro="bench/packed.py: the attention op alone, forward + backward, on one sequence of S tokens: one document "
+          "(mean document –) or documents of random lengths, uniform in [1, 2 × mean). \"useful\" TFLOP/s counts the "
+          "attention the documents need, 3.5 × the causal forward of each. \"kernel calls\": block kernel calls of "
+          "one forward + backward.",
+    columns=("card", "GPUs", "geometry", "S", "chunks", "mean document", "documents", "varlen", "step s",
+             "kernel calls", "useful TFLOP/s per GPU"),
+    rows=_packed_rows, empty="No packed-document records.",
+)
+
+
+def _smoke_train_rows(records: list[Record]) -> Iterator[Row]:
+    for r in of_kind(records, "smoke_train"):
+        yield r, [r["card"], str(r["gpus"]), f"{r['model']} ({r['layers']} layers)", length(r["seq_len"]),
+                  str(r.get("sequence_parallel_size")), str(r.get("chunks")),
+                  ", ".join(r.get("callbacks") or []) or NONE, number(r.get("step_time_s"), 3),
+                  number(r.get("tflops_per_gpu")), percent(r.get("mfu")), number(r.get("peak_gib")),
+                  number(r.get("states_gib")), number(r.get("peak_minus_states_gib"))]
+
+
+SMOKE_TRAIN = Section(
+    title="## Training steps with the memory callbacks",
+    intro="bench/smoke_train.py: a few steps of the reference Llama under FPDTStrategy, bf16-mixed, AdamW; step time "
+          "the median after the first step (MFUMonitor), MFU in the causal convention. \"states\": this rank's share "
+          "of the fp32 parameters, gradients and AdamW moments (16 bytes per parameter). Callbacks: \"mlp\" TiledMLP, "
+          "\"loss\" TiledLoss, \"offload\" ActivationOffload, \"checkpoint\" ActivationOffload without offload.",
+    columns=("card", "GPUs", "model", "S", "sp", "chunks", "callbacks", "step s", "TFLOP/s per GPU", "MFU",
+             "peak GiB", "states GiB", "peak − states GiB"),
+    rows=_smoke_train_rows, empty="No training-step records.",
+)
+
+SECTIONS = (ATTENTION, MEMORY_TILES, HEAD_CHUNKS, PACKED, SMOKE_TRAIN)

@@ -1,0 +1,137 @@
+"""The tables of the training runs (``bench.peers`` and the example configs): peak memory at two depths, throughput
+and MFU at equal length, where a profiled step spends its time, the host memory of the full depth, every run."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterator
+
+from bench.report.markdown import NONE, Record, Section, gib, length, number, percent, ratio
+from bench.report.records import card_name, latest, model_name, of_kind, timed
+
+SYSTEMS = ("fpdt", "modelparallel", "ring")
+PROFILE_CATEGORIES = ("attention", "matmul", "other", "communication", "copy host->device", "copy device->host")
+Row = tuple[Record, list[str]]
+
+
+def _depth_rows(records: list[Record]) -> Iterator[Row]:
+    groups: dict[tuple, list[Record]] = defaultdict(list)
+    ran = [r for r in of_kind(records, "run") if r.get("status") == "ok" and r.get("peak_gpu_bytes") is not None]
+    for record in latest(ran, key=lambda r: (r["system"], card_name(r), r["gpus"], r["model"], r["seq_len"],
+                                             r["layers"])):
+        groups[(record["system"], card_name(record), record["gpus"], record["model"], record["seq_len"])].append(record)
+    for (system, card, gpus, _model, seq_len), group in groups.items():
+        if len({r["layers"] for r in group}) < 2:
+            continue
+        spread = max(r["peak_gpu_bytes"] for r in group) - min(r["peak_gpu_bytes"] for r in group)
+        for r in sorted(group, key=lambda r: r["layers"]):
+            yield r, [system, card, str(gpus), model_name(r), length(seq_len), gib(r["ballast_bytes"]),
+                      gib(r["peak_gpu_bytes"]), gib(r["peak_gpu_bytes_minus_ballast"]), gib(spread)]
+
+
+DEPTH = Section(
+    title="### Peak GPU memory at two depths (ballast protocol)",
+    intro="Runs of the same system, card, GPU count and length at different depths, each with the ballast of the "
+          "layers it does not run: equal peaks mean the few-layer runs stand for the full model.",
+    columns=("system", "card", "GPUs", "model", "S", "ballast GiB", "peak GiB", "peak − ballast GiB", "spread GiB"),
+    rows=_depth_rows, empty="No length was run at two depths.",
+)
+
+
+def throughput_groups(records: list[Record]) -> dict[tuple, dict[str, Record]]:
+    """``{(card, gpus, model, layers, seq_len): {system: latest ok run with a timed step}}``."""
+    runs = latest([r for r in of_kind(records, "run") if r.get("status") == "ok" and timed(r)],
+                  key=lambda r: (card_name(r), r["gpus"], r["model"], r["layers"], r["seq_len"], r["system"]))
+    groups: dict[tuple, dict[str, Record]] = defaultdict(dict)
+    for record in runs:
+        groups[(card_name(record), record["gpus"], record["model"], record["layers"], record["seq_len"])][
+            record["system"]] = record
+    return dict(groups)
+
+
+def _throughput_rows(records: list[Record]) -> Iterator[Row]:
+    for (card, gpus, _model, _layers, seq_len), systems in sorted(throughput_groups(records).items(),
+                                                                  key=lambda kv: (kv[0][0], kv[0][1], kv[0][4])):
+        ring = systems.get("ring")
+        for system in [s for s in SYSTEMS if s in systems]:
+            r = systems[system]
+            against_ring = NONE if ring is None or system == "ring" else ratio(r.get("tokens_per_s"),
+                                                                              ring.get("tokens_per_s"))
+            yield r, [card, str(gpus), model_name(r), length(seq_len), system, number(r.get("step_time_s"), 3),
+                      number(r.get("tokens_per_s"), 0), number(r.get("tflops_per_gpu")), percent(r.get("mfu")),
+                      gib(r.get("peak_gpu_bytes")), against_ring]
+
+
+THROUGHPUT = Section(
+    title="### Throughput and MFU at equal length",
+    intro="`× ring`: tokens/s against ring context parallelism on the same card, GPU count, depth and length. "
+          "modelparallel's tokens/s counts every GPU's own sequence. Runs of one step (the searches) are left out: "
+          "their only step includes the warm-up.",
+    columns=("card", "GPUs", "model", "S", "system", "step s", "tokens/s", "TFLOP/s per GPU", "MFU", "peak GiB",
+             "× ring"),
+    rows=_throughput_rows, empty="No completed runs.",
+)
+
+
+def _profile_rows(records: list[Record]) -> Iterator[Row]:
+    for r in [r for r in of_kind(records, "run") if r.get("profile")]:
+        profile = r["profile"]
+        device = profile.get("device_s") or {}
+        yield r, [r["system"], card_name(r), str(r["gpus"]), model_name(r), length(r["seq_len"]),
+                  str(r.get("chunks") or NONE), number(profile.get("wall_s"), 3),
+                  *(number(device.get(name), 3) for name in PROFILE_CATEGORIES), percent(profile.get("busy_fraction"))]
+
+
+PROFILES = Section(
+    title="### Where a profiled step spends its time",
+    intro="Runs with `--profile-step N`: device seconds of that step per GPU by kernel kind (bench/step_profile.py), "
+          "on rank 0. \"busy\": the attention, matmul and other kernels together over the wall time; copies and "
+          "communication run on streams of their own and may overlap them. The profiled step is slower than the "
+          "others (the profiler's own cost), so its wall time is not the step time.",
+    columns=("system", "card", "GPUs", "model", "S", "chunks", "wall s", *(f"{name} s" for name in PROFILE_CATEGORIES),
+             "busy"),
+    rows=_profile_rows, empty="No profiled steps.",
+)
+
+
+def _host_rows(records: list[Record]) -> Iterator[Row]:
+    for r in [r for r in of_kind(records, "run") if r.get("host_check")]:
+        check = r["host_check"]
+        yield r, [r["system"], card_name(r), str(r["gpus"]), model_name(r), length(r["seq_len"]),
+                  gib(check["needed_bytes"]), gib(check["available_bytes"]),
+                  {True: "yes", False: "**no**", None: "unknown"}[check["fits"]],
+                  gib(check.get("planned_peak_gpu_bytes")), gib(r.get("peak_gpu_bytes"))]
+
+
+HOST = Section(
+    title="### Host memory of the full depth",
+    intro="`lightning_fpdt.planner.plan_memory` of the full depth (pinned host memory per host: offloaded attention "
+          "chunks and block inputs, CPU-offloaded states), beside the memory the host had available when the run "
+          "began; for fpdt also the planner's GPU peak of the full depth beside the measured one.",
+    columns=("system", "card", "GPUs", "model", "S", "needed GiB", "available GiB", "fits", "planned GPU peak GiB",
+             "measured peak GiB"),
+    rows=_host_rows, empty="No host checks.",
+)
+
+
+def _step_time(record: Record) -> str:
+    shown = number(record.get("step_time_s"), 3)
+    return shown if timed(record) or record.get("step_time_s") is None else f"{shown} (warm-up)"
+
+
+def _run_rows(records: list[Record]) -> Iterator[Row]:
+    for i, r in enumerate(of_kind(records, "run"), 1):
+        status = r.get("status", "?") + (f" ({r['limit']})" if r.get("limit") else "")
+        yield r, [str(i), r["system"], status, card_name(r), str(r.get("gpus")), model_name(r),
+                  length(r.get("seq_len")), str(r.get("chunks") or NONE), _step_time(r),
+                  number(r.get("tokens_per_s"), 0), number(r.get("tflops_per_gpu")), percent(r.get("mfu")),
+                  gib(r.get("peak_gpu_bytes")), gib(r.get("ballast_bytes")), number(r.get("first_loss"), 4)]
+
+
+RUNS = Section(
+    title="### Every run",
+    intro="Every training run of the records; a run that ran out of memory says where (gpu or host).",
+    columns=("#", "system", "status", "card", "GPUs", "model", "S", "chunks", "step s", "tokens/s", "TFLOP/s per GPU",
+             "MFU", "peak GiB", "ballast GiB", "first loss"),
+    rows=_run_rows, empty="No runs.",
+)

@@ -25,8 +25,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench.provenance import append_record, stamp, this_command  # noqa: E402
-from lightning_fpdt.sequence import all_to_all as a2a  # noqa: E402
 from lightning_fpdt.sequence import StashFactory, fpdt_attention, new_sequence_groups  # noqa: E402
+from lightning_fpdt.sequence import all_to_all as a2a  # noqa: E402
 
 
 class A2ATimer:

@@ -41,11 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from bench.provenance import append_record, stamp, this_command  # noqa: E402
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload  # noqa: E402
-from lightning_fpdt.callbacks.tiled_mlp import apply_tiled_mlp  # noqa: E402
 from lightning_fpdt.flops import ModelGeometry  # noqa: E402
+from lightning_fpdt.integrations import install_head_groups  # noqa: E402
+from lightning_fpdt.memory import apply_tiled_mlp  # noqa: E402
 from lightning_fpdt.models.llama import LlamaConfig, LlamaDecoderLayer  # noqa: E402
 from lightning_fpdt.planner import plan_memory  # noqa: E402
-from lightning_fpdt.sequence import FPDTAttention, install_head_groups  # noqa: E402
+from lightning_fpdt.sequence import FPDTAttention  # noqa: E402
 from lightning_fpdt.sequence.planning import MAX_CHUNK_TOKENS  # noqa: E402
 
 GIB = 2**30

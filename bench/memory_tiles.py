@@ -29,8 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench.provenance import append_record, stamp, this_command  # noqa: E402
-from lightning_fpdt.callbacks.tiled_loss import auto_loss_tiles, tiled_cross_entropy  # noqa: E402
-from lightning_fpdt.callbacks.tiled_mlp import apply_tiled_mlp, auto_mlp_tiles  # noqa: E402
+from lightning_fpdt.memory import apply_tiled_mlp, auto_loss_tiles, auto_mlp_tiles, tiled_cross_entropy  # noqa: E402
 from lightning_fpdt.models.llama import LlamaConfig, LlamaMLP  # noqa: E402
 
 GIB = 2**30

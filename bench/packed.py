@@ -27,8 +27,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench.provenance import append_record, stamp, this_command  # noqa: E402
-from lightning_fpdt.sequence import fpdt_attention  # noqa: E402
 from lightning_fpdt.sequence import fpdt as fpdt_module  # noqa: E402
+from lightning_fpdt.sequence import fpdt_attention  # noqa: E402
 from lightning_fpdt.sequence.documents import DocumentBoundaries  # noqa: E402
 
 

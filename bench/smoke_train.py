@@ -97,18 +97,19 @@ def main() -> None:
     # this rank's share of fp32 parameters, gradients and AdamW's two moments (16 bytes per parameter)
     local_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in module.parameters())
     states = 16 * local_params / GIB
+    offload = trainer.strategy.resolved_options(args.seq_len).offload
     print(f"RESULT model={args.model} layers={args.layers} S={args.seq_len} gpus={args.devices} "
           f"callbacks={sorted(chosen)} "
           f"sp={trainer.strategy.sequence_parallel_size} chunks={args.chunks} first_loss={module.losses[0]:.5f} "
           f"last_loss={module.losses[-1]:.5f} peak_gib={peak:.1f} states_gib={states:.1f} "
-          f"peak_minus_states_gib={peak - states:.1f} offload={trainer.strategy.offload_for(args.seq_len)}")
+          f"peak_minus_states_gib={peak - states:.1f} offload={offload}")
     if args.out:
         provenance = stamp("smoke_train", card=torch.cuda.get_device_name(), gpus=trainer.world_size,
                            command=this_command("bench/smoke_train.py"))
         append_record(args.out, {
             **provenance, "model": args.model, "layers": args.layers, "seq_len": args.seq_len,
             "sequence_parallel_size": trainer.strategy.sequence_parallel_size, "chunks": args.chunks,
-            "offload": trainer.strategy.offload_for(args.seq_len), "callbacks": sorted(chosen), "steps": args.steps,
+            "offload": offload, "callbacks": sorted(chosen), "steps": args.steps,
             **speed(callbacks[0], trainer.world_size), "peak_gib": peak, "states_gib": states,
             "peak_minus_states_gib": peak - states, "first_loss": module.losses[0], "last_loss": module.losses[-1],
         })

@@ -20,7 +20,7 @@ from bench.provenance import card_name
 from lightning_fpdt.flops import ModelGeometry, peak_flops
 from lightning_fpdt.models.llama import LlamaConfig
 from lightning_fpdt.planner import available_host_memory
-from lightning_fpdt.strategy.fpdt import usable_total_bytes
+from lightning_fpdt.strategy.budget import usable_total_bytes
 
 _RUN_COUNTER = itertools.count()  # names each run's keys in the store; every rank calls run() in the same order
 

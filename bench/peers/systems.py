@@ -205,9 +205,8 @@ def _layout(trainer: L.Trainer, seq_len: int) -> dict[str, Any]:
     strategy = trainer.strategy
     if not isinstance(strategy, FPDTStrategy):
         return dict(sequence_parallel_size=1, data_parallel_size=trainer.world_size)
-    offload = strategy.offload_for(seq_len)
-    return dict(chunks=strategy.num_chunks_for(seq_len), offload=offload,
-                offload_dq=strategy.offload_dq_for(seq_len, 1, offload),
+    resolved = strategy.resolved_options(seq_len)
+    return dict(chunks=resolved.chunks, offload=resolved.offload, offload_dq=resolved.offload_dq,
                 sequence_parallel_size=strategy.sequence_parallel_size, data_parallel_size=strategy.data_parallel_size)
 
 

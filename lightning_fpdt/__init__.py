@@ -13,6 +13,7 @@ from lightning_fpdt.callbacks import (
 from lightning_fpdt.flops import PEAK_FLOPS, ModelGeometry, flops_per_step, flops_per_token, peak_flops
 from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, fpdt_attention, ulysses_attention
 from lightning_fpdt.strategy import FPDTStrategy, apply_fpdt
+from lightning_fpdt.strategy.loss import sequence_loss
 
 __version__ = "0.1.0"
 
@@ -36,5 +37,6 @@ __all__ = [
     "flops_per_token",
     "fpdt_attention",
     "peak_flops",
+    "sequence_loss",
     "ulysses_attention",
 ]

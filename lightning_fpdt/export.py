@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_fpdt.models.llama import LlamaConfig
-from lightning_fpdt.strategy.checkpoint import check_checkpoint_complete
+from lightning_fpdt.strategy.checkpoint import check_checkpoint_complete, verify_checksums
 
 
 def load_checkpoint_file(path: Union[str, Path]) -> dict[str, Any]:
@@ -32,6 +32,7 @@ def load_checkpoint_file(path: Union[str, Path]) -> dict[str, Any]:
     if not path.is_dir():
         return torch.load(path, map_location="cpu", weights_only=False)
     check_checkpoint_complete(path)
+    verify_checksums(path, rank=0, world_size=1)
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, Path(tmp) / "full.pt")
         checkpoint = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=False)

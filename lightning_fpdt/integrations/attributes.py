@@ -36,6 +36,10 @@ TILED_LOSS = "_fpdt_tiled_loss"
 """Marks a causal LM whose loss TiledLoss switched (idempotence: fit then validate)."""
 TILED_NORM = "_fpdt_tiled_norm"
 """Marks a Hugging Face RMSNorm whose forward runs over token tiles."""
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+"""Replaced on a LightningModule that holds the network's parts itself (nanoGPT style) and so is FSDP2's root unit:
+wrapped by ``torch.distributed.fsdp.register_fsdp_forward_method``, so each step gathers the root's parameters as a
+forward would (``lightning_fpdt.strategy.parallelize``)."""
 APPLIED = "_fpdt_applied"
 """Marks the LightningModule ``apply_fpdt`` made sequence-parallel (idempotence)."""
 DEVICE_MESH = "_device_mesh"

@@ -47,7 +47,11 @@ def format_plan(plan: MemoryPlan) -> str:
                  f"{'':>9} {gib(plan.host_bytes_per_node):>9}   {host_limit}")
     largest = plan.largest_component
     where = largest.host_bytes if plan.binding_limit == "host memory" else largest.gpu_bytes
-    lines += ["", f"binding limit: {plan.binding_limit} (largest component: {largest.name}, {gib(where)} GiB)"]
+    verdict = plan.binding_limit
+    if verdict == "fits" and plan.host_memory_bytes is None and plan.host_bytes_per_node:
+        verdict = (f"fits the GPU memory; the host's not checked ({gib(plan.host_bytes_per_node)} GiB pinned per "
+                   f"host: pass --host-memory-gib N, or auto for this machine)")
+    lines += ["", f"binding limit: {verdict} (largest component: {largest.name}, {gib(where)} GiB)"]
     lines.append(f"recommendation: {plan.recommendation}")
     if plan.recommended is not None:
         r = plan.recommended

@@ -34,6 +34,8 @@ class BatchPlan:
     """Global positions of this rank's tokens ``(B, S/P)``."""
     valid_tokens: Tensor
     """This rank's tokens with a target (a device tensor: reading it would stall the step)."""
+    targetless: Tensor
+    """Whether no token of the global batch has a target (a device flag, read with the loss check)."""
 
     @property
     def padded_len(self) -> int:
@@ -82,9 +84,23 @@ def packed_documents(
     return DocumentBoundaries.from_starts_mask(starts), starts
 
 
+def check_labels(batch: Mapping[str, Any]) -> None:
+    """``ValueError`` unless ``labels`` and ``shift_labels`` (when given) have one entry per token of ``input_ids``."""
+    shape = tuple(batch["input_ids"].shape)
+    for key in ("labels", "shift_labels"):
+        labels = batch.get(key)
+        if labels is not None and (not isinstance(labels, Tensor) or tuple(labels.shape) != shape):
+            got = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
+            raise ValueError(
+                f"batch['{key}'] has shape {got} but input_ids has {shape}: sequences of {shape[1]} tokens need "
+                f"{shape[1]} labels each (one per token, -100 where no target counts; the strategy shifts them)"
+            )
+
+
 def global_targets(batch: Mapping[str, Any], document_starts: Optional[Tensor]) -> Tensor:
     """Per-token targets of the global batch: ``shift_labels`` as given, else ``labels`` (or the input ids) shifted;
     the last token of every packed document predicts nothing (run alone it has no next token)."""
+    check_labels(batch)
     if "shift_labels" in batch:
         targets = batch["shift_labels"]
     else:
@@ -141,6 +157,7 @@ def shard_batch(
         layout=layout, batch_size=batch_size, seq_len=seq_len,
         documents=documents.padded(padded) if documents is not None else None,
         position_ids=sharded["position_ids"], valid_tokens=(local_targets != IGNORE_INDEX).sum(),
+        targetless=(targets == IGNORE_INDEX).all(),
     )
     return sharded, plan
 
@@ -154,3 +171,10 @@ def padding_message(plan: BatchPlan) -> str:
         + (" × 2 for the ring's head-tail pieces" if layout.ring_size > 1 else "")
         + "); padded labels are -100"
     )
+
+
+def length_message(seq_len: int, resolved: Any, options: Any, sp_size: int, free_bytes: Optional[int]) -> str:
+    """What the log says, once per length, of the options resolved for it (``resolved``) from ``options``."""
+    return (f"fpdt: sequences of {seq_len} tokens: chunks={resolved.chunks} ({options.chunks!r}), "
+            f"offload={resolved.offload} ({options.offload!r}), sequence_parallel_size={sp_size}"
+            + (f", planned for {free_bytes / 2**30:.1f} GiB free" if free_bytes else ""))

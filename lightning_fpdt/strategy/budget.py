@@ -8,10 +8,9 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
-from torch import nn
 
+from lightning_fpdt.memory.surgery import find_model
 from lightning_fpdt.planner import available_host_memory, check_host_memory, plan_memory, resolve_geometry
-from lightning_fpdt.sequence.options import ResolvedOptions
 
 PLAN_FLAGS = ("tiled_mlp", "tiled_loss", "activation_checkpointing", "activation_offload", "recompute_attention")
 """What the memory callbacks declare to the planner (``fpdt_plan_flags``); off unless a callback says so."""
@@ -39,15 +38,12 @@ def declared_plan_flags(callbacks: list[Any]) -> dict[str, bool]:
     return flags
 
 
-def host_memory_refusal(
-    model: nn.Module, device: torch.device, *, seq_len: int, batch_size: int, options: ResolvedOptions,
-    plan_flags: dict[str, bool], **sizes: Any,
-) -> Optional[ValueError]:
-    """The error refusing a run whose pinned host memory does not fit this host, or ``None`` (also when nothing can
-    be checked: no CUDA, no readable model config, no reading of the host's memory). ``sizes``: the planner's
-    ``num_gpus``, ``gpus_per_node``, ``sequence_parallel_size``, ``ring_size``, ``precision``,
-    ``cpu_offload_params`` and ``head_chunks``."""
-    config = getattr(model, "config", None)
+def host_memory_refusal(strategy: Any, seq_len: int, batch_size: int) -> Optional[ValueError]:
+    """The error refusing a run of the fpdt ``strategy`` whose pinned host memory does not fit this host, or
+    ``None`` (also when nothing can be checked: no CUDA, no readable model config, no reading of the host's
+    memory). The plan is made for the strategy's sizes, its resolved options and the callbacks' declarations."""
+    device = strategy.root_device
+    config = getattr(find_model(strategy.model), "config", None)
     available = available_host_memory()
     if device.type != "cuda" or config is None or available is None:
         return None  # pinned memory is a CUDA matter; without a config there is no geometry to plan
@@ -55,9 +51,15 @@ def host_memory_refusal(
         geometry = resolve_geometry(config)
     except ValueError:
         return None  # a config the planner cannot read: nothing to check against
-    plan = plan_memory(geometry=geometry, seq_len=seq_len, batch_size=batch_size, chunks=options.chunks,
-                       offload=options.offload, offload_dq=options.offload_dq, **plan_flags, **sizes,
-                       gpu_memory_gib=usable_total_bytes(device) / 2**30)
+    options = strategy.resolved_options(seq_len, batch_size)
+    plan = plan_memory(
+        geometry=geometry, seq_len=seq_len, batch_size=batch_size, chunks=options.chunks, offload=options.offload,
+        offload_dq=options.offload_dq, num_gpus=strategy.world_size, gpus_per_node=strategy.num_processes,
+        sequence_parallel_size=strategy.sequence_parallel_size, ring_size=strategy.ring_size,
+        precision=strategy.precision_plugin.precision, cpu_offload_params=strategy.cpu_offload_params,
+        head_chunks=strategy.options.head_chunks, gpu_memory_gib=usable_total_bytes(device) / 2**30,
+        **declared_plan_flags(strategy.lightning_module.trainer.callbacks),
+    )
     try:
         check_host_memory(plan, available)
     except ValueError as refusal:

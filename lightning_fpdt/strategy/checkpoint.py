@@ -3,6 +3,8 @@
 
 - every rank's random states (torch, CUDA, Python, NumPy), so a resumed run draws what the uninterrupted one would;
 - a completeness check: a distributed checkpoint folder whose save was interrupted is refused;
+- checksums of every file of a distributed checkpoint, recorded when it is saved and verified when it is loaded: a
+  damaged or truncated file is refused by name (PyTorch's distributed checkpoint format keeps none of its own);
 - :class:`ResumableLoader`: a training dataloader that resumes mid-epoch where the checkpoint left off. Lightning
   restores the state of dataloaders that have ``state_dict``/``load_state_dict`` and otherwise replays the
   interrupted epoch from its first batch; this one skips, at the index level (no sample is loaded), the batches the
@@ -12,8 +14,12 @@
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import random
+import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -154,6 +160,115 @@ class ResumableLoader:
             persistent_workers=False,
         )
         return iter(skipping)
+
+
+CHECKSUMS_FILENAME = "fpdt_checksums.json"
+"""The file of a distributed checkpoint folder that records each other file's size and checksums."""
+CHECKSUM_CHUNK = 64 * 2**20
+"""Bytes per CRC-32: a file's chunks are read and checksummed in parallel threads."""
+
+
+def checkpoint_files(path: Path) -> list[str]:
+    """The files of a checkpoint folder that checksums cover, in the same order on every rank."""
+    return sorted(f.name for f in path.iterdir() if f.is_file() and f.name != CHECKSUMS_FILENAME)
+
+
+def file_checksums(path: Path, threads: int = 0) -> dict[str, Any]:
+    """``{"size": bytes, "crc32": [one per chunk of CHECKSUM_CHUNK bytes]}`` of one file (the chunks in parallel)."""
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def chunk_crc(index: int) -> str:
+            return f"{zlib.crc32(os.pread(fd, CHECKSUM_CHUNK, index * CHECKSUM_CHUNK)):08x}"
+
+        with ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:  # zlib releases the GIL
+            crcs = list(pool.map(chunk_crc, range(max(1, -(-size // CHECKSUM_CHUNK)))))
+    finally:
+        os.close(fd)
+    return {"size": size, "crc32": crcs}
+
+
+def record_checksums(path: Path, rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+    """The checksums of this rank's share of the folder's files (every ``world_size``-th, from ``rank``)."""
+    return {name: file_checksums(path / name) for name in checkpoint_files(path)[rank::world_size]}
+
+
+def write_checksums(path: Path, records: dict[str, dict[str, Any]]) -> None:
+    """Write the folder's checksums file, complete or not at all (a rename)."""
+    partial = path / f".{CHECKSUMS_FILENAME}.partial"
+    partial.write_text(json.dumps({"chunk_bytes": CHECKSUM_CHUNK, "files": records}, indent=1, sort_keys=True))
+    partial.replace(path / CHECKSUMS_FILENAME)
+
+
+def damaged_files(path: Path, rank: int, world_size: int) -> Optional[list[str]]:
+    """What is wrong with this rank's share of the folder's files against the recorded checksums (files missing,
+    truncated or changed; rank 0 also reports files the save did not write); ``None`` when the folder records no
+    checksums."""
+    recorded_file = path / CHECKSUMS_FILENAME
+    if not recorded_file.is_file():
+        return None
+    try:
+        recorded = json.loads(recorded_file.read_text())["files"]
+    except (ValueError, KeyError) as error:
+        return [f"{CHECKSUMS_FILENAME} (unreadable: {error})"]
+    names = sorted(recorded)
+    problems = [f"{name} (extra file, not written by the save)" for name in checkpoint_files(path)
+                if name not in recorded and rank == 0]
+    for name in names[rank::world_size]:
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} (missing)")
+        elif file.stat().st_size != recorded[name]["size"]:
+            problems.append(f"{name} ({file.stat().st_size} bytes, {recorded[name]['size']} when saved: truncated "
+                            f"or overwritten)")
+        elif file_checksums(file)["crc32"] != recorded[name]["crc32"]:
+            problems.append(f"{name} (its contents changed since the save: the checksum differs)")
+    return problems
+
+
+def save_checksums(path: Path, rank: int, world_size: int) -> None:
+    """Record the checksums of a distributed checkpoint folder just saved, every rank hashing its share of the files.
+    Collective."""
+    _barrier()  # rank 0 writes Lightning's metadata file after the others' shards: list the files only now
+    records = record_checksums(path, rank, world_size)
+    gathered: list[Any] = [None] * world_size
+    _all_gather(gathered, records)
+    if rank == 0:
+        write_checksums(path, {name: entry for share in gathered for name, entry in share.items()})
+    _barrier()
+
+
+def verify_checksums(path: Path, rank: int, world_size: int) -> None:
+    """Refuse a distributed checkpoint folder whose files differ from what the save recorded, naming them; every
+    rank verifies its share. A folder without checksums loads with a warning (nothing to verify it against).
+    Collective."""
+    if not path.is_dir():
+        return
+    problems = damaged_files(path, rank, world_size)
+    gathered: list[Any] = [None] * world_size
+    _all_gather(gathered, problems)
+    if all(share is None for share in gathered):
+        rank_zero_warn(f"fpdt: checkpoint {path} records no checksums ({CHECKSUMS_FILENAME}): its files cannot be "
+                       f"verified before loading")
+        return
+    damaged = [problem for share in gathered for problem in share or []]
+    if damaged:
+        raise ValueError(
+            f"checkpoint {path} is damaged: {'; '.join(damaged)}. Loading it would train on other weights than the "
+            f"ones saved: resume from an earlier checkpoint"
+        )
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _all_gather(out: list[Any], value: Any) -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.all_gather_object(out, value)
+    else:
+        out[0] = value
 
 
 def resumable_loader(dataloader: Any, trainer: Any) -> Any:

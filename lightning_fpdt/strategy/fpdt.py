@@ -16,7 +16,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_fpdt.flops import attention_heads
@@ -30,14 +30,9 @@ from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.sequence.sizes import resolve_sequence_sizes
 from lightning_fpdt.strategy import budget
-from lightning_fpdt.strategy.batch import BatchPlan, check_batch, padding_message, shard_batch
-from lightning_fpdt.strategy.checkpoint import (
-    check_checkpoint_complete,
-    gather_rng_states,
-    restored_rng_state,
-    resumable_loader,
-    set_rng_states,
-)
+from lightning_fpdt.strategy import checkpoint as checkpointing
+from lightning_fpdt.strategy.batch import BatchPlan, check_batch, length_message, padding_message, shard_batch
+from lightning_fpdt.strategy.loss import check_training_loss, no_target_message, unwrap_loss, with_loss
 from lightning_fpdt.strategy.materialize import has_meta_parameters, materialize
 from lightning_fpdt.strategy.mesh import attention_group, build_mesh, ring_size_of, sequence_mesh
 from lightning_fpdt.strategy.parallelize import (
@@ -45,11 +40,10 @@ from lightning_fpdt.strategy.parallelize import (
     apply_fpdt,
     declared_transforms,
     no_gradient_sync,
-    unwrap_loss,
 )
 from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
 from lightning_fpdt.strategy.topology import warn_if_sequence_groups_span_hosts
-from lightning_fpdt.strategy.watchdog import RankWatchdog, stop_on_nonfinite_loss
+from lightning_fpdt.strategy.watchdog import DEFAULT_STALE_AFTER, RankWatchdog
 
 
 class FPDTStrategy(ModelParallelStrategy):
@@ -66,16 +60,13 @@ class FPDTStrategy(ModelParallelStrategy):
             ``"auto"``: when all layers' chunks would take more than a quarter of the free GPU memory (never on CPU).
         offload_dq: keep the backward's partial dQ sums (fp32, twice q's size) in host memory too; ``"auto"``:
             when the chunks are offloaded and those sums would take more than an eighth of the free GPU memory.
-        ring_size: ring ranks ``R`` of a 2-D sequence mesh (``sequence_parallel_size = U·R``: ``U`` Ulysses ranks
-            all-to-all heads, ``R`` ring ranks pass kv shares around; docs/ring.md), so the sequence-parallel size
-            may exceed the head count. ``"auto"``: ``1`` when the heads allow ``sequence_parallel_size`` Ulysses
-            ranks, else the smallest ``R`` whose ``U`` they allow. With ``R > 1`` chunks are 1 (FPDT chunks are
-            not composed with the ring yet); ``offload`` keeps the ring's head-sharded shares in host memory.
+        ring_size: ring ranks ``R`` of a Ulysses × ring sequence mesh (``sequence_parallel_size = U·R``,
+            docs/ring.md), for more ranks than the heads allow; ``"auto"``: 1 when the heads allow
+            ``sequence_parallel_size``, else the smallest ``R`` that works. With ``R > 1`` chunks are 1.
         attention_backend: block attention kernel: ``"auto"``, ``"cudnn"``, ``"flash"`` or ``"math"``.
-        head_chunks: head groups ``G``: each attention layer projects, attends and output-projects ``H/G`` query
-            heads (and their ``Hkv/G`` kv heads) at a time, so the full-width q/k/v/out of the local sequence never
-            exist at once (docs/head_chunks.md). ``G`` must divide the kv heads, and the query heads of a group must
-            split over the sequence-parallel ranks. ``1``: all heads at once.
+        head_chunks: head groups ``G``: each attention layer runs ``H/G`` query heads (and their kv heads) at a
+            time, so its full-width q/k/v/out never exist at once (docs/head_chunks.md); ``G`` must divide the kv
+            heads. ``1``: all heads at once.
         layer_classes: class names of the transformer blocks (FSDP2 units); ``None``: the largest ``ModuleList``.
         cpu_offload_params: keep sharded parameters, gradients and optimizer state in host memory (FSDP2
             ``CPUOffloadPolicy``), for models whose states do not fit the GPUs.
@@ -87,6 +78,9 @@ class FPDTStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: save one shard per rank (DCP) instead of one consolidated file.
         process_group_backend: ``"nccl"``, ``"gloo"``, …; default by device.
         timeout: collective timeout.
+        heartbeat_timeout: seconds a rank's heartbeat may stand still before the rank counts as dead or frozen; the
+            others then name it and end the job (``strategy/watchdog.py``). A long step never stops a heartbeat.
+            ``None``: no watch (a frozen rank then holds the others for the collective ``timeout``).
     """
 
     strategy_name = "fpdt"
@@ -112,6 +106,7 @@ class FPDTStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        heartbeat_timeout: Optional[float] = DEFAULT_STALE_AFTER,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -124,9 +119,12 @@ class FPDTStrategy(ModelParallelStrategy):
                                    ring_size=ring_size, attention_backend=attention_backend)
         if nonfinite_loss not in ("raise", "ignore"):
             raise ValueError(f"nonfinite_loss must be 'raise' or 'ignore', got {nonfinite_loss!r}")
+        if heartbeat_timeout is not None and heartbeat_timeout < 2:
+            raise ValueError(f"heartbeat_timeout must be at least 2 seconds, or None, got {heartbeat_timeout!r}")
+        self._heartbeat_timeout = heartbeat_timeout
         self._sequence_parallel_size = sequence_parallel_size
         self._layer_classes = layer_classes
-        self._cpu_offload_params = cpu_offload_params
+        self.cpu_offload_params = cpu_offload_params
         self._pad_to_multiple = pad_to_multiple
         self._pad_token_id = pad_token_id
         self._nonfinite_loss = nonfinite_loss
@@ -134,6 +132,7 @@ class FPDTStrategy(ModelParallelStrategy):
         self._free_bytes: Optional[int] = None  # free GPU memory at the first batch, what "auto" plans with
         self._lengths_seen: set[tuple[int, ResolvedOptions]] = set()
         self._padding_logged = False
+        self._targetless_warned = False
         self._context: Optional[SequenceParallelContext] = None
         self._pending_rng_states: Optional[dict[str, Any]] = None
         self._watchdog: Optional[RankWatchdog] = None
@@ -184,7 +183,7 @@ class FPDTStrategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         self._setup_distributed()
-        self._watchdog = RankWatchdog(self.global_rank, self.world_size)
+        self._watchdog = RankWatchdog(self.global_rank, self.world_size, stale_after=self._heartbeat_timeout)
         self._watchdog.start()
         heads = attention_heads(self.lightning_module)
         head_chunks = self.options.head_chunks
@@ -233,15 +232,15 @@ class FPDTStrategy(ModelParallelStrategy):
         self._geometry = attention_geometry(find_model(self.model), self.precision_plugin.precision)
         if on_meta:
             # FSDP2 offloading keeps the sharded parameters in host memory and refuses them anywhere else
-            materialize(self.model, torch.device("cpu") if self._cpu_offload_params else self.root_device,
+            materialize(self.model, torch.device("cpu") if self.cpu_offload_params else self.root_device,
                         rank=self.global_rank)
-        if not self._cpu_offload_params:
+        if not self.cpu_offload_params:
             self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING and not self._cpu_offload_params:
+        if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload_params:
             _optimizers_to_device(self.optimizers, self.root_device)
         datamodule = trainer.datamodule
         if isinstance(getattr(datamodule, "seq_len", None), int):  # the length is known before the first batch
@@ -252,7 +251,7 @@ class FPDTStrategy(ModelParallelStrategy):
         assert isinstance(self.precision_plugin, FPDTPrecision)
         return ParallelizeConfig(context=self._context, layer_classes=self._layer_classes,
                                  mp_policy=self.precision_plugin.mixed_precision_policy(),
-                                 cpu_offload_params=self._cpu_offload_params, **declared_transforms(trainer.callbacks))
+                                 cpu_offload_params=self.cpu_offload_params, **declared_transforms(trainer.callbacks))
 
     # ---- data -----------------------------------------------------------------------------------------------------
     def _free_memory(self) -> Optional[int]:
@@ -286,7 +285,7 @@ class FPDTStrategy(ModelParallelStrategy):
         batch = super().batch_to_device(batch, device, dataloader_idx)
         check_batch(batch)
         if self._pending_rng_states is not None:
-            set_rng_states(self._pending_rng_states)
+            checkpointing.set_rng_states(self._pending_rng_states)
             self._pending_rng_states = None
         batch_size, seq_len = batch["input_ids"].shape
         options = self.resolved_options(seq_len, batch_size)
@@ -304,16 +303,11 @@ class FPDTStrategy(ModelParallelStrategy):
         return sharded
 
     def _log_new_length(self, seq_len: int, batch_size: int, options: ResolvedOptions) -> None:
-        if (seq_len, options) in self._lengths_seen:
-            return
-        self._lengths_seen.add((seq_len, options))
-        self.check_memory_plan(seq_len, batch_size)  # before the forward pins host memory for this length
-        rank_zero_info(
-            f"fpdt: sequences of {seq_len} tokens: chunks={options.chunks} ({self.options.chunks!r}), "
-            f"offload={options.offload} ({self.options.offload!r}), sequence_parallel_size="
-            f"{self.sequence_parallel_size}"
-            + (f", planned for {self._free_bytes / 2**30:.1f} GiB free" if self._free_bytes else "")
-        )
+        if (seq_len, options) not in self._lengths_seen:
+            self._lengths_seen.add((seq_len, options))
+            self.check_memory_plan(seq_len, batch_size)  # before the forward pins host memory for this length
+            sp_size = self.sequence_parallel_size
+            rank_zero_info(length_message(seq_len, options, self.options, sp_size, self._free_bytes))
 
     def _log_padding(self, plan: BatchPlan) -> None:
         if plan.padded_len != plan.seq_len and not self._padding_logged:
@@ -323,21 +317,31 @@ class FPDTStrategy(ModelParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """Training loaders resume mid-epoch at the checkpointed position (``strategy/checkpoint.py``)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        return resumable_loader(dataloader, trainer)
+        return checkpointing.resumable_loader(dataloader, trainer)
 
     # ---- steps ----------------------------------------------------------------------------------------------------
+    def reduce_loss(self, loss: Tensor) -> Tensor:
+        """This rank's token-mean loss (over its tokens with a target) as the sequence group's token mean: the value
+        to log (``lightning_fpdt.sequence_loss``). A step that returns it is not reduced again. Collective."""
+        self._context.loss_reduced = True
+        return sequence_parallel_loss(loss, self.batch_plan.valid_tokens, group=self._context.group)
+
     def _sequence_parallel_output(self, output: Any) -> Any:
         """A loss a model computed itself (local token mean) becomes the group's token mean (docs/design.md §5)."""
         loss = unwrap_loss(output)
         if loss is None or self._context.loss_reduced:
             return output
-        reduced = sequence_parallel_loss(loss, self.batch_plan.valid_tokens, group=self._context.group)
-        return reduced if isinstance(output, Tensor) else {**output, "loss": reduced}
+        return with_loss(output, self.reduce_loss(loss))
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = self._sequence_parallel_output(super().training_step(*args, **kwargs))
         if self._nonfinite_loss == "raise":
-            stop_on_nonfinite_loss(unwrap_loss(output), self.lightning_module.trainer, rank=self.global_rank)
+            trainer = self.lightning_module.trainer
+            targetless = check_training_loss(unwrap_loss(output), self.batch_plan.targetless, trainer,
+                                             rank=self.global_rank)
+            if targetless and not self._targetless_warned:
+                self._targetless_warned = True
+                rank_zero_warn(no_target_message(trainer.global_step))
         return output
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -357,15 +361,7 @@ class FPDTStrategy(ModelParallelStrategy):
         """Refuse, before any pinned buffer exists, a run whose pinned host memory does not fit this host
         (``strategy/budget.py``); at setup (``collective``) every rank refuses together, so none waits in a
         collective for a rank that raised."""
-        refusal = budget.host_memory_refusal(
-            find_model(self.model), self.root_device, seq_len=seq_len, batch_size=batch_size,
-            options=self.resolved_options(seq_len, batch_size),
-            plan_flags=budget.declared_plan_flags(self.lightning_module.trainer.callbacks),
-            num_gpus=self.world_size, gpus_per_node=self.num_processes,
-            sequence_parallel_size=self.sequence_parallel_size, ring_size=self.ring_size,
-            precision=self.precision_plugin.precision, cpu_offload_params=self._cpu_offload_params,
-            head_chunks=self.options.head_chunks,
-        )
+        refusal = budget.host_memory_refusal(self, seq_len, batch_size)
         if collective and not self.reduce_boolean_decision(refusal is None, all=True):
             raise refusal or ValueError("another rank refused the run: its host lacks the pinned memory (see its log)")
         if refusal is not None:
@@ -383,14 +379,18 @@ class FPDTStrategy(ModelParallelStrategy):
         super().teardown()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        gather_rng_states(checkpoint, self.world_size)
+        checkpointing.gather_rng_states(checkpoint, self.world_size)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self._save_distributed_checkpoint:
+            checkpointing.save_checksums(Path(self.broadcast(filepath)), self.global_rank, self.world_size)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        check_checkpoint_complete(Path(self.broadcast(checkpoint_path)))
+        path = Path(self.broadcast(checkpoint_path))
+        checkpointing.check_checkpoint_complete(path)
+        checkpointing.verify_checksums(path, self.global_rank, self.world_size)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         # applied at the next batch: creating the dataloader iterator in between draws from the torch generator
-        self._pending_rng_states = restored_rng_state(checkpoint, self.world_size, self.global_rank)
+        self._pending_rng_states = checkpointing.restored_rng_state(checkpoint, self.world_size, self.global_rank)
         return checkpoint
 
     @classmethod

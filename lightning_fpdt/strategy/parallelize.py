@@ -7,13 +7,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 from lightning_fpdt.integrations import SequenceParallelContext, install
-from lightning_fpdt.integrations.attributes import APPLIED
+from lightning_fpdt.integrations.attributes import APPLIED, STEP_METHODS
 from lightning_fpdt.memory.surgery import find_blocks, find_model, has_parameters
 from lightning_fpdt.strategy.mesh import flat_mesh
 
@@ -82,27 +87,40 @@ def apply_fpdt(module: nn.Module, mesh: DeviceMesh, *, config: ParallelizeConfig
     for transform in config.activation_checkpointing:
         transform(model, blocks)
     # 5. FSDP2 (plain gradient averaging over all ranks, see sequence_parallel_loss): each block its own unit
-    #    (gathered just in time), then each top-level child for what remains; never the LightningModule root,
-    #    whose training_step (not forward) Lightning calls
+    #    (gathered just in time), then one root unit for what remains (embeddings, final norm, head; tied weights
+    #    stay in one unit): the network's own module, or, when the parts sit on the LightningModule itself
+    #    (nanoGPT style), the LightningModule, whose steps then count as forwards (Lightning calls training_step,
+    #    never forward, so FSDP2 would otherwise not gather the root's parameters)
     fsdp = dict(mesh=flat_mesh(mesh), mp_policy=config.mp_policy or MixedPrecisionPolicy())
     if config.cpu_offload_params:
         fsdp["offload_policy"] = CPUOffloadPolicy()
     for block in find_blocks(model, config.layer_classes):  # again: a transform may have wrapped the blocks
         fully_shard(block, **fsdp)
-    for child in module.children():
-        if has_parameters(child):
-            fully_shard(child, **fsdp)
+    rest = unsharded_children(module)
+    if len(rest) == 1:
+        fully_shard(rest[0], **fsdp)
+    elif rest:
+        fully_shard(module, **fsdp)
+        for method in STEP_METHODS:
+            register_fsdp_forward_method(module, method)
     setattr(module, APPLIED, True)
     return module
 
 
-def unwrap_loss(output: object) -> Optional[torch.Tensor]:
-    """The loss tensor of a training_step output (a tensor, or a mapping with ``"loss"``)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict):
-        return output.get("loss")
-    return None
+def unsharded_children(module: nn.Module) -> list[nn.Module]:
+    """The children of ``module`` that hold parameters no FSDP2 unit holds yet; a container that has no forward of
+    its own (``nn.ModuleList``, ``nn.ModuleDict``: FSDP2 refuses them) stands for its own such children. A model in
+    one submodule gives that submodule; a nanoGPT-style LightningModule (embeddings, a ``ModuleList`` of blocks and
+    a head held directly) gives the embeddings and the head."""
+    found = []
+    for child in module.children():
+        if isinstance(child, FSDPModule) or not has_parameters(child):
+            continue
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            found += unsharded_children(child)
+        else:
+            found.append(child)
+    return found
 
 
 @contextmanager

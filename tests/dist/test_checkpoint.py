@@ -120,3 +120,34 @@ def incomplete_is_refused(folder: str) -> None:
 def test_incomplete_checkpoint_is_refused(dist_pool, tmp_path):
     """A checkpoint folder without its DCP index (an interrupted save) raises instead of loading."""
     dist_pool(2).run(incomplete_is_refused, folder=str(tmp_path))
+
+
+def _damage(path: str, how: str) -> None:
+    """64 bytes overwritten inside the file's tensor data (its middle), or the file cut to half its size."""
+    size = os.path.getsize(path)
+    if how == "overwrite":
+        with open(path, "r+b") as f:
+            f.seek(size // 2)
+            f.write(bytes(range(64)))
+    else:
+        os.truncate(path, size // 2)
+
+
+def damaged_is_refused(folder: str, name: str, how: str) -> None:
+    _fit(1, 2, max_steps=1, ckpt_out=os.path.join(folder, "damaged.ckpt"))
+    assert os.path.isfile(os.path.join(folder, "damaged.ckpt", "fpdt_checksums.json"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _damage(os.path.join(folder, "damaged.ckpt", name), how)
+    dist.barrier()
+    damage = "contents changed since the save" if how == "overwrite" else "truncated or overwritten"
+    with pytest.raises(ValueError, match=rf"damaged.ckpt is damaged: {name} \(.*{damage}.*resume from an earlier"):
+        _fit(1, 2, max_steps=2, ckpt_in=os.path.join(folder, "damaged.ckpt"))
+
+
+@pytest.mark.parametrize("name,how", [("__1_0.distcp", "overwrite"), (".metadata", "truncate")])
+def test_damaged_checkpoint_is_refused_by_file(dist_pool, tmp_path, name, how):
+    """64 bytes overwritten in a rank's shard, or a truncated DCP index: every rank refuses to load, naming the
+    file, instead of training on other weights (the checksums recorded at save time differ)."""
+    dist_pool(2).run(damaged_is_refused, folder=str(tmp_path), name=name, how=how)
+

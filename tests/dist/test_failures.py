@@ -21,7 +21,8 @@ from tests.dist.training import LitLM, TokenDataset, trainer_kwargs
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _launch(mode: str) -> tuple[subprocess.CompletedProcess, float, subprocess.Popen]:
+def _launch(mode: str, watched: int = 0) -> tuple[subprocess.CompletedProcess, float, subprocess.Popen]:
+    """Start both ranks; wait for rank ``watched`` and return its output, the seconds it took and the other rank."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -32,9 +33,9 @@ def _launch(mode: str) -> tuple[subprocess.CompletedProcess, float, subprocess.P
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.dist.failing_run", mode], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     start = time.time()
-    out, _ = procs[0].communicate(timeout=240)
+    out, _ = procs[watched].communicate(timeout=240)
     elapsed = time.time() - start
-    return subprocess.CompletedProcess(procs[0].args, procs[0].returncode, out), elapsed, procs[1]
+    return subprocess.CompletedProcess(procs[watched].args, procs[watched].returncode, out), elapsed, procs[1 - watched]
 
 
 @pytest.mark.parametrize("mode,named", [
@@ -50,6 +51,30 @@ def test_dead_or_hung_rank_is_named_and_others_exit(mode, named):
     assert result.returncode != 0
     assert named in result.stdout, result.stdout[-3000:]
     assert elapsed < 120
+
+
+def test_frozen_rank_is_named_and_the_job_ends():
+    """Rank 1 freezes (SIGSTOP) at step 1, with the default collective timeout (30 minutes): rank 0 names it from its
+    stopped heartbeat (timeout 3 s here), ends it and exits non-zero, long before the collective would time out."""
+    result, elapsed, frozen = _launch("freeze")
+    try:
+        assert frozen.wait(timeout=10) is not None, "the frozen rank was left stopped"
+    finally:
+        frozen.kill()
+        frozen.communicate()
+    assert result.returncode != 0
+    assert "fpdt: rank 1 stopped responding" in result.stdout and "froze" in result.stdout, result.stdout[-3000:]
+    assert elapsed < 90
+
+
+def test_death_of_rank_zero_is_named_by_the_others():
+    """Rank 0, which hosts the rendezvous store, dies at step 1: rank 1 says that rank 0 stopped responding and
+    exits non-zero, instead of printing only gloo's connection error."""
+    result, elapsed, dead = _launch("die0", watched=1)
+    dead.communicate()
+    assert result.returncode != 0
+    assert "rank 0 stopped responding" in result.stdout, result.stdout[-3000:]
+    assert elapsed < 90
 
 
 class NaNLM(LitLM):

@@ -431,3 +431,16 @@ def test_cli_ring_size(capsys):
     assert "ring_size (3) does not divide sequence_parallel_size (8)" in capsys.readouterr().err
     assert main(["--model", "llama3-8b", "--seq-len", "65536", "--gpus", "8", "--ring-size", "3"]) == 2
     assert "ring_size (3) divides no sequence_parallel_size" in capsys.readouterr().err
+
+
+def test_plan_says_when_the_host_is_not_checked():
+    """A plan that fits the GPUs but was given no host memory says so beside its pinned total, rather than a bare
+    "fits" next to hundreds of GiB it never compared with anything."""
+    unchecked = plan_memory(geometry="llama3-8b", seq_len=1048576, num_gpus=4, activation_offload=True,
+                            tiled_mlp=True, tiled_loss=True)
+    pinned = f"{unchecked.host_bytes_per_node / GIB:.2f} GiB pinned per host"
+    assert unchecked.fits and f"binding limit: fits the GPU memory; the host's not checked ({pinned}" in \
+        format_plan(unchecked)
+    checked = plan_memory(geometry="llama3-8b", seq_len=1048576, num_gpus=4, activation_offload=True, tiled_mlp=True,
+                          tiled_loss=True, host_memory_gib=2000)
+    assert "binding limit: fits (largest component" in format_plan(checked)

@@ -1,0 +1,61 @@
+"""The loss of a training step under the fpdt strategy: each rank's token mean becomes the sequence's, a step with
+a non-finite loss stops every rank together, a step without any target is named (docs/design.md §5.3, §5.9)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+
+def unwrap_loss(output: object) -> Optional[Tensor]:
+    """The loss tensor of a training_step output (a tensor, or a mapping with ``"loss"``)."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict):
+        return output.get("loss")
+    return None
+
+
+def with_loss(output: Any, loss: Tensor) -> Any:
+    """``output`` with its loss replaced by ``loss``."""
+    return loss if isinstance(output, Tensor) else {**output, "loss": loss}
+
+
+def sequence_loss(module: nn.Module, loss: Tensor) -> Tensor:
+    """The token-mean loss of the whole sequence from this rank's token mean (over ``batch["labels"] != -100``):
+    what to log from a ``training_step``, and what it may return. Under a strategy other than ``"fpdt"`` the loss is
+    returned as it is (one process already holds the whole sequence). Call it on every rank (a collective)::
+
+        loss = lightning_fpdt.sequence_loss(self, F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()))
+        self.log("train_loss", loss)
+    """
+    reduce = getattr(module.trainer.strategy, "reduce_loss", None)
+    return reduce(loss) if callable(reduce) else loss
+
+
+def check_training_loss(loss: Optional[Tensor], no_target: Tensor, trainer: Any, *, rank: int) -> bool:
+    """Stop every rank together on a non-finite loss (one rank stopping alone would hang the others): a
+    ``FloatingPointError`` naming the step on every rank. Returns whether a data-parallel group's batch had no
+    target at all (``no_target``, a device flag of this rank's batch). Collective; one host synchronisation."""
+    if loss is None:
+        return False
+    flags = torch.stack([~torch.isfinite(loss.detach().reshape(())), no_target.to(loss.device)]).float()
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    nonfinite, targetless = (bool(flag) for flag in flags.tolist())
+    if nonfinite:
+        raise FloatingPointError(
+            f"non-finite loss ({loss.item()} on rank {rank}) at global step {trainer.global_step} "
+            f"(epoch {trainer.current_epoch}): training stopped; lower the learning rate, check the data, or "
+            f"pass FPDTStrategy(nonfinite_loss='ignore') to train on"
+        )
+    return targetless
+
+
+def no_target_message(step: int) -> str:
+    return (f"fpdt: at global step {step} a batch has no token with a target (every label is -100, or the sequences "
+            f"are 1 token long): its loss is 0.0 (one process would report NaN) and its gradient zero; check the "
+            f"data (shown once)")

@@ -420,24 +420,10 @@ def fpdt_chunk_attention(
     documents: Optional[DocumentBoundaries] = None,
     layout: Optional[SequenceLayout] = None,
 ) -> Tensor:
-    """Exact causal attention of a sequence-sharded batch over one process group, in FPDT's chunk pipeline.
-
-    Args:
-        query: ``(B, S/P, H, D)``, this rank's tokens in :class:`SequenceLayout` order, RoPE applied.
-        key, value: ``(B, S/P, Hkv, D)``.
-        causal: must be ``True``: FPDT's schedule is the causal one.
-        scale: softmax scale, ``D ** -0.5`` by default.
-        group: the sequence-parallel process group (``None``: the default group, or one process).
-        num_chunks: FPDT chunks per rank ``u``; ``1`` is Ulysses.
-        backend: block kernel, one of ``"auto"``, ``"math"``, ``"flash"``, ``"cudnn"``.
-        stashes: where chunks wait for the backward (:class:`StashFactory`; default: device memory).
-        documents: packed documents of the *global* (padded) sequences (:class:`DocumentBoundaries`): a token
-            attends only to earlier tokens of its own document; ``None``: one document per sequence.
-        layout: the batch's :class:`SequenceLayout` (``num_chunks`` is then its own); ``None``: from the group.
-
-    Returns:
-        ``(B, S/P, H, D)``, this rank's tokens of the attention output.
-    """
+    """Exact causal attention of a sequence-sharded batch over one process group, in FPDT's chunk pipeline: the
+    arguments of :func:`~lightning_fpdt.sequence.attention.fpdt_attention` with ``group`` one process group (or
+    ``None``), and ``layout`` the batch's :class:`SequenceLayout` (its ``num_chunks`` then wins; ``None``: built from
+    the group). Returns ``(B, S/P, H, D)``, this rank's tokens of the attention output."""
     plan = make_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
                      backend=backend, documents=documents, layout=layout)
     # decided here: inside Function.forward grad mode is always off

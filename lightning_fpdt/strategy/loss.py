@@ -26,13 +26,18 @@ def with_loss(output: Any, loss: Tensor) -> Any:
 
 def sequence_loss(module: nn.Module, loss: Tensor) -> Tensor:
     """The token-mean loss of the whole sequence from this rank's token mean (over ``batch["labels"] != -100``):
-    what to log from a ``training_step``, and what it may return. Under a strategy other than ``"fpdt"`` the loss is
-    returned as it is (one process already holds the whole sequence). Call it on every rank (a collective)::
+    what to log from a ``training_step``, and what it may return. Under a strategy other than ``"fpdt"``, or outside
+    a Trainer, the loss is returned as it is (one process holds the whole sequence). Call it on every rank (a
+    collective under the fpdt strategy)::
 
         loss = lightning_fpdt.sequence_loss(self, F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()))
         self.log("train_loss", loss)
     """
-    reduce = getattr(module.trainer.strategy, "reduce_loss", None)
+    try:
+        strategy = module.trainer.strategy
+    except RuntimeError:  # not attached to a Trainer: one process, the loss is the sequence's
+        return loss
+    reduce = getattr(strategy, "reduce_loss", None)
     return reduce(loss) if callable(reduce) else loss
 
 

@@ -163,3 +163,9 @@ def labels_of_another_length_are_refused() -> None:
 def test_labels_of_another_length_are_refused(dist_pool):
     """Labels shorter than input_ids raise a ValueError naming both shapes before any rank computes."""
     dist_pool(2).run(labels_of_another_length_are_refused)
+
+
+def test_sequence_loss_outside_a_trainer():
+    """A module not attached to a Trainer (a step called by hand) gets its loss back unchanged."""
+    loss = torch.tensor(2.5)
+    assert lightning_fpdt.sequence_loss(NanoGPT(), loss) is loss

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
@@ -230,6 +231,9 @@ def train_alst(args: argparse.Namespace, *, device: torch.device, world_size: in
 
     from bench.peers.systems import sdpa_backend, step_profiler
 
+    # DeepSpeed reads torchrun's variables (zero.Init: LOCAL_RANK); a one-GPU run started with python3 has none
+    for name, value in (("LOCAL_RANK", device.index or 0), ("RANK", dist.get_rank()), ("WORLD_SIZE", world_size)):
+        os.environ.setdefault(name, str(value))
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     config = deepspeed_config(args, world_size)
     # each patch is undone when the run ends: the recipe applies them to the process

@@ -1,4 +1,4 @@
-"""The reference Llama trained side by side by this project and by its two peers; one JSON record per run.
+"""The reference Llama trained side by side by this project and by its peers; one JSON record per run.
 
     python3 -m bench.peers --system fpdt --model llama3-8b --layers 4 --seq-len 262144 --ballast auto --check-host
     torchrun --standalone --nproc_per_node 4 -m bench.peers --system ring --model llama3-8b --layers 4 --seq-len 262144
@@ -22,7 +22,20 @@ GPUs with bf16 compute and fp32 master weights and gradient reduction (FSDP2's `
   labels are the buffers it shards. CUDA only: torch dispatches only its CUDA SDPA kernels to ring attention (on CPU
   ``aten._scaled_dot_product_flash_attention_for_cpu`` "does not have a sharding strategy registered").
 
-Modules: ``cli`` (options, entry), ``systems`` (the three systems), ``ballast`` (the layers not run and the host
-check), ``runner`` (one run on every rank), ``records`` (the JSON record and the ranks' agreement on its status),
-``search`` (``--max-length``). The ballast protocol and the record's fields: bench/README.md.
+Two more systems train the same geometry as a Hugging Face ``transformers`` Llama (built from the named geometry at
+random, transformers' seeded init; DeepSpeed and transformers are imported only when they run):
+
+- ``fpdt-hf``: ``fpdt`` on the Hugging Face Llama (the strategy's ``"fpdt"`` attention and loss in transformers),
+  the same strategy and callbacks.
+- ``alst``: DeepSpeed's Arctic Long Sequence Training recipe: Ulysses over SDPA, TiledMLP, tiled logits and loss,
+  checkpointed layer inputs offloaded to the host, ZeRO-3 (bench/peers/alst.py lists every departure).
+
+``python3 -m bench.peers.deepspeed_fpdt`` measures DeepSpeed's FPDT attention op alone (``kind: attention`` records
+of system ``deepspeed-fpdt``), as bench/attention.py measures this project's.
+
+Modules: ``cli`` (options, entry), ``systems`` (the systems), ``alst``, ``hf_llama`` (the Hugging Face Llama),
+``deepspeed_fpdt`` and ``flash_shim`` (DeepSpeed's FPDT op on PyTorch's FlashAttention-2), ``ballast`` (the layers
+not run and the host check), ``runner`` (one run on every rank), ``records`` (the JSON record and the ranks'
+agreement on its status), ``search`` (``--max-length``). The ballast protocol and the record's fields:
+bench/README.md.
 """

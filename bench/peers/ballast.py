@@ -41,15 +41,18 @@ def kept_bytes_per_layer(system: str, geometry: ModelGeometry, *, seq_len: int, 
     for each block not run.
 
     ``modelparallel``: its checkpointed input, ``S·h·b`` (every GPU holds the whole sequence); ``ring``: the same for
-    its ``S/W`` tokens; ``fpdt``: nothing when the attention offloads (ActivationOffload keeps the block inputs in host
-    memory, the attention its chunks), else the layer's attention chunks (``planning.stash_bytes``) and its output
-    kept for the recompute, ``S/P·H·D·b``, as ``lightning_fpdt.planner`` counts them (``P`` = all GPUs, one node);
-    nothing either when the recompute runs the attention again (only the layer in backward holds chunks)."""
+    its ``S/W`` tokens; ``alst``: nothing (its checkpointed inputs wait in host memory); ``fpdt``, ``fpdt-hf``:
+    nothing when the attention offloads (ActivationOffload keeps the block inputs in host memory, the attention its
+    chunks), else the layer's attention chunks (``planning.stash_bytes``) and its output kept for the recompute,
+    ``S/P·H·D·b``, as ``lightning_fpdt.planner`` counts them (``P`` = all GPUs, one node); nothing either when the
+    recompute runs the attention again (only the layer in backward holds chunks)."""
     act = PRECISIONS[precision]["act"]
     if system == "modelparallel":
         return seq_len * geometry.hidden_size * act
     if system == "ring":
         return seq_len // num_gpus * geometry.hidden_size * act
+    if system == "alst":
+        return 0
     if attention_offload or recompute_attention:
         return 0
     attention = attention_geometry(geometry, act)
@@ -59,18 +62,31 @@ def kept_bytes_per_layer(system: str, geometry: ModelGeometry, *, seq_len: int, 
 
 def ballast_bytes(
     geometry: ModelGeometry, *, layers_run: int, num_gpus: int, precision: str, cpu_offload_params: bool,
-    kept_per_layer: int = 0, optimizer: str = "adamw",
+    kept_per_layer: int = 0, optimizer: str = "adamw", offloaded_gpu_bytes_per_parameter: int = 0,
 ) -> int:
     """What the ``geometry.num_layers - layers_run`` blocks not run would hold on each GPU: their parameters,
-    gradients and optimizer moments, sharded by FSDP2 over all ``num_gpus`` (none when those live in host memory),
-    and what each keeps between its forward and backward (:func:`kept_bytes_per_layer`).
+    gradients and optimizer moments, sharded over all ``num_gpus`` (with ``cpu_offload_params`` only
+    ``offloaded_gpu_bytes_per_parameter``: none when everything lives in host memory, the compute-dtype parameter
+    shard where only the optimizer is offloaded), and what each keeps between its forward and backward
+    (:func:`kept_bytes_per_layer`).
 
     The rest of a step's memory does not depend on the depth: the gathered weights of the current and the prefetched
     block, the root unit, the working set of the block computing, the loss."""
     block, _rest = parameter_counts(geometry)
     missing = geometry.num_layers - layers_run
-    states = 0 if cpu_offload_params else missing * block * state_bytes_per_parameter(precision, optimizer) // num_gpus
+    per_parameter = offloaded_gpu_bytes_per_parameter if cpu_offload_params else state_bytes_per_parameter(
+        precision, optimizer)
+    states = missing * block * per_parameter // num_gpus
     return states + missing * kept_per_layer
+
+
+def offloaded_gpu_bytes_per_parameter(args: argparse.Namespace, world_size: int) -> int:
+    """GPU bytes per parameter that ``--cpu-offload-params`` leaves on the GPUs (before sharding): none under FSDP2's
+    ``CPUOffloadPolicy`` and under ``alst`` on one GPU (ZeRO ``offload_param``); ``alst`` on several GPUs offloads
+    only the optimizer, and ZeRO-3 keeps the compute-dtype parameter shard on the GPU."""
+    if args.system != "alst" or world_size == 1:
+        return 0
+    return PRECISIONS[args.precision]["act"]
 
 
 def run_ballast(args: argparse.Namespace, geometry: ModelGeometry, world_size: int) -> tuple[int, int]:
@@ -79,9 +95,10 @@ def run_ballast(args: argparse.Namespace, geometry: ModelGeometry, world_size: i
         return 0, 0
     kept = kept_bytes_per_layer(args.system, geometry, seq_len=args.seq_len, num_gpus=world_size,
                                 precision=args.precision, attention_offload=args.offload == "on",
-                                recompute_attention=args.system == "fpdt" and args.recompute_attention)
+                                recompute_attention=args.system in ("fpdt", "fpdt-hf") and args.recompute_attention)
     common = dict(layers_run=layers_run(args), num_gpus=world_size, precision=args.precision,
-                  cpu_offload_params=args.cpu_offload_params)
+                  cpu_offload_params=args.cpu_offload_params,
+                  offloaded_gpu_bytes_per_parameter=offloaded_gpu_bytes_per_parameter(args, world_size))
     return ballast_bytes(geometry, kept_per_layer=kept, **common), ballast_bytes(geometry, **common)
 
 
@@ -94,15 +111,17 @@ def host_check(
     Only ``fpdt`` pins activations and attention chunks; the baselines pin host memory only for CPU-offloaded states.
     ``planned_peak_gpu_bytes`` (fpdt only) is the planner's GPU peak of the full depth, to set beside the measured one.
     """
-    fpdt = args.system == "fpdt"
+    fpdt = args.system in ("fpdt", "fpdt-hf")
+    alst = args.system == "alst"  # block inputs in host memory, tiled MLP and loss, Ulysses over every GPU
     offload = {"on": True, "off": False, "auto": "auto"}[args.offload]
     plan = plan_memory(
         geometry=args.model, seq_len=args.seq_len, num_gpus=num_gpus, gpus_per_node=gpus_per_node,
-        sequence_parallel_size=resolved.get("sequence_parallel_size", "auto") if fpdt else 1,
+        sequence_parallel_size=resolved.get("sequence_parallel_size", "auto") if fpdt else num_gpus if alst else 1,
         chunks=resolved.get("chunks", args.chunks) if fpdt else 1,
         offload=resolved.get("offload", offload) if fpdt else False,
         offload_dq=resolved.get("offload_dq", "auto") if fpdt else False,
-        activation_offload=fpdt, activation_checkpointing=True, tiled_mlp=fpdt, tiled_loss=fpdt,
+        activation_offload=fpdt or alst, activation_checkpointing=True, tiled_mlp=fpdt or alst,
+        tiled_loss=fpdt or alst,
         precision=args.precision, cpu_offload_params=args.cpu_offload_params,
         gpu_memory_gib=(gpu_memory_bytes or 80 * GIB) / GIB,
         host_memory_gib=None if available_bytes is None else available_bytes / GIB,

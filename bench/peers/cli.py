@@ -16,7 +16,7 @@ from bench.peers.ballast import full_depth, layers_run
 from bench.peers.records import print_record
 from bench.peers.runner import dist_environment, run
 from bench.peers.search import max_length_search
-from bench.peers.systems import SYSTEMS
+from bench.peers.systems import FPDT_SYSTEMS, SYSTEMS
 from bench.provenance import append_record
 from lightning_fpdt.models.llama import NAMED_CONFIGS
 
@@ -41,20 +41,25 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="fpdt: ActivationOffload(recompute_attention=True), one layer's attention stash instead "
                              "of every layer's (for lengths where the full depth's stashes exceed host memory)")
     parser.add_argument("--cpu-offload-params", action="store_true",
-                        help="FSDP2 CPUOffloadPolicy in every system (Llama-3-8B's states do not fit one 80 GB GPU)")
+                        help="FSDP2 CPUOffloadPolicy in every system but alst; alst: ZeRO offload_optimizer to the CPU "
+                             "with DeepSpeedCPUAdam, and offload_param on one GPU (Llama-3-8B's states do not fit one "
+                             "80 GB GPU)")
     parser.add_argument("--gpu-memory-gib", type=float, default=None,
                         help="cap each process's GPU memory here (torch.cuda.set_per_process_memory_fraction; the "
                              "fpdt planner follows the cap): an 80 GB card's 79 GiB run on a larger card")
     parser.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
     parser.add_argument("--attention-backend", choices=["auto", "cudnn", "flash", "efficient", "math"], default="auto",
-                        help="fpdt: FPDTStrategy(attention_backend=...); modelparallel, ring: sdpa_kernel(...)")
+                        help="fpdt, fpdt-hf: FPDTStrategy(attention_backend=...); modelparallel, ring, alst: "
+                             "sdpa_kernel(...)")
 
 
 def _add_system_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--chunks", type=_auto_or_int, default="auto", help="fpdt: FPDT chunks per rank")
+    parser.add_argument("--chunks", type=_auto_or_int, default="auto", help="fpdt, fpdt-hf: FPDT chunks per rank")
     parser.add_argument("--head-chunks", type=int, default=1,
-                        help="fpdt: FPDTStrategy(head_chunks=G), attention in G head groups (lower attention peaks)")
-    parser.add_argument("--offload", choices=["on", "off", "auto"], default="on", help="fpdt: attention chunk offload")
+                        help="fpdt, fpdt-hf: FPDTStrategy(head_chunks=G), attention in G head groups (lower "
+                             "attention peaks)")
+    parser.add_argument("--offload", choices=["on", "off", "auto"], default="on",
+                        help="fpdt, fpdt-hf: attention chunk offload")
     parser.add_argument("--rotate-method", choices=["allgather", "alltoall"], default="allgather",
                         help="ring: how the kv shards travel (torch's set_rotate_method)")
     parser.add_argument("--ring-kv-heads", choices=["native", "expand"], default="native",
@@ -86,7 +91,8 @@ def _add_search_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Train the reference Llama with fpdt, ModelParallelStrategy or ring context "
-        "parallelism and write one JSON record per run.",
+        "parallelism, or its geometry as a Hugging Face Llama with fpdt (fpdt-hf) or DeepSpeed's ALST recipe (alst), "
+        "and write one JSON record per run.",
     )
     _add_run_options(parser)
     _add_system_options(parser)
@@ -122,22 +128,33 @@ def _check_memory_options(args: argparse.Namespace) -> None:
     if args.cpu_offload_params and args.accelerator != "cuda":
         raise ValueError("--cpu-offload-params needs a GPU: FSDP2's CPUOffloadPolicy pins the sharded parameters for "
                          "the accelerator (_fsdp_param._init_sharded_param fails without one); drop it on CPU")
-    if args.system == "fpdt" and args.ballast == "auto" and args.offload == "auto":
-        raise ValueError("fpdt: --ballast auto needs --offload on or off, not auto: without offload the attention "
-                         "chunks of the layers not run belong in the ballast, and auto decides only at the first "
-                         "batch, after the ballast is allocated")
+    if args.system in FPDT_SYSTEMS and args.ballast == "auto" and args.offload == "auto":
+        raise ValueError(f"{args.system}: --ballast auto needs --offload on or off, not auto: without offload the "
+                         "attention chunks of the layers not run belong in the ballast, and auto decides only at the "
+                         "first batch, after the ballast is allocated")
 
 
 def _warn_ignored(args: argparse.Namespace) -> None:
     ignored = {
-        "--chunks": (args.chunks, "auto", "fpdt"), "--offload": (args.offload, "on", "fpdt"),
-        "--head-chunks": (args.head_chunks, 1, "fpdt"),
-        "--rotate-method": (args.rotate_method, "allgather", "ring"),
-        "--ring-kv-heads": (args.ring_kv_heads, "native", "ring"),
+        "--chunks": (args.chunks, "auto", FPDT_SYSTEMS), "--offload": (args.offload, "on", FPDT_SYSTEMS),
+        "--head-chunks": (args.head_chunks, 1, FPDT_SYSTEMS),
+        "--recompute-attention": (args.recompute_attention, False, FPDT_SYSTEMS),
+        "--rotate-method": (args.rotate_method, "allgather", ("ring",)),
+        "--ring-kv-heads": (args.ring_kv_heads, "native", ("ring",)),
     }
-    for option, (value, default, system) in ignored.items():
-        if value != default and args.system != system:
-            warnings.warn(f"{option} {value} has no effect on --system {args.system} (only on {system})")
+    for option, (value, default, systems) in ignored.items():
+        if value != default and args.system not in systems:
+            warnings.warn(f"{option} {value} has no effect on --system {args.system} (only on {', '.join(systems)})")
+
+
+def _check_alst(args: argparse.Namespace, world_size: int) -> None:
+    if args.accelerator != "cuda":
+        raise ValueError("alst: DeepSpeed's recipe runs ZeRO-3 and its offloads on GPUs; run it with --accelerator "
+                         "cuda (the CPU path is for the fpdt and modelparallel tests)")
+    if args.seq_len % world_size:
+        raise ValueError(f"alst: --seq-len ({args.seq_len}) must be a multiple of the GPU count ({world_size}): "
+                         "UlyssesSPDataLoaderAdapter shards each sample evenly; pick "
+                         f"{math.ceil(args.seq_len / world_size) * world_size}")
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
@@ -149,10 +166,12 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--seq-len ({args.seq_len}) must be at least 2 and --steps ({args.steps}) at least 1")
     if args.system == "ring":
         _check_ring(args, world_size)
+    if args.system == "alst":
+        _check_alst(args, world_size)
     _check_memory_options(args)
-    if args.system == "fpdt" and args.attention_backend == "efficient":
-        raise ValueError("fpdt: --attention-backend efficient is an SDPA kernel FPDT does not use; pick auto, cudnn, "
-                         "flash or math")
+    if args.system in FPDT_SYSTEMS and args.attention_backend == "efficient":
+        raise ValueError(f"{args.system}: --attention-backend efficient is an SDPA kernel FPDT does not use; pick "
+                         "auto, cudnn, flash or math")
     _warn_ignored(args)
     if args.accelerator == "cuda" and not torch.cuda.is_available():
         raise ValueError("--accelerator cuda but torch sees no CUDA device; the CPU path (--accelerator cpu) is for "

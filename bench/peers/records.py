@@ -124,10 +124,17 @@ def options(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
     """The options that shape what a system does, as it resolved them."""
     common = {"precision": args.precision, "cpu_offload_params": args.cpu_offload_params,
               "attention_backend": args.attention_backend, "ballast": args.ballast}
-    if args.system == "fpdt":
+    if args.system in ("fpdt", "fpdt-hf"):
         return {**common, "offload": info.get("offload", args.offload), "offload_dq": info.get("offload_dq"),
                 "callbacks": ["ActivationOffload", "TiledMLP", "TiledLoss", "MFUMonitor"],
-                "recompute_attention": args.recompute_attention, "head_chunks": args.head_chunks}
+                "recompute_attention": args.recompute_attention, "head_chunks": args.head_chunks,
+                "model_code": "transformers" if args.system == "fpdt-hf" else "lightning_fpdt"}
+    if args.system == "alst":
+        return {**common, "model_code": "transformers", "zero_stage": 3, "sequence_parallel": "ulysses",
+                "core_attention": "sdpa", "tiled_mlp": True, "loss": "TiledFusedLogitsLoss",
+                "activation_checkpointing": "non-reentrant, inputs offloaded to host",
+                "offload_optimizer": args.cpu_offload_params, "offload_param": info.get("offload_param", False),
+                "optimizer": info.get("optimizer"), "gradient_reduction": info.get("gradient_reduction")}
     baseline = {**common, "activation_checkpointing": "checkpoint_wrapper (non-reentrant)", "loss": "untiled"}
     if args.system == "ring":
         baseline.update(rotate_method=args.rotate_method, kv_heads=args.ring_kv_heads, load_balance="head-tail")
@@ -193,7 +200,8 @@ def run_record(args: argparse.Namespace, context: RunContext, info: dict[str, An
         **memory_figures(info, rank_figures, ballast),
         "host_check": None, "ranks_answered": answered, "attempt": args.attempt_id,
         "command": command, "commit": provenance["commit"],
-        "env": {name: os.environ[name] for name in (*MULTICAST_OFF, "CUDA_VISIBLE_DEVICES") if name in os.environ},
+        "env": {name: os.environ[name] for name in (*MULTICAST_OFF, "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF")
+                if name in os.environ},
         "torch": provenance["torch"], "lightning": L.__version__, "time": provenance["time"],
     }
 

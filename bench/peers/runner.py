@@ -56,8 +56,8 @@ def _prepare_device(args: argparse.Namespace, local_rank: int) -> torch.device:
 
 def _init_process_group(args: argparse.Namespace, device: torch.device, world_size: int) -> None:
     """Lightning reuses a process group that exists (one process: Lightning makes its own); ring needs one even on one
-    GPU (its mesh, the loss's all-reduce)."""
-    if dist.is_initialized() or not (world_size > 1 or args.system == "ring"):
+    GPU (its mesh, the loss's all-reduce), and so does alst (DeepSpeed wraps it)."""
+    if dist.is_initialized() or not (world_size > 1 or args.system in ("ring", "alst")):
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     if world_size > 1:

@@ -1,4 +1,5 @@
-"""The three systems: ``fpdt`` and ``modelparallel`` through Lightning's Trainer, ``ring`` as a plain PyTorch loop.
+"""The systems: ``fpdt``, ``fpdt-hf`` and ``modelparallel`` through Lightning's Trainer, ``ring`` as a plain PyTorch
+loop, ``alst`` as DeepSpeed's loop (bench/peers/alst.py; DeepSpeed and transformers are imported when it runs).
 
 Each trains ``args.steps`` steps of the same model on the same data and fills ``info`` with every step's time, loss
 and peak GPU memory as the run goes, so an out-of-memory error still leaves the steps done.
@@ -30,7 +31,9 @@ from lightning_fpdt.models.llama import IGNORE_INDEX, LlamaConfig, LlamaForCausa
 from lightning_fpdt.models.module import LlamaLM
 from lightning_fpdt.sequence.layout import SequenceLayout
 
-SYSTEMS = ("fpdt", "modelparallel", "ring")
+SYSTEMS = ("fpdt", "fpdt-hf", "modelparallel", "ring", "alst")
+FPDT_SYSTEMS = ("fpdt", "fpdt-hf")
+"""The systems trained by this project's strategy: the reference Llama and the Hugging Face Llama."""
 
 
 class RandomTokens(Dataset):
@@ -210,11 +213,16 @@ def _layout(trainer: L.Trainer, seq_len: int) -> dict[str, Any]:
                 sequence_parallel_size=strategy.sequence_parallel_size, data_parallel_size=strategy.data_parallel_size)
 
 
-def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[LlamaLM, Any, list[L.Callback], str]:
-    """``(module, strategy, callbacks, precision)`` of ``fpdt`` or ``modelparallel``."""
+def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.LightningModule, Any, list[L.Callback], str]:
+    """``(module, strategy, callbacks, precision)`` of ``fpdt``, ``fpdt-hf`` or ``modelparallel``."""
     layers = layers_run(args)
-    if args.system == "fpdt":
-        module = LlamaLM(args.model, lr=args.lr, seed=args.seed, num_layers=layers)
+    if args.system in FPDT_SYSTEMS:
+        if args.system == "fpdt":
+            module = LlamaLM(args.model, lr=args.lr, seed=args.seed, num_layers=layers)
+        else:
+            from bench.peers.hf_llama import HFLlamaLM  # transformers is imported when the model is built
+
+            module = HFLlamaLM(args.model, num_layers=layers, max_seq_len=args.seq_len, seed=args.seed, lr=args.lr)
         strategy = FPDTStrategy(chunks=args.chunks, offload={"on": True, "off": False, "auto": "auto"}[args.offload],
                                 attention_backend=args.attention_backend, head_chunks=args.head_chunks,
                                 cpu_offload_params=args.cpu_offload_params)
@@ -230,7 +238,7 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[LlamaLM
 
 def train_lightning(args: argparse.Namespace, *, device: torch.device, world_size: int, gpus_per_node: int,
                     info: dict[str, Any], peak: Optional[float]) -> None:
-    """``fpdt`` or ``modelparallel``: ``args.steps`` steps of ``Trainer.fit``."""
+    """``fpdt``, ``fpdt-hf`` or ``modelparallel``: ``args.steps`` steps of ``Trainer.fit``."""
     module, strategy, callbacks, precision = _lightning_parts(args, world_size)
     monitor = MFUMonitor(peak_flops=peak)
     trainer = L.Trainer(
@@ -242,7 +250,7 @@ def train_lightning(args: argparse.Namespace, *, device: torch.device, world_siz
     vocab = LlamaConfig.from_name(args.model).vocab_size
     # Lightning shards the samples over the data-parallel ranks: under modelparallel rank r trains samples r, r + W, ...
     loader = DataLoader(RandomTokens(vocab, args.seq_len, args.steps * world_size), batch_size=1, shuffle=False)
-    with sdpa_backend(args.attention_backend if args.system != "fpdt" else "auto"):
+    with sdpa_backend(args.attention_backend if args.system not in FPDT_SYSTEMS else "auto"):
         trainer.fit(module, loader)
 
 
@@ -301,8 +309,16 @@ def train_ring(args: argparse.Namespace, *, device: torch.device, world_size: in
             _append_step(info, device, seconds, loss_sum.item() / global_targets)
 
 
+def train_alst(args: argparse.Namespace, **kwargs: Any) -> None:
+    """``alst``: DeepSpeed's recipe (bench/peers/alst.py), imported here so DeepSpeed is needed only to run it."""
+    from bench.peers.alst import train_alst as train
+
+    train(args, **kwargs)
+
+
 SYSTEM_FUNCTIONS: dict[str, Callable[..., None]] = {
-    "fpdt": train_lightning, "modelparallel": train_lightning, "ring": train_ring,
+    "fpdt": train_lightning, "fpdt-hf": train_lightning, "modelparallel": train_lightning, "ring": train_ring,
+    "alst": train_alst,
 }
 """The function that trains each ``--system``; every one takes ``(args, *, device, world_size, gpus_per_node, info,
 peak)``."""

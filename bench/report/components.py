@@ -29,21 +29,25 @@ def _gib(value: Optional[float]) -> str:
 
 def _attention_rows(records: list[Record]) -> Iterator[Row]:
     for r in of_kind(records, "attention"):
-        yield r, [r["card"], str(r["gpus"]), _heads(r), length(r["seq_len"]), str(r.get("chunks")),
-                  _on_off(r["offload"]), "out of memory" if r.get("oom") else number(r.get("step_s"), 3),
+        yield r, [r.get("system", "fpdt"), r["card"], str(r["gpus"]), _heads(r), length(r["seq_len"]),
+                  str(r.get("chunks")), _on_off(r["offload"]),
+                  "out of memory" if r.get("oom") else number(r.get("step_s"), 3),
                   number(r.get("tflops_per_gpu")), _gib(r.get("peak_extra_gib")), percent(r.get("a2a_share")),
                   number(r.get("host_gib"))]
 
 
 ATTENTION = Section(
     title="## The FPDT attention op",
-    intro="bench/attention.py: forward + backward of the attention op alone, bf16, causal, batch 1; S is the global "
-          "length, each GPU holds S / GPUs tokens. TFLOP/s per GPU: causal forward 2·H·S²·D, forward + backward "
-          "3.5 × forward. \"extra GiB\": the peak GPU memory of one forward + backward minus what the op must hold "
-          "whatever it does (q, k, v, dout in; out, dq, dk, dv out). \"a2a\": the share of the step in the "
-          "all-to-alls (synchronised around each). \"host GiB\": pinned host memory of the offloaded chunks.",
-    columns=("card", "GPUs", "geometry", "S", "chunks", "offload", "step s", "TFLOP/s per GPU", "extra GiB", "a2a",
-             "host GiB"),
+    intro="bench/attention.py (system fpdt) and bench/peers/deepspeed_fpdt.py (system deepspeed-fpdt, DeepSpeed's "
+          "FPDT layer, whose timed step also runs the QKV projection): forward + backward of the attention op alone, "
+          "bf16, causal, batch 1; S is the global length, each GPU holds S / GPUs tokens. TFLOP/s per GPU: causal "
+          "forward 2·H·S²·D, forward + backward 3.5 × forward. \"extra GiB\": the peak GPU memory of one forward + "
+          "backward minus what the op must hold whatever it does (fpdt: q, k, v, dout in; out, dq, dk, dv out; "
+          "deepspeed-fpdt: the layer input, QKV weight, dout in; out and their gradients out). \"a2a\": the share "
+          "of the step in the all-to-alls (synchronised around each). \"host GiB\": pinned host memory of the "
+          "offloaded chunks.",
+    columns=("system", "card", "GPUs", "geometry", "S", "chunks", "offload", "step s", "TFLOP/s per GPU",
+             "extra GiB", "a2a", "host GiB"),
     rows=_attention_rows, empty="No attention-op records.",
 )
 

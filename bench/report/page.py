@@ -18,6 +18,9 @@ SYSTEM_NAMES = {
     "fpdt": "FPDTStrategy with ActivationOffload, TiledMLP, TiledLoss and attention offload (this project)",
     "modelparallel": "Lightning's ModelParallelStrategy: FSDP2, SDPA, activation checkpointing per block",
     "ring": "torch's context parallelism: ring attention over SDPA, FSDP2, activation checkpointing per block",
+    "fpdt-hf": "fpdt on the Hugging Face transformers Llama of the same geometry",
+    "alst": "DeepSpeed's Arctic Long Sequence Training recipe on the Hugging Face Llama: Ulysses over SDPA, TiledMLP, "
+            "tiled logits and loss, checkpoint inputs offloaded to the host, ZeRO-3",
 }
 
 

@@ -9,7 +9,8 @@ from typing import Iterator
 from bench.report.markdown import NONE, Record, Section, gib, length, number, percent, ratio
 from bench.report.records import card_name, latest, model_name, of_kind, timed
 
-SYSTEMS = ("fpdt", "modelparallel", "ring")
+SYSTEMS = ("fpdt", "fpdt-hf", "modelparallel", "ring", "alst")
+"""The training systems of bench.peers, in the order the tables show them."""
 PROFILE_CATEGORIES = ("attention", "matmul", "other", "communication", "copy host->device", "copy device->host")
 Row = tuple[Record, list[str]]
 

@@ -86,8 +86,8 @@ LOSS_TILE_BYTES_PER_LOGIT = 8
 an H100: 8.0 bytes per tile logit at 16K and at 512K tokens."""
 MLP_GRAD_SUM_BYTES = 4
 """``TiledMLP`` sums each weight's gradient over the tiles in fp32 (``tiled_mlp_backward``): bytes per weight."""
-ROPE_TABLES = 4
-"""fp32 ``(B, N, D)`` tables a layer saves for backward: cos and sin, for q and for k."""
+ROPE_TABLES = 2
+"""fp32 ``(B, N, D)`` tables a layer holds for backward: cos and sin."""
 
 @dataclass(frozen=True)
 class Component:
@@ -230,7 +230,12 @@ def attention_backward_bytes(
         chunks = min(3, num_chunks) * q_side + min(2, num_chunks) * 2 * kv_chunk * b
     else:
         chunks = (2 if ring_size == 1 else 1) * local_q * b  # dout (and out: FPDT all-to-alls it in backward)
-    partial_dq = min(3, num_chunks) * 4 * q_chunk if offload_dq else 4 * local_q
+    # the partial dQ sums of the chunks before the one in the kernel (the kernel's own fp32 accumulator, counted in
+    # `kernel`, has the size of the sum the chunk's result becomes)
+    if offload_dq:
+        partial_dq = min(3, num_chunks) * 4 * q_chunk
+    else:  # the ring keeps its share's fp32 dQ sum for all its steps
+        partial_dq = 4 * local_q if ring_size > 1 else (num_chunks - 1) * 4 * q_chunk
     ring_in_flight = 2 * kv_chunk * b + kv_acc if ring_size > 1 else 0  # the next kv share and dK/dV accumulator
     return chunks + partial_dq + kernel + kv_acc + ring_in_flight
 
@@ -317,24 +322,24 @@ def components(
     # ---- persistent
     master = dtypes["master"] * total // W
     gpu, host = on(master, offloaded_states)
-    add("parameters", gpu + dtypes["param"] * (rest + 2 * block), host,
-        formula="sharded master + gathered root unit + 2 blocks")
-    sharded_grads = dtypes["grad"] * total // W
-    gpu, host = on(sharded_grads, offloaded_states)
-    add("gradients", gpu + block * (dtypes["param"] + dtypes["reduce"]), host,
-        formula="sharded + one block unsharded + its reduce-scatter copy")
+    add("parameters", gpu + dtypes["param"] * rest, host, formula="sharded master + gathered root unit")
+    # the blocks' sharded gradients; the root unit's exist from its reduce-scatter at the end of the backward until
+    # Lightning's zero_grad, which runs after the next step's forward and loss (counted in those phases)
+    block_grads = dtypes["grad"] * L * block // W
+    root_grads = 0 if offloaded_states else dtypes["grad"] * rest // W
+    gpu, host = on(block_grads, offloaded_states)
+    add("gradients", gpu, host + (dtypes["grad"] * rest // W if offloaded_states else 0), formula="blocks' shards")
     moments = OPTIMIZER_STATES[o.optimizer] * dtypes["master"] * total // W
     add("optimizer states", *on(moments, offloaded_states), formula=f"{OPTIMIZER_STATES[o.optimizer]} x sharded master")
 
-    # RMSNorm: fp32 copy of its input, normalised input, output (the plain form's; the reference Llama's tiled norm
-    # and RoPE save one fp32 per token, models/ops.py, so these terms count high for it: docs/planner.md)
-    norm = N * h * 4 * (b < 4) + 2 * A
+    norm = A + N * 4  # the normalised output and one fp32 rstd per token (the package's tiled RMSNorm)
     rope = ROPE_TABLES * N * g.head_dim * 4
     mlp_saved = 0 if o.tiled_mlp else 4 * N * g.intermediate_size * b
-    # what one layer's backward needs; head groups keep their outputs in the stash ("kept out") and recompute RoPE.
-    # The block output A: a checkpoint's recompute frees it before the block's backward (memory/block_offload.py),
-    # so under checkpointing this term counts high as the norms' do (docs/planner.md)
-    layer = 2 * norm + (N * attn_width * b + rope if G == 1 else 0) + A + mlp_saved
+    # what one layer's backward needs: two norms, the residual between them (the second norm's input), RoPE's tables
+    # and the attention output, unless the stash keeps it ("kept out": head groups, and checkpointed first-pass
+    # outputs); a checkpoint's recompute frees the block's own output before its backward (memory/block_offload.py)
+    out_kept = G > 1 or (o.activation_checkpointing and not o.recompute_attention)
+    layer = 2 * norm + A + (rope if G == 1 else 0) + (0 if out_kept else N * attn_width * b) + mlp_saved
     if o.activation_offload:
         add("checkpointed block inputs", 2 * A, L * A, formula="2 on GPU (current, prefetched), L on host")
     elif o.activation_checkpointing:
@@ -357,7 +362,6 @@ def components(
     add("attention stash", 0 if o.offload else stash + kept_out, host_attention,
         formula=("1 layer (attention recomputed)" if o.recompute_attention else "L")
         + " x planning.stash_bytes (+ kept outputs)" + (", offloaded" if o.offload else ""))
-    add("lm_head gradient", V * h * b, formula="V·hidden, unsharded until the root's reduce-scatter")
 
     # ---- transient phases
     recompute = layer if o.activation_checkpointing else 0  # without checkpointing it is in "activations" already
@@ -377,13 +381,17 @@ def components(
     add("MLP backward", 2 * A + mlp_work, phase="MLP backward",
         formula=f"grads in/out + {'one tile' if o.tiled_mlp else 'all tokens'} x {MLP_BACKWARD_BUFFERS} x I"
         + (" + fp32 weight-gradient sums" if o.tiled_mlp else ""))
-    add("layer activations (at attention)", (norm + rope) if o.activation_checkpointing else 0,
-        phase="attention backward", formula="first norm, rope")
+    at_attention = norm + rope + (0 if out_kept else N * attn_width * b)  # the recomputed output, if not kept
+    add("layer activations (at attention)", at_attention if o.activation_checkpointing else 0,
+        phase="attention backward", formula="first norm, rope (, attention output when recomputed)")
     backward_chunks = attention_backward_bytes(attention, num_chunks=o.chunks, offload=o.offload,
                                                offload_dq=o.offload_dq, **size, **ring)
     if G == 1:
-        add("attention backward", A + N * attn_width * b + N * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * b
-            + backward_chunks, phase="attention backward", formula="grads + dq, dk, dv + FPDT backward chunks")
+        # the residual stream's gradient and the attention output's; under checkpointing also a hidden-sized output
+        # of the block's recompute that lives until the block's backward ends (measured: bench/memory_trace.py)
+        grads = A + N * attn_width * b + (A if o.activation_checkpointing else 0)
+        add("attention backward", grads + N * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * b + backward_chunks,
+            phase="attention backward", formula="grads + dq, dk, dv + FPDT backward chunks")
     else:
         # a group's backward (integrations/head_groups.py) holds no other hidden-sized tensor: the output projection
         # is differentiated by hand and the q/k/v projections' input gradients are added into dx in place; at its
@@ -399,6 +407,18 @@ def components(
         loss = UNTILED_LOSS_BYTES_PER_LOGIT * N * V
         formula = "fp32 logits, log-softmax, grad"
     add("logits / loss", norm + loss, phase="loss", formula=formula)
+    # parts of the states that exist in some phases only
+    for phase in ("attention forward", "MLP backward", "attention backward"):
+        add(f"gathered blocks ({phase})", 2 * dtypes["param"] * block, phase=phase, formula="current + prefetched")
+    for phase in ("MLP backward", "attention backward"):
+        add(f"block gradients ({phase})", block * (dtypes["param"] + dtypes["reduce"]), phase=phase,
+            formula="one block unsharded + its reduce-scatter copy")
+    for phase in ("MLP backward", "attention backward", "end of backward"):
+        add(f"lm_head gradient ({phase})", V * h * b, phase=phase,
+            formula="V·hidden, unsharded from the loss's backward to the root's reduce-scatter")
+    for phase in ("attention forward", "loss"):
+        add(f"root gradients ({phase})", root_grads, phase=phase,
+            formula="the last step's sharded root-unit gradients, alive until zero_grad")
     add("embedding gradient + root reduce-scatter", V * h * b * (not g.tie_word_embeddings)
         + rest * dtypes["reduce"] + rest * dtypes["reduce"] // W, phase="end of backward",
         formula="V·hidden + root unit in reduce dtype")

@@ -10,8 +10,9 @@ An allocation's site is the innermost frame of this package, ``transformers``, F
 (``<autograd>`` when the stack has no Python frame: a built-in op's backward run by the autograd engine); its phase
 is the first entry of :data:`PHASES` whose function is on the stack. Recording costs host time, not GPU memory.
 
-Run ``python3 -m bench.memory_trace snapshot.pickle`` to print the summary of a snapshot saved by
-:meth:`MemoryTrace.dump`.
+``python3 -m bench.memory_trace train --seq-len S ...`` traces training steps of the Llama-3-8B geometry (the
+planner's calibration runs, docs/planner.md); ``python3 -m bench.memory_trace show snapshot.pickle`` prints the
+summary of a snapshot saved by :meth:`MemoryTrace.dump`.
 """
 
 from __future__ import annotations
@@ -159,12 +160,98 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def train(args: argparse.Namespace) -> None:
+    """``--steps`` steps of the Llama-3-8B geometry under ``FPDTStrategy`` with all memory callbacks, AdamW's moments
+    primed (the first step's peak is the steady state's), the history traced from the start; rank 0 appends a JSON
+    record to ``--out`` and the summary of the last step to ``--out`` with ``.txt`` for ``.jsonl``."""
+    import os
+    import time
+
+    trace = MemoryTrace()
+    trace.start()
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from bench.peers.hf_llama import HFLlamaLM
+    from bench.peers.systems import RandomTokens, prime_adam_states
+    from bench.provenance import append_record, stamp, this_command
+    from lightning_fpdt import ActivationOffload, FPDTStrategy, TiledLoss, TiledMLP
+    from lightning_fpdt.models.module import LlamaLM
+
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    if args.model == "reference":
+        module = LlamaLM("llama3-8b", lr=1e-4, num_layers=args.layers)
+    else:
+        module = HFLlamaLM("llama3-8b", num_layers=args.layers, max_seq_len=args.seq_len, seed=0, lr=1e-4)
+    switch = {"on": True, "off": False, "auto": "auto"}
+    strategy = FPDTStrategy(chunks=args.chunks if args.chunks == "auto" else int(args.chunks),
+                            offload=switch[args.offload], offload_dq=switch[args.offload_dq],
+                            head_chunks=args.head_chunks, cpu_offload_params=args.cpu_offload_params)
+    peaks: list[int] = []
+
+    class _Steps(L.Callback):
+        primed = False
+
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+            if not self.primed:
+                self.primed = True
+                for optimizer in trainer.optimizers:
+                    prime_adam_states(optimizer)
+            trace.mark(f"step{idx}")
+            torch.cuda.reset_peak_memory_stats()
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                               idx: int) -> None:
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated())
+
+    trainer = L.Trainer(strategy=strategy, accelerator="gpu", devices=world, precision="bf16-mixed",
+                        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False,
+                        callbacks=[ActivationOffload(recompute_attention=args.recompute_attention), TiledMLP(),
+                                   TiledLoss(), _Steps()])
+    trainer.fit(module, DataLoader(RandomTokens(128256, args.seq_len, args.steps * world), batch_size=1))
+    if rank == 0:
+        resolved = strategy.resolved_options(args.seq_len)
+        summary = summarise(trace.snapshot(), since=f"step{args.steps - 1}")
+        record = stamp("memory_trace", card=torch.cuda.get_device_name(), gpus=world,
+                       command=this_command("-m bench.memory_trace"))
+        record.update(model=args.model, geometry="llama3-8b", layers=args.layers,
+                      seq_len=args.seq_len, gpus=world, chunks=resolved.chunks, offload=resolved.offload,
+                      offload_dq=resolved.offload_dq, head_chunks=args.head_chunks,
+                      recompute_attention=args.recompute_attention, cpu_offload_params=args.cpu_offload_params,
+                      peak_gpu_bytes_per_step=peaks, peak_phase=summary["peak_phase"])
+        append_record(args.out, record)
+        with open(args.out.removesuffix(".jsonl") + ".txt", "a") as f:
+            f.write(f"== {args.model} S={args.seq_len} gpus={world}\n{format_summary(summary)}\n")
+        print(format_summary(summary))
+    trace.stop()
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("snapshot", help="a pickle written by MemoryTrace.dump")
-    parser.add_argument("--since", default=None, help="replay from this marker on")
-    parser.add_argument("--top", type=int, default=25)
+    commands = parser.add_subparsers(dest="command", required=True)
+    show = commands.add_parser("show", help="summarise a snapshot written by MemoryTrace.dump")
+    show.add_argument("snapshot")
+    show.add_argument("--since", default=None, help="replay from this marker on")
+    show.add_argument("--top", type=int, default=25)
+    run = commands.add_parser("train", help="trace training steps (torchrun for several GPUs)")
+    run.add_argument("--model", choices=["reference", "hf"], default="reference")
+    run.add_argument("--layers", type=int, default=2)
+    run.add_argument("--seq-len", type=int, required=True)
+    run.add_argument("--chunks", default="auto")
+    run.add_argument("--head-chunks", type=int, default=1)
+    run.add_argument("--offload", choices=["on", "off", "auto"], default="auto")
+    run.add_argument("--offload-dq", choices=["on", "off", "auto"], default="auto")
+    run.add_argument("--recompute-attention", action="store_true")
+    run.add_argument("--cpu-offload-params", action="store_true")
+    run.add_argument("--steps", type=int, default=2)
+    run.add_argument("--out", default="memory_trace.jsonl")
     args = parser.parse_args(argv)
+    if args.command == "train":
+        train(args)
+        return
     with open(args.snapshot, "rb") as f:
         snapshot = pickle.load(f)
     print(format_summary(summarise(snapshot, since=args.since, top=args.top)))

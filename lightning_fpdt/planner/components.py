@@ -6,36 +6,40 @@ parallel size, ``N = B·S/P`` local tokens (``S`` padded to a multiple of ``P·u
 ``A = N·h·b`` one hidden-state tensor, ``n`` tokens of one MLP or loss tile. Parameter counts: ``Θ`` all,
 ``Θ_block`` one block, ``Θ_rest`` the rest (embedding, lm_head unless tied, final norm: FSDP2's root unit).
 
-Persistent (held through the backward)::
+Persistent (held through the step)::
 
-    parameters    = master·Θ/W + param·(Θ_rest + 2·Θ_block)   sharded master; gathered root unit (FSDP2 keeps the root
-                                                              unsharded from forward to backward) + current and
-                                                              prefetched block
-    gradients     = grad·Θ/W + Θ_block·(param + reduce)       sharded; one block's unsharded grads + its reduce-scatter
-                                                              copy in the reduce dtype
+    parameters    = master·Θ/W + param·Θ_rest                 sharded master; gathered root unit (FSDP2 keeps the root
+                                                              unsharded from forward to backward)
+    gradients     = grad·L·Θ_block/W                          the blocks' shards (the root's: see the phases)
     optimizer     = 2·master·Θ/W                              AdamW's two moments
-    checkpoints   = 2·A (ActivationOffload: current + prefetched; L·A on the host) | L·A (checkpointing on the GPU)
-                    | L·(A + layer activations) (no checkpointing)
+    checkpoints   = min(2, L)·A (ActivationOffload: current + prefetched; L·A on the host) | L·A (checkpointing on
+                    the GPU) | L·(A + layer activations) (no checkpointing)
     attention     = L·(stash_bytes + kept out) on the GPU, or on the host when offloaded  (planning.stash_bytes;
                     "kept out" = N·H·D·b per layer under checkpointing or head_chunks > 1: the attention is not
                     recomputed)
-    lm_head grad  = V·h·b                                     unsharded, from the loss until the root's reduce-scatter
 
-Transient phases (one at a time; the largest counts)::
+Transient phases (one at a time; the largest counts). Parts of the states exist in some phases only: the current and
+prefetched block, gathered (2·param·Θ_block), in the attention forward and both backward phases; one block's
+unsharded gradients and their reduce-scatter copy (Θ_block·(param + reduce)) and the lm_head gradient (V·h·b) in the
+backward phases; the root unit's sharded gradients (grad·Θ_rest/W) from its reduce-scatter at the end of the backward
+until Lightning's ``zero_grad``, which runs after the next step's forward and loss::
 
     attention forward  = norm + q, k, v, out + planning.working_set_bytes
                          head_chunks G > 1: norm + A (the output sum) + (q, k, v, out)/G + one group's working set
     MLP backward       = layer activations + 2·A + MLP work    (untiled 2·N·I·b more; tiled 6·n·I·b)
-    attention backward = norm + rope + A + N·H·D·b + N·(H + 2·Hkv)·D·b + attention_backward_bytes
-                                                           (grads of the residual and of the attention output,
-                                                           dq, dk, dv, the FPDT backward's chunks)
+    attention backward = norm + rope (+ out when the attention is recomputed) + A + N·H·D·b (+ A under
+                         checkpointing) + N·(H + 2·Hkv)·D·b + attention_backward_bytes
+                                                           (grads of the residual and of the attention output, a
+                                                           hidden-sized output of the block's recompute, dq, dk,
+                                                           dv, the FPDT backward's chunks)
                          G > 1: 2·A (output grad, the running input grad, which each group's projections add
                          into in place) + (out-sized dout and rotated dq, dq, dk, dv)/G + one group's backward
                          chunks; the groups' outputs count as kept outputs, and no layer saves out or RoPE
-    loss               = final norm + tiled: A + V·h·4 + 6·n·V  |  untiled: 12·N·V (fp32 logits, log-softmax, grad)
+    loss               = final norm + tiled: A + V·h·4 + 8·n·V  |  untiled: 12·N·V (fp32 logits, log-softmax, grad)
     end of backward    = V·h·b (embedding grad) + Θ_rest·reduce·(1 + 1/W)   (the root unit's reduce-scatter)
 
-    layer activations  = 2 norms × (N·h·4 + 2·A) + out N·H·D·b + block output A + rope + MLP (untiled 4·N·I·b)
+    norm               = A + N·4                                (the tiled RMSNorm's output and fp32 rstd)
+    layer activations  = 2 norms + A (the residual between them) + rope + out unless kept + MLP (untiled 4·N·I·b)
 
     predicted peak per GPU = Σ persistent + max(transient phases)
     pinned host per host   = GPUs per node × (offloaded attention: L·(stash_bytes + kept out) + one layer's dout and out
@@ -46,10 +50,10 @@ With a ring (``ring_size = R > 1``, docs/ring.md) the attention terms use the Ul
 and the ring rank's share ``S/R`` for the chunk (``planning``), the backward adds the ring's second kv share and
 second fp32 dK/dV accumulator in flight, chunks are 1, and ``offload`` moves the shares to the host (no partial dQ).
 
-Calibrated against measured runs (docs/planner.md): the FPDT op alone, the tiled loss and MLP alone, and
-three 4-GPU training runs of the Llama-3-8B geometry, each within 15%. It counts tensors, not the caching allocator's
-fragmentation, the CUDA context, NCCL buffers or cuBLAS workspaces: keep a few GiB of headroom. Where phases overlap
-only in part (the lm_head gradient does not exist yet during the loss) it counts them fully: it errs high.
+Calibrated against steps traced with bench/memory_trace.py (docs/planner.md): seven runs of the Llama-3-8B
+geometry on H100s, 64K to 2M tokens on 1 and 4 GPUs, with and without states on the host, head groups and attention
+recompute, each predicted 0-9% above its measured peak. It counts tensors, not the caching allocator's fragmentation,
+the CUDA context, NCCL buffers or cuBLAS workspaces: keep a few GiB of headroom.
 """
 
 from __future__ import annotations
@@ -209,9 +213,10 @@ def attention_backward_bytes(
     previous one, released but not reusable yet: allocated on the copy stream, it waits for the compute stream to
     finish reading it) and two kv pairs; the kernel's kv expanded to ``h`` heads (GQA), its ``dq, dk, dv`` and an
     fp32 dQ accumulator (flash attention's backward keeps one; assumed of cuDNN's too); the fp32 ``dK, dV``
-    accumulators; the fp32 partial dQ of three chunks (``offload_dq``) or of the whole local sequence. Without
-    offload the chunks are in the stash (counted there) and every ``dout`` and ``out`` chunk joins them on the device. Against
-    bench/attention.py this is 1–4% low; without the third chunk generations it would be 20% low.
+    accumulators; the fp32 partial dQ of three chunks (``offload_dq``) or, on the device, of the ``u - 1`` chunks
+    before the one in the kernel. Without offload the chunks are in the stash (counted there) and every ``dout`` and
+    ``out`` chunk joins them on the device. Against bench/attention.py this is 1–4% low; without the third chunk
+    generations it would be 20% low.
 
     With a ring (``ring_size > 1``; ``u = 1``, no offload) the chunk is the ring rank's share ``B·S/R`` with
     ``h = H/U``, ``hk = max(Hkv, U)/U`` heads, and the kv share and fp32 dK/dV accumulator arriving from the previous
@@ -336,12 +341,14 @@ def components(
     rope = ROPE_TABLES * N * g.head_dim * 4
     mlp_saved = 0 if o.tiled_mlp else 4 * N * g.intermediate_size * b
     # what one layer's backward needs: two norms, the residual between them (the second norm's input), RoPE's tables
-    # and the attention output, unless the stash keeps it ("kept out": head groups, and checkpointed first-pass
-    # outputs); a checkpoint's recompute frees the block's own output before its backward (memory/block_offload.py)
-    out_kept = G > 1 or (o.activation_checkpointing and not o.recompute_attention)
+    # and the attention output, unless a stash on the GPU holds it ("kept out": head groups, and checkpointed
+    # first-pass outputs); a checkpoint's recompute frees the block's own output before its backward
+    # (memory/block_offload.py)
+    # (an offloaded stash holds the kept output on the host: the layer's replay brings it back to the GPU)
+    out_kept = G > 1 or (o.activation_checkpointing and not o.recompute_attention and not o.offload)
     layer = 2 * norm + A + (rope if G == 1 else 0) + (0 if out_kept else N * attn_width * b) + mlp_saved
     if o.activation_offload:
-        add("checkpointed block inputs", 2 * A, L * A, formula="2 on GPU (current, prefetched), L on host")
+        add("checkpointed block inputs", min(2, L) * A, L * A, formula="2 on GPU (current, prefetched), L on host")
     elif o.activation_checkpointing:
         add("checkpointed block inputs", L * A, formula="L x B·S/P·hidden")
     else:

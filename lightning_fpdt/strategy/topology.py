@@ -2,9 +2,9 @@
 
 The mesh is ``(data_parallel, sequence_parallel)``, row-major: sequence group ``g`` is the consecutive ranks
 ``g·sp … g·sp + sp − 1``, and launchers number ranks host by host (host ``n`` holds ranks
-``n·d … n·d + d − 1`` for ``d`` devices per host). A group stays inside one host exactly when ``sp`` divides ``d``. Otherwise its FPDT
-all-to-alls (several per layer and chunk, forward and backward) cross the inter-host network, several times slower
-than NVLink inside a host.
+``n·d … n·d + d − 1`` for ``d`` devices per host). A group stays inside one host exactly when ``sp`` divides
+``d``. Otherwise its FPDT all-to-alls (several per layer and chunk, forward and backward) cross the inter-host
+network, several times slower than NVLink inside a host.
 """
 
 from __future__ import annotations

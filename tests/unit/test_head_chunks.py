@@ -394,11 +394,11 @@ def _plan(**overrides):
 def test_planner_counts_one_head_group_by_hand():
     """G = 2: the attention forward holds one group's q, k, v, out and working set plus the hidden-sized output sum."""
     whole, grouped = _plan(), _plan(head_chunks=2)
-    # N = 65536 local tokens, A = N·1024·2 = 134,217,728; norm = N·1024·4 + 2A = 536,870,912
+    # N = 65536 local tokens, A = N·1024·2 = 134,217,728; norm = A + N·4 = 134,479,872
     # one group's q, k, v, out: N·(8 + 2·2 + 8)·128·2 / 2 = 167,772,160
     # one group's working set (4 query, 1 kv head, chunks of 32768): 32768·(4 + 4·1)·128·2 + 32768·4·(2·128 + 2)·4
     #   = 67,108,864 + 135,266,304 = 202,375,168
-    assert grouped.component("attention forward").gpu_bytes == 536_870_912 + 134_217_728 + 167_772_160 + 202_375_168
+    assert grouped.component("attention forward").gpu_bytes == 134_479_872 + 134_217_728 + 167_772_160 + 202_375_168
     assert grouped.phase_bytes["attention forward"] < whole.phase_bytes["attention forward"]
     assert grouped.phase_bytes["attention backward"] < whole.phase_bytes["attention backward"]
     # the same chunks and kept outputs wait on the host; the backward's dout and out chunks are one group's (half of

@@ -146,4 +146,36 @@ SMOKE_TRAIN = Section(
     rows=_smoke_train_rows, empty="No training-step records.",
 )
 
-SECTIONS = (ATTENTION, MEMORY_TILES, HEAD_CHUNKS, PACKED, SMOKE_TRAIN)
+def _memory_trace_rows(records: list[Record]) -> Iterator[Row]:
+    from lightning_fpdt.planner import plan_memory, resolve_geometry
+
+    for r in of_kind(records, "memory_trace"):
+        plan = plan_memory(
+            geometry=resolve_geometry(r["geometry"], num_layers=r["layers"]), seq_len=r["seq_len"],
+            num_gpus=r["gpus"], chunks=r["chunks"], offload=r["offload"], offload_dq=r["offload_dq"],
+            head_chunks=r["head_chunks"], recompute_attention=r["recompute_attention"],
+            cpu_offload_params=r["cpu_offload_params"], activation_offload=True, tiled_mlp=True, tiled_loss=True,
+        )
+        measured = max(r["peak_gpu_bytes_per_step"])
+        options = [f"chunks {r['chunks']}", f"offload {_on_off(r['offload'])}"]
+        options += ["offload_dq"] if r["offload_dq"] else []
+        options += [f"head_chunks {r['head_chunks']}"] if r["head_chunks"] > 1 else []
+        options += ["recompute_attention"] if r["recompute_attention"] else []
+        options += ["states on the host"] if r["cpu_offload_params"] else []
+        yield r, [r["card"], str(r["gpus"]), f"{r['geometry']} ({r['layers']} layers, {r['model']})",
+                  length(r["seq_len"]), ", ".join(options), _gib(measured / 2**30), _gib(plan.peak_gpu_bytes / 2**30),
+                  f"{plan.peak_gpu_bytes / measured:.3f}", plan.peak_phase]
+
+
+MEMORY_TRACE = Section(
+    title="## The memory planner against traced steps",
+    intro="python3 -m bench.memory_trace train: training steps under FPDTStrategy with ActivationOffload, TiledMLP "
+          "and TiledLoss, bf16-mixed, AdamW (moments primed), the CUDA allocator's history traced. \"measured\": "
+          "`torch.cuda.max_memory_allocated` of the last step, rank 0; \"planned\": `plan_memory` with the options "
+          "the run resolved, computed by this page's code; its phase is where the plan puts the peak.",
+    columns=("card", "GPUs", "model", "S", "options", "measured GiB", "planned GiB", "planned / measured",
+             "phase"),
+    rows=_memory_trace_rows, empty="No traced steps.",
+)
+
+SECTIONS = (ATTENTION, MEMORY_TILES, HEAD_CHUNKS, PACKED, SMOKE_TRAIN, MEMORY_TRACE)

@@ -39,37 +39,46 @@ DEPTH = Section(
 )
 
 
+def placement(record: Record) -> str:
+    """Where the run kept the parameters' states: ``"GPU"``, or ``"host"`` with ``--cpu-offload-params``."""
+    return "host" if (record.get("options") or {}).get("cpu_offload_params") else "GPU"
+
+
 def throughput_groups(records: list[Record]) -> dict[tuple, dict[str, Record]]:
-    """``{(card, gpus, model, layers, seq_len): {system: latest ok run with a timed step}}``."""
+    """``{(card, gpus, model, layers, seq_len, placement): {system: latest ok run with a timed step}}``."""
     runs = latest([r for r in of_kind(records, "run") if r.get("status") == "ok" and timed(r)],
-                  key=lambda r: (card_name(r), r["gpus"], r["model"], r["layers"], r["seq_len"], r["system"]))
+                  key=lambda r: (card_name(r), r["gpus"], r["model"], r["layers"], r["seq_len"], placement(r),
+                                 r["system"]))
     groups: dict[tuple, dict[str, Record]] = defaultdict(dict)
     for record in runs:
-        groups[(card_name(record), record["gpus"], record["model"], record["layers"], record["seq_len"])][
-            record["system"]] = record
+        groups[(card_name(record), record["gpus"], record["model"], record["layers"], record["seq_len"],
+                placement(record))][record["system"]] = record
     return dict(groups)
 
 
 def _throughput_rows(records: list[Record]) -> Iterator[Row]:
-    for (card, gpus, _model, _layers, seq_len), systems in sorted(throughput_groups(records).items(),
-                                                                  key=lambda kv: (kv[0][0], kv[0][1], kv[0][4])):
+    for (card, gpus, _model, _layers, seq_len, states), systems in sorted(
+            throughput_groups(records).items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][4], kv[0][5])):
         ring = systems.get("ring")
         for system in [s for s in SYSTEMS if s in systems]:
             r = systems[system]
             against_ring = NONE if ring is None or system == "ring" else ratio(r.get("tokens_per_s"),
                                                                               ring.get("tokens_per_s"))
-            yield r, [card, str(gpus), model_name(r), length(seq_len), system, number(r.get("step_time_s"), 3),
+            yield r, [card, str(gpus), model_name(r), length(seq_len), system, states,
+                      number(r.get("step_time_s"), 3),
                       number(r.get("tokens_per_s"), 0), number(r.get("tflops_per_gpu")), percent(r.get("mfu")),
                       gib(r.get("peak_gpu_bytes")), against_ring]
 
 
 THROUGHPUT = Section(
     title="### Throughput and MFU at equal length",
-    intro="`× ring`: tokens/s against ring context parallelism on the same card, GPU count, depth and length. "
+    intro="\"states\": where the parameters, gradients and optimizer states live (\"host\": `--cpu-offload-params`, "
+          "the optimizer step on the CPU). `× ring`: tokens/s against ring context parallelism on the same card, GPU "
+          "count, depth, length and placement. "
           "modelparallel's tokens/s counts every GPU's own sequence. Runs of one step (the searches) are left out: "
           "their only step includes the warm-up.",
-    columns=("card", "GPUs", "model", "S", "system", "step s", "tokens/s", "TFLOP/s per GPU", "MFU", "peak GiB",
-             "× ring"),
+    columns=("card", "GPUs", "model", "S", "system", "states", "step s", "tokens/s", "TFLOP/s per GPU", "MFU",
+             "peak GiB", "× ring"),
     rows=_throughput_rows, empty="No completed runs.",
 )
 

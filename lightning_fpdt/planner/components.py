@@ -429,7 +429,8 @@ def components(
     add("embedding gradient + root reduce-scatter", V * h * b * (not g.tie_word_embeddings)
         + rest * dtypes["reduce"] + rest * dtypes["reduce"] // W, phase="end of backward",
         formula="V·hidden + root unit in reduce dtype")
-    return items
+    order = [None, "attention forward", "MLP backward", "attention backward", "loss", "end of backward"]
+    return sorted(items, key=lambda c: order.index(c.phase))  # persistent first, then the phases in step order
 
 
 def build_plan(

@@ -25,6 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench.provenance import append_record, stamp, this_command  # noqa: E402
+from bench.timing import time_step  # noqa: E402
 from lightning_fpdt.sequence import StashFactory, fpdt_attention, new_sequence_groups  # noqa: E402
 from lightning_fpdt.sequence import all_to_all as a2a  # noqa: E402
 
@@ -69,20 +70,7 @@ def run_case(seq_len: int, num_chunks: int, offload: bool, args, rank: int, worl
         out.backward(dout)
         q.grad = k.grad = v.grad = None
 
-    step()  # warm-up: kernels chosen, pinned pool allocated
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.repeat):
-        if world > 1:
-            dist.barrier()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() - base
+    times, base, peak = time_step(step, repeat=args.repeat, world=world)
     # what the op must hold whatever it does: out, dq, dk, dv (q, k, v, dout are in `base`)
     io_bytes = 2 * q.numel() * 2 + 2 * k.numel() * 2
     a2a_seconds = 0.0

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ import torch.distributed as dist
 
 from bench.peers.flash_shim import install as install_flash_attn
 from bench.provenance import append_record, stamp, this_command
+from bench.timing import time_step
 
 SYSTEM = "deepspeed-fpdt"
 
@@ -85,20 +85,7 @@ def run_case(seq_len: int, chunk_tokens: int, offload: bool, args: argparse.Name
         return out
 
     dout = torch.randn(1, local, args.heads, args.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
-    step()  # warm-up: kernels chosen, pinned buffers allocated
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.repeat):
-        if world > 1:
-            dist.barrier()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() - base
+    times, base, peak = time_step(step, repeat=args.repeat, world=world)
     io_bytes = (dout.numel() + x.numel() + weight.numel()) * 2  # out, the input's and the weight's gradients
     median = sorted(times)[len(times) // 2]
     offloaded = impl is _FPDTGPUOffloadingAttentionImpl_

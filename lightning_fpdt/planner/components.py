@@ -50,8 +50,8 @@ With a ring (``ring_size = R > 1``, docs/ring.md) the attention terms use the Ul
 and the ring rank's share ``S/R`` for the chunk (``planning``), the backward adds the ring's second kv share and
 second fp32 dK/dV accumulator in flight, chunks are 1, and ``offload`` moves the shares to the host (no partial dQ).
 
-Calibrated against steps traced with bench/memory_trace.py (docs/planner.md): seven runs of the Llama-3-8B
-geometry on H100s, 64K to 2M tokens on 1 and 4 GPUs, with and without states on the host, head groups and attention
+Calibrated against steps traced with bench/memory_trace.py (docs/planner.md): ten runs of the Llama-3-8B geometry
+on H100s, 64K to 4M tokens on 1 and 4 GPUs, with and without states on the host, head groups and attention
 recompute, each predicted 0-9% above its measured peak. It counts tensors, not the caching allocator's fragmentation,
 the CUDA context, NCCL buffers or cuBLAS workspaces: keep a few GiB of headroom.
 """
@@ -342,9 +342,8 @@ def components(
     mlp_saved = 0 if o.tiled_mlp else 4 * N * g.intermediate_size * b
     # what one layer's backward needs: two norms, the residual between them (the second norm's input), RoPE's tables
     # and the attention output, unless a stash on the GPU holds it ("kept out": head groups, and checkpointed
-    # first-pass outputs); a checkpoint's recompute frees the block's own output before its backward
-    # (memory/block_offload.py)
-    # (an offloaded stash holds the kept output on the host: the layer's replay brings it back to the GPU)
+    # first-pass outputs; an offloaded stash holds it on the host, and the layer's replay brings it back to the GPU);
+    # a checkpoint's recompute frees the block's own output before its backward (memory/block_offload.py)
     out_kept = G > 1 or (o.activation_checkpointing and not o.recompute_attention and not o.offload)
     layer = 2 * norm + A + (rope if G == 1 else 0) + (0 if out_kept else N * attn_width * b) + mlp_saved
     if o.activation_offload:

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from bench.peers.ballast import layers_run
 from bench.step_profile import StepProfiler
@@ -236,6 +236,21 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
     return module, strategy, [], "32-true"  # bf16 comes from FSDP2's MixedPrecisionPolicy in configure_model
 
 
+class InOrder(L.LightningDataModule):
+    """The samples in order over the data-parallel ranks: data-parallel rank ``r`` of ``D`` trains samples ``r,
+    r + D, ...``, so a system whose GPUs share one sequence (``D = 1``) trains sample ``i`` at step ``i``, as ``ring``
+    and ``alst`` do. (Lightning's own sampler would shuffle the training samples.)"""
+
+    def __init__(self, dataset: Dataset) -> None:
+        super().__init__()
+        self.dataset = dataset
+
+    def train_dataloader(self) -> DataLoader:
+        # the strategy's data-parallel axis: num_replicas and rank (a DistributedSampler already set is kept)
+        sampler = DistributedSampler(self.dataset, shuffle=False, **self.trainer.strategy.distributed_sampler_kwargs)
+        return DataLoader(self.dataset, batch_size=1, sampler=sampler)
+
+
 def train_lightning(args: argparse.Namespace, *, device: torch.device, world_size: int, gpus_per_node: int,
                     info: dict[str, Any], peak: Optional[float]) -> None:
     """``fpdt``, ``fpdt-hf`` or ``modelparallel``: ``args.steps`` steps of ``Trainer.fit``."""
@@ -248,10 +263,9 @@ def train_lightning(args: argparse.Namespace, *, device: torch.device, world_siz
         callbacks=[*callbacks, monitor, _StepLog(info, monitor, args.seq_len, step_profiler(args, device, info))],
     )
     vocab = LlamaConfig.from_name(args.model).vocab_size
-    # Lightning shards the samples over the data-parallel ranks: under modelparallel rank r trains samples r, r + W, ...
-    loader = DataLoader(RandomTokens(vocab, args.seq_len, args.steps * world_size), batch_size=1, shuffle=False)
+    data = InOrder(RandomTokens(vocab, args.seq_len, args.steps * world_size))
     with sdpa_backend(args.attention_backend if args.system not in FPDT_SYSTEMS else "auto"):
-        trainer.fit(module, loader)
+        trainer.fit(module, datamodule=data)
 
 
 # ---- the ring system: a plain PyTorch loop ---------------------------------------------------------------------------

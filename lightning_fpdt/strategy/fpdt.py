@@ -32,7 +32,7 @@ from lightning_fpdt.sequence.sizes import resolve_sequence_sizes
 from lightning_fpdt.strategy import budget
 from lightning_fpdt.strategy import checkpoint as checkpointing
 from lightning_fpdt.strategy.batch import BatchPlan, check_batch, length_message, padding_message, shard_batch
-from lightning_fpdt.strategy.host_optimizer import fuse_host_optimizers, host_step, host_threads
+from lightning_fpdt.strategy.host_optimizer import host_step, host_threads, prepare_host_optimizers
 from lightning_fpdt.strategy.loss import check_training_loss, no_target_message, unwrap_loss, with_loss
 from lightning_fpdt.strategy.materialize import has_meta_parameters, materialize
 from lightning_fpdt.strategy.mesh import attention_group, build_mesh, ring_size_of, sequence_mesh
@@ -241,11 +241,7 @@ class FPDTStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.cpu_offload_params:
-                left = fuse_host_optimizers(self.optimizers)
-                if left:
-                    rank_zero_warn("fpdt: cpu_offload_params: the optimizer step on the host runs torch's per-tensor "
-                                   f"loop for {', '.join(left)}; Adam or AdamW with `fused` and `foreach` unset "
-                                   "step with the fused CPU kernel, several times faster")
+                prepare_host_optimizers(self.optimizers)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload_params:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -329,10 +325,9 @@ class FPDTStrategy(ModelParallelStrategy):
     # ---- steps ----------------------------------------------------------------------------------------------------
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """With host-resident states the step's arithmetic runs on all cores of this rank's share of the host."""
-        if not self.cpu_offload_params:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        threads = host_threads(self.num_processes) if self.cpu_offload_params else torch.get_num_threads()
         return host_step(lambda c: super(FPDTStrategy, self).optimizer_step(optimizer, c, model, **kwargs), closure,
-                         host_threads(self.num_processes))
+                         threads)
 
     def reduce_loss(self, loss: Tensor) -> Tensor:
         """This rank's token-mean loss (over its tokens with a target) as the sequence group's token mean: the value

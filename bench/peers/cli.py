@@ -44,6 +44,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="FSDP2 CPUOffloadPolicy in every system but alst; alst: ZeRO offload_optimizer to the CPU "
                              "with DeepSpeedCPUAdam, and offload_param on one GPU (Llama-3-8B's states do not fit one "
                              "80 GB GPU)")
+    parser.add_argument("--host-step-after-backward", action="store_true",
+                        help="fpdt, fpdt-hf with --cpu-offload-params: FPDTStrategy(host_step_in_backward=False), the "
+                             "host's optimizer step after the backward instead of during it")
     parser.add_argument("--gpu-memory-gib", type=float, default=None,
                         help="cap each process's GPU memory here (torch.cuda.set_per_process_memory_fraction; the "
                              "fpdt planner follows the cap): an 80 GB card's 79 GiB run on a larger card")

@@ -225,7 +225,8 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
             module = HFLlamaLM(args.model, num_layers=layers, max_seq_len=args.seq_len, seed=args.seed, lr=args.lr)
         strategy = FPDTStrategy(chunks=args.chunks, offload={"on": True, "off": False, "auto": "auto"}[args.offload],
                                 attention_backend=args.attention_backend, head_chunks=args.head_chunks,
-                                cpu_offload_params=args.cpu_offload_params)
+                                cpu_offload_params=args.cpu_offload_params,
+                                host_step_in_backward=not args.host_step_after_backward)
         callbacks: list[L.Callback] = [ActivationOffload(recompute_attention=args.recompute_attention), TiledMLP(),
                                        TiledLoss()]
         return module, strategy, callbacks, args.precision  # FPDTPrecision: FSDP2 MixedPrecisionPolicy, no autocast

@@ -30,10 +30,14 @@ DOCUMENTS_FROM_POSITIONS = "documents_from_positions"
 """The reference Llama's own switch, set False: the strategy finds packed documents on the global batch."""
 FORWARD = "forward"
 """Replaced on: head-grouped attention modules (head_groups.py), blocks whose SDPA calls are intercepted (sdpa.py),
-a Hugging Face causal LM under TiledLoss and its RMSNorms (huggingface.py), checkpointed blocks
+a Hugging Face causal LM under TiledLoss and its RMSNorms (huggingface.py), an untied output head under TiledLoss
+(head_loss.py), checkpointed blocks
 (``lightning_fpdt.memory.block_offload``) and tiled MLPs (``lightning_fpdt.memory.tiled_mlp``)."""
 TILED_LOSS = "_fpdt_tiled_loss"
 """Marks a causal LM whose loss TiledLoss switched (idempotence: fit then validate)."""
+HEAD_LOSS = "_fpdt_head_loss"
+"""Marks an untied output head (``lm_head``) whose forward computes the tiled loss when given targets
+(head_loss.py); under ``cpu_offload_params`` the strategy makes it an FSDP2 unit of its own."""
 TILED_NORM = "_fpdt_tiled_norm"
 """Marks a Hugging Face RMSNorm whose forward runs over token tiles."""
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")

@@ -25,6 +25,7 @@ from lightning_fpdt.integrations.attributes import (
 )
 from lightning_fpdt.integrations.context import SequenceParallelContext, inject_position_ids, loss_reduction
 from lightning_fpdt.integrations.head_groups import install_head_groups
+from lightning_fpdt.integrations.head_loss import give_head_the_loss
 from lightning_fpdt.memory.tiled_loss import tiled_cross_entropy
 from lightning_fpdt.models.ops import rms_norm
 from lightning_fpdt.sequence.attention import LayerAttention
@@ -161,6 +162,9 @@ def tile_hf_causal_lm_loss(model: nn.Module, num_tiles: Union[Literal["auto"], i
             f"{name} soft-caps its logits (final_logit_softcapping={softcap}), which TiledLoss does not model: set it "
             f"to None in the config or drop TiledLoss"
         )
+    head = model.get_output_embeddings()
+    tied = getattr(model.config, "tie_word_embeddings", False) or head.weight is model.get_input_embeddings().weight
+    head_has_loss = not tied and give_head_the_loss(head, num_tiles)
     base = getattr(model, model.base_model_prefix)
     original = model.forward
     names = list(inspect.signature(original).parameters)  # HF forwards take no *args: positions map to names
@@ -182,8 +186,11 @@ def tile_hf_causal_lm_loss(model: nn.Module, num_tiles: Union[Literal["auto"], i
             targets = labels  # the strategy shifted them on the global sequence before sharding
         else:
             targets = shift_labels(labels, dim=-1)  # as Hugging Face shifts them
-        weight = model.get_output_embeddings().weight  # read per call: FSDP2 swaps in the gathered parameter
-        mean, num_valid = tiled_cross_entropy(hidden, weight, targets, num_tiles=num_tiles)
+        if head_has_loss:
+            mean, num_valid = head(hidden, targets)  # FSDP2 gathers the head for its forward
+        else:
+            weight = head.weight  # read per call: FSDP2 swaps in the gathered parameter
+            mean, num_valid = tiled_cross_entropy(hidden, weight, targets, num_tiles=num_tiles)
         if num_items is not None and reduce is not None:
             raise ValueError(
                 "num_items_in_batch was passed to the model under the fpdt strategy, which averages the loss over "

@@ -20,6 +20,7 @@ from lightning_fpdt.integrations.attributes import (
 )
 from lightning_fpdt.integrations.context import SequenceParallelContext, inject_position_ids, loss_reduction
 from lightning_fpdt.integrations.head_groups import install_head_groups
+from lightning_fpdt.integrations.head_loss import give_head_the_loss
 from lightning_fpdt.memory.tiled_loss import tiled_cross_entropy
 from lightning_fpdt.models.llama import LlamaAttention, LlamaForCausalLM
 from lightning_fpdt.sequence.loss import IGNORE_INDEX
@@ -55,10 +56,15 @@ def tile_reference_llama_loss(model: nn.Module, num_tiles: Union[Literal["auto"]
     """Compute the reference Llama's local loss with ``tiled_cross_entropy`` (its ``fpdt_local_loss`` under the
     strategy, else its ``loss``)."""
 
-    def local_loss(hidden: Tensor, targets: Tensor) -> Tensor:
-        # output_weight: the embedding table when tied; under FSDP2 this runs inside the model's forward, where the
-        # model's own (non-block) parameters are gathered
-        return tiled_cross_entropy(hidden, model.output_weight, targets, num_tiles=num_tiles)[0]
+    head = None if model.config.tie_word_embeddings else model.lm_head
+    if head is not None and give_head_the_loss(head, num_tiles):
+        def local_loss(hidden: Tensor, targets: Tensor) -> Tensor:
+            return head(hidden, targets)[0]  # in the head's forward: FSDP2 gathers it there, as its own unit or not
+    else:
+        def local_loss(hidden: Tensor, targets: Tensor) -> Tensor:
+            # output_weight: the embedding table when tied; under FSDP2 this runs inside the model's forward, where
+            # the model's own (non-block) parameters are gathered
+            return tiled_cross_entropy(hidden, model.output_weight, targets, num_tiles=num_tiles)[0]
 
     # under the strategy its installed loss reduces fpdt_local_loss (looked up at call time); alone, `loss` is it
     setattr(model, LOCAL_LOSS if hasattr(model, LOCAL_LOSS) else LOSS, local_loss)

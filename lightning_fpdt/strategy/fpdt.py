@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -32,7 +33,7 @@ from lightning_fpdt.sequence.sizes import resolve_sequence_sizes
 from lightning_fpdt.strategy import budget
 from lightning_fpdt.strategy import checkpoint as checkpointing
 from lightning_fpdt.strategy.batch import BatchPlan, check_batch, length_message, padding_message, shard_batch
-from lightning_fpdt.strategy.host_optimizer import host_step, host_threads, prepare_host_optimizers
+from lightning_fpdt.strategy.host_optimizer import InBackwardStep, host_step, host_threads, prepare_host_step
 from lightning_fpdt.strategy.loss import check_training_loss, no_target_message, unwrap_loss, with_loss
 from lightning_fpdt.strategy.materialize import has_meta_parameters, materialize
 from lightning_fpdt.strategy.mesh import attention_group, build_mesh, ring_size_of, sequence_mesh
@@ -71,6 +72,9 @@ class FPDTStrategy(ModelParallelStrategy):
         layer_classes: class names of the transformer blocks (FSDP2 units); ``None``: the largest ``ModuleList``.
         cpu_offload_params: keep sharded parameters, gradients and optimizer state in host memory (FSDP2
             ``CPUOffloadPolicy``), for models whose states do not fit the GPUs.
+        host_step_in_backward: with ``cpu_offload_params``, step each parameter on the host as soon as its gradient
+            lands there, during the backward (``strategy/host_optimizer.py``); with gradient clipping, several
+            optimizers or one other than Adam, AdamW or SGD the step runs after the backward (a note says why).
         pad_to_multiple: right-pad sequences to a multiple of sequence_parallel_size × chunks (labels -100);
             ``False`` raises instead.
         nonfinite_loss: ``"raise"`` stops training on every rank at the first NaN/inf loss, naming the step;
@@ -101,6 +105,7 @@ class FPDTStrategy(ModelParallelStrategy):
         head_chunks: int = 1,
         layer_classes: Optional[list[str]] = None,
         cpu_offload_params: bool = False,
+        host_step_in_backward: bool = True,
         pad_to_multiple: bool = True,
         nonfinite_loss: Literal["raise", "ignore"] = "raise",
         pad_token_id: int = 0,
@@ -126,6 +131,8 @@ class FPDTStrategy(ModelParallelStrategy):
         self._sequence_parallel_size = sequence_parallel_size
         self._layer_classes = layer_classes
         self.cpu_offload_params = cpu_offload_params
+        self._host_step_in_backward = host_step_in_backward
+        self._in_backward: Optional[InBackwardStep] = None
         self._pad_to_multiple = pad_to_multiple
         self._pad_token_id = pad_token_id
         self._nonfinite_loss = nonfinite_loss
@@ -241,7 +248,10 @@ class FPDTStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.cpu_offload_params:
-                prepare_host_optimizers(self.optimizers)
+                if self._in_backward is not None:
+                    self._in_backward.close()
+                self._in_backward = prepare_host_step(self.optimizers, trainer, in_backward=self._host_step_in_backward,
+                                                      threads=host_threads(self.num_processes))
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload_params:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -324,8 +334,13 @@ class FPDTStrategy(ModelParallelStrategy):
 
     # ---- steps ----------------------------------------------------------------------------------------------------
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """With host-resident states the step's arithmetic runs on all cores of this rank's share of the host."""
+        """With host-resident states the step's arithmetic runs on all cores of this rank's share of the host, during
+        the backward where it can (``strategy/host_optimizer.py``)."""
         threads = host_threads(self.num_processes) if self.cpu_offload_params else torch.get_num_threads()
+        if self._in_backward is not None and optimizer is self._in_backward.optimizer:
+            model = model or self.lightning_module
+            return self._in_backward.run(partial(self.precision_plugin._wrap_closure, model, optimizer, closure),
+                                         threads)
         return host_step(lambda c: super(FPDTStrategy, self).optimizer_step(optimizer, c, model, **kwargs), closure,
                          threads)
 
@@ -385,6 +400,8 @@ class FPDTStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()
+        if self._in_backward is not None:
+            self._in_backward.close()  # kept: what its last step did stays readable
         super().teardown()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

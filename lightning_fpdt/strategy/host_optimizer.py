@@ -11,20 +11,34 @@ memory, so the optimizer step runs on the CPU. Two defaults make that step slow:
 same update), where the user left both ``fused`` and ``foreach`` unset. :func:`host_step` runs the optimizer's own
 arithmetic on every core of this rank's share of the host (:func:`host_threads`), and the closure it calls (forward
 and backward, which only launch GPU work) with the thread count it had.
+
+:class:`InBackwardStep` goes further: it steps each parameter on the host as soon as FSDP2 has reduce-scattered its
+gradient and copied it to host memory, during the backward, on a worker thread, while the GPU computes the gradients
+of the layers below. After the backward only the parameters whose gradients came last (the embedding's) are left to
+step. It needs an update that treats every parameter on its own (Adam, AdamW, SGD) and nothing that changes the
+gradients after the backward: :func:`in_backward_refusal` names what stands in the way.
 """
 
 from __future__ import annotations
 
+import copy
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW)
 """Optimizers with a fused CPU kernel in torch whose update is the per-tensor loop's."""
+PER_PARAMETER = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+"""Optimizers whose update of a parameter reads only that parameter, its gradient and its state: a step over some of
+the parameters, then over the others, is one step over all of them."""
 
 
 def host_threads(local_world_size: int) -> int:
@@ -96,3 +110,123 @@ def host_step(step: Callable[[Optional[Callable[[], Any]]], Any], closure: Optio
 
     with num_threads(threads):
         return step(closure_as_before)
+
+
+def prepare_host_step(optimizers: Sequence[torch.optim.Optimizer], trainer: Any, *, in_backward: bool,
+                      threads: int) -> Optional["InBackwardStep"]:
+    """Fuse what can be fused (:func:`prepare_host_optimizers`); with ``in_backward``, the :class:`InBackwardStep`
+    of the one optimizer, its worker on all but one of ``threads`` (the other feeds the GPU), or ``None`` with a
+    note naming what keeps the step after the backward."""
+    prepare_host_optimizers(optimizers)
+    if not in_backward:
+        return None
+    refusal = in_backward_refusal(optimizers, trainer)
+    if refusal is not None:
+        rank_zero_info(f"fpdt: cpu_offload_params: the parameters step after the backward, not during it: {refusal}")
+        return None
+    return InBackwardStep(optimizers[0], threads - 1)
+
+
+def in_backward_refusal(optimizers: Sequence[torch.optim.Optimizer], trainer: Any) -> Optional[str]:
+    """Why the parameters cannot step during the backward (``None``: they can): the step must be one per-parameter
+    update of one optimizer, and nothing may read all gradients before it (clipping) or change them."""
+    if len(optimizers) != 1:
+        return f"{len(optimizers)} optimizers (it steps one)"
+    optimizer, module = optimizers[0], trainer.lightning_module
+    if type(optimizer) not in PER_PARAMETER:
+        return f"{type(optimizer).__name__} (it steps {', '.join(c.__name__ for c in PER_PARAMETER)})"
+    if any(group.get("differentiable") or group.get("capturable") for group in optimizer.param_groups):
+        return "a differentiable or capturable optimizer"
+    if not module.automatic_optimization:
+        return "manual optimization (the backward runs outside the optimizer step)"
+    if trainer.gradient_clip_val or is_overridden("configure_gradient_clipping", module):
+        return "gradient clipping (it needs every gradient before any parameter steps)"
+    readers = [type(c).__name__ for c in [module, *trainer.callbacks] if is_overridden("on_before_optimizer_step", c)]
+    if readers:
+        return f"on_before_optimizer_step of {', '.join(readers)} (it may change gradients that have already stepped)"
+    return None
+
+
+def copy_done_event() -> Optional[torch.cuda.Event]:
+    """An event on the current CUDA stream: recorded in FSDP2's gradient hook, it completes when the gradient's copy
+    to host memory, queued on that stream, has landed; ``None`` without CUDA (CPU copies are synchronous)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_stream().record_event()
+    return None
+
+
+@contextmanager
+def hidden_grads(params: Sequence[Tensor]) -> Iterator[None]:
+    """``params`` without gradients inside (an optimizer step skips them), their gradients back after."""
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in zip(params, grads):
+            p.grad = grad
+
+
+class InBackwardStep:
+    """Steps one optimizer's parameters on the host during the backward, each as its gradient arrives.
+
+    FSDP2 calls a sharded parameter's post-accumulate-grad hooks once its gradient is reduce-scattered and queued
+    for the copy to host memory. While a step runs (:meth:`run`) the hook hands the parameter to a worker thread,
+    which waits for the copy and steps that parameter alone: a shallow copy of the optimizer (the same state, no
+    step hooks) whose groups hold just it. After the backward :meth:`run` waits for the worker and calls the
+    optimizer's own step, with its hooks, over the parameters the backward did not hand over, the others' gradients
+    hidden from it. Outside :meth:`run` (validation, gradient-accumulation micro-steps, which FSDP2 does not reduce)
+    the hooks do nothing.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, threads: int) -> None:
+        self.optimizer = optimizer
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="fpdt-host-step", initializer=torch.set_num_threads,
+                                            initargs=(max(1, threads),))
+        self._pending: list[Future] = []
+        self._landed: list[Tensor] = []
+        self._shadow: Optional[torch.optim.Optimizer] = None
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._handles: list[RemovableHandle] = [p.register_post_accumulate_grad_hook(self._hand_over) for p in params]
+
+    @property
+    def stepped_in_backward(self) -> int:
+        """Parameters the last step updated during its backward."""
+        return len(self._landed)
+
+    def run(self, closure: Callable[[], Any], threads: int) -> Any:
+        """``closure()`` (forward, backward, and what runs before the optimizer step) with the parameters stepping
+        as their gradients land, then the optimizer's step over the rest with ``threads`` intra-op threads."""
+        self._landed, self._pending = [], []
+        self._shadow = copy.copy(self.optimizer)  # shares the state; Optimizer.__getstate__ leaves the hooks out
+        try:
+            with torch.enable_grad():  # as the optimizer's own step runs its closure
+                result = closure()
+        finally:
+            shadow, self._shadow = self._shadow, None
+            pending, self._pending = self._pending, []
+            for future in pending:
+                future.result()  # re-raises the worker's error
+            del shadow
+        with hidden_grads(self._landed), num_threads(threads):
+            self.optimizer.step()
+        return result
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._executor.shutdown(wait=True)
+
+    def _hand_over(self, param: Tensor) -> None:
+        if self._shadow is None or param.grad is None:
+            return
+        self._landed.append(param)
+        self._pending.append(self._executor.submit(self._step, self._shadow, param, copy_done_event()))
+
+    def _step(self, shadow: torch.optim.Optimizer, param: Tensor, copied: Optional[torch.cuda.Event]) -> None:
+        if copied is not None:
+            copied.synchronize()
+        shadow.param_groups = [{**group, "params": [p for p in group["params"] if p is param]}
+                               for group in self.optimizer.param_groups]
+        shadow.step()

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import (
 
 from lightning_fpdt.integrations import SequenceParallelContext, install
 from lightning_fpdt.integrations.attributes import APPLIED, STEP_METHODS
+from lightning_fpdt.integrations.head_loss import loss_head
 from lightning_fpdt.memory.surgery import find_blocks, find_model, has_parameters
 from lightning_fpdt.strategy.mesh import flat_mesh
 
@@ -92,10 +93,16 @@ def apply_fpdt(module: nn.Module, mesh: DeviceMesh, *, config: ParallelizeConfig
     #    (nanoGPT style), the LightningModule, whose steps then count as forwards (Lightning calls training_step,
     #    never forward, so FSDP2 would otherwise not gather the root's parameters)
     fsdp = dict(mesh=flat_mesh(mesh), mp_policy=config.mp_policy or MixedPrecisionPolicy())
-    if config.cpu_offload_params:
-        fsdp["offload_policy"] = CPUOffloadPolicy()
+    if config.cpu_offload_params:  # pinned host memory for the copies to and from the GPU (none to pin on a CPU mesh)
+        fsdp["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     for block in find_blocks(model, config.layer_classes):  # again: a transform may have wrapped the blocks
         fully_shard(block, **fsdp)
+    #    with host-resident states, an output head that computes the tiled loss in its own forward is a unit too:
+    #    its gradient then reaches the host (and steps, strategy/host_optimizer.py) right after the loss's backward,
+    #    not with the embedding's at the end; gathered from its forward to its backward, which follows at once
+    head = loss_head(model) if config.cpu_offload_params else None
+    if head is not None:
+        fully_shard(head, reshard_after_forward=False, **fsdp)
     rest = unsharded_children(module)
     if len(rest) == 1:
         fully_shard(rest[0], **fsdp)

@@ -101,10 +101,17 @@ def model_loss(kind: str, model: nn.Module, batch: dict[str, torch.Tensor]) -> t
     return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
 
 
+def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    """``"sgd"``, or ``"adamw"`` (with weight decay, so every update also reads the parameter)."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=lr)
+
+
 class LitLM(L.LightningModule):
-    def __init__(self, kind: str, seed: int, lr: float) -> None:
+    def __init__(self, kind: str, seed: int, lr: float, optimizer: str = "sgd") -> None:
         super().__init__()
-        self.kind, self.lr = kind, lr
+        self.kind, self.lr, self.optimizer_name = kind, lr, optimizer
         self.model = build_model(kind, seed)
         self.losses: list[float] = []
 
@@ -117,7 +124,7 @@ class LitLM(L.LightningModule):
         self.losses.append(outputs["loss"].item() * self.trainer.accumulate_grad_batches)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return make_optimizer(self.optimizer_name, self.parameters(), self.lr)
 
 
 def reference_batch(kind: str, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -130,10 +137,11 @@ def reference_batch(kind: str, batch: dict[str, torch.Tensor]) -> dict[str, torc
 
 
 def reference_training(kind: str, *, seed: int, lr: float, steps: int, accumulate: int, dp: int,
-                       dataset: Dataset, batch_size: int) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
+                       dataset: Dataset, batch_size: int,
+                       optimizer: str = "sgd") -> tuple[dict[str, torch.Tensor], list[list[float]]]:
     """Single process: per optimizer step, the mean over data-parallel groups of each group's token-mean loss."""
     model = build_model(kind, seed)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = make_optimizer(optimizer, model.parameters(), lr)
     # Lightning replaces a training loader's sampler by DistributedSampler(shuffle=True, seed=0) keyed on the
     # strategy's data-parallel rank; group d of the parallel run sees exactly these batches
     loaders = [iter(DataLoader(dataset, batch_size=batch_size,

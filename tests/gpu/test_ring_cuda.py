@@ -42,7 +42,7 @@ def _check(rank: int, world: int, ring_size: int, heads: tuple[int, int], backen
     gen = torch.Generator(device="cuda").manual_seed(0)  # every rank draws the same full inputs
     q = torch.randn(1, seq_len, heads[0], 128, device="cuda", generator=gen)
     k, v = (torch.randn(1, seq_len, heads[1], 128, device="cuda", generator=gen) for _ in range(2))
-    dout = torch.randn_like(q)
+    dout = torch.randn(q.shape, device="cuda", generator=gen)  # from gen too: the same on every rank
     ref_inputs = [x.clone().requires_grad_() for x in (q, k, v)]
     ref_out = causal_attention(*ref_inputs)  # fp32, one GPU
     ref_grads = torch.autograd.grad(ref_out, ref_inputs, dout)

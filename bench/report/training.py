@@ -40,8 +40,12 @@ DEPTH = Section(
 
 
 def placement(record: Record) -> str:
-    """Where the run kept the parameters' states: ``"GPU"``, or ``"host"`` with ``--cpu-offload-params``."""
-    return "host" if (record.get("options") or {}).get("cpu_offload_params") else "GPU"
+    """Where the run kept the parameters' states: ``"GPU"``, or ``"host"`` with ``--cpu-offload-params``, where
+    fpdt's record says when the host stepped: ``"host, step in backward"`` or ``"host, step after backward"``."""
+    options = record.get("options") or {}
+    if not options.get("cpu_offload_params"):
+        return "GPU"
+    return f"host, step {options['host_step']}" if options.get("host_step") else "host"
 
 
 def throughput_groups(records: list[Record]) -> dict[tuple, dict[str, Record]]:
@@ -73,7 +77,7 @@ def _throughput_rows(records: list[Record]) -> Iterator[Row]:
 THROUGHPUT = Section(
     title="### Throughput and MFU at equal length",
     intro="\"states\": where the parameters, gradients and optimizer states live (\"host\": `--cpu-offload-params`, "
-          "the optimizer step on the CPU). `× ring`: tokens/s against ring context parallelism on the same card, GPU "
+          "the optimizer step on the CPU, during the backward or after it where the record says). `× ring`: tokens/s against ring context parallelism on the same card, GPU "
           "count, depth, length and placement. "
           "modelparallel's tokens/s counts every GPU's own sequence. Runs of one step (the searches) are left out: "
           "their only step includes the warm-up.",

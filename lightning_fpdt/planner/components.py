@@ -419,6 +419,11 @@ def components(
     for phase in ("MLP backward", "attention backward"):
         add(f"block gradients ({phase})", block * (dtypes["param"] + dtypes["reduce"]), phase=phase,
             formula="one block unsharded + its reduce-scatter copy")
+    # with host-resident states an untied head that computes the tiled loss is its own FSDP2 unit
+    # (strategy/parallelize.py): it is gathered in the loss only and reduce-scatters after the loss's backward, but
+    # its fp32 reduce-scatter input stays alive until the next unit's reduce-scatter, through the last block's
+    # backward: V·h·4 there in place of the gathered head and its gradient, V·h·(2 + 2) in bf16 (traced: the same
+    # peak, 40.72 GiB, with the head a unit of its own and without); the terms below stand for both
     for phase in ("MLP backward", "attention backward", "end of backward"):
         add(f"lm_head gradient ({phase})", V * h * b, phase=phase,
             formula="V·hidden, unsharded from the loss's backward to the root's reduce-scatter")

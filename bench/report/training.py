@@ -77,7 +77,8 @@ def _throughput_rows(records: list[Record]) -> Iterator[Row]:
 THROUGHPUT = Section(
     title="### Throughput and MFU at equal length",
     intro="\"states\": where the parameters, gradients and optimizer states live (\"host\": `--cpu-offload-params`, "
-          "the optimizer step on the CPU, during the backward or after it where the record says). `× ring`: tokens/s against ring context parallelism on the same card, GPU "
+          "the optimizer step on the CPU, during the backward or after it where the record says). "
+          "`× ring`: tokens/s against ring context parallelism on the same card, GPU "
           "count, depth, length and placement. "
           "modelparallel's tokens/s counts every GPU's own sequence. Runs of one step (the searches) are left out: "
           "their only step includes the warm-up.",

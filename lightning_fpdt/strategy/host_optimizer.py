@@ -204,11 +204,9 @@ class InBackwardStep:
             with torch.enable_grad():  # as the optimizer's own step runs its closure
                 result = closure()
         finally:
-            shadow, self._shadow = self._shadow, None
-            pending, self._pending = self._pending, []
-            for future in pending:
+            self._shadow = None  # the hooks stop handing over; the queued steps hold their own reference
+            for future in self._pending:
                 future.result()  # re-raises the worker's error
-            del shadow
         with hidden_grads(self._landed), num_threads(threads):
             self.optimizer.step()
         return result

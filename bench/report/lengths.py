@@ -13,7 +13,7 @@ from typing import Any, Optional
 from bench.report.markdown import Commands, commits, length, table
 from bench.report.records import card_name, fits, latest, of_kind, stands_for_full_depth
 
-SYSTEMS = ("fpdt", "modelparallel", "ring")
+SYSTEMS = ("fpdt", "modelparallel", "ring", "alst")
 HOST_BOUND = "host (planned, full depth)"
 Entry = dict[str, Any]
 
@@ -29,6 +29,8 @@ def length_ratio(ours: Optional[Entry], theirs: Optional[Entry]) -> tuple[str, O
     value = ours["max"] / theirs["max"]
     if not theirs["exact"]:
         return f"? (no failing length for {theirs.get('system', 'the peer')})", value, False
+    if not ours["exact"] and value < 1:
+        return f"? (nothing longer run for {ours.get('system', 'fpdt')})", value, False
     return f"{'' if ours['exact'] else '≥ '}{value:.2f}×", value, True
 
 
@@ -150,8 +152,10 @@ def section(records: list[dict[str, Any]], commands: Commands) -> list[str]:
     ]
     rows = []
     for (card, gpus, model), systems in sorted(max_lengths(records).items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        if not set(systems) & set(SYSTEMS):
+            continue  # only systems without a column here (fpdt-hf)
         ours = systems.get("fpdt")
         rows.append([card, str(gpus), model, *(_cell(systems.get(system), commands) for system in SYSTEMS),
                      *(both_ratios(ours, systems.get(other)) for other in SYSTEMS[1:]), commits(_cited(systems))])
-    header = ["card", "GPUs", "model", *SYSTEMS, "fpdt / modelparallel", "fpdt / ring", "commit"]
+    header = ["card", "GPUs", "model", *SYSTEMS, *(f"fpdt / {other}" for other in SYSTEMS[1:]), "commit"]
     return lines + table(header, rows, "No maximum-length figures.")

@@ -11,6 +11,8 @@ from bench.report.records import card_name, latest, model_name, of_kind, timed
 
 SYSTEMS = ("fpdt", "fpdt-hf", "modelparallel", "ring", "alst")
 """The training systems of bench.peers, in the order the tables show them."""
+PEERS = ("ring", "alst")
+"""The systems every other one's tokens/s is set against in the throughput table."""
 PROFILE_CATEGORIES = ("attention", "matmul", "other", "communication", "copy host->device", "copy device->host")
 Row = tuple[Record, list[str]]
 
@@ -60,30 +62,42 @@ def throughput_groups(records: list[Record]) -> dict[tuple, dict[str, Record]]:
     return dict(groups)
 
 
+def _peer_key(record: Record) -> tuple:
+    """What a peer must share with a run to be compared with it: card, GPU count, model, depth, length, and whether
+    the states lived on the host (when the host stepped is fpdt's own choice, not another placement)."""
+    host = bool((record.get("options") or {}).get("cpu_offload_params"))
+    return card_name(record), record["gpus"], record["model"], record["layers"], record["seq_len"], host
+
+
 def _throughput_rows(records: list[Record]) -> Iterator[Row]:
+    groups = throughput_groups(records)
+    peers: dict[tuple, dict[str, Record]] = defaultdict(dict)
+    for systems in groups.values():
+        for system in PEERS:
+            if system in systems:
+                peers[_peer_key(systems[system])][system] = systems[system]
     for (card, gpus, _model, _layers, seq_len, states), systems in sorted(
-            throughput_groups(records).items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][4], kv[0][5])):
-        ring = systems.get("ring")
+            groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][4], kv[0][5])):
         for system in [s for s in SYSTEMS if s in systems]:
             r = systems[system]
-            against_ring = NONE if ring is None or system == "ring" else ratio(r.get("tokens_per_s"),
-                                                                              ring.get("tokens_per_s"))
+            against = [NONE if peer not in peers[_peer_key(r)] or system == peer else
+                       ratio(r.get("tokens_per_s"), peers[_peer_key(r)][peer].get("tokens_per_s")) for peer in PEERS]
             yield r, [card, str(gpus), model_name(r), length(seq_len), system, states,
                       number(r.get("step_time_s"), 3),
                       number(r.get("tokens_per_s"), 0), number(r.get("tflops_per_gpu")), percent(r.get("mfu")),
-                      gib(r.get("peak_gpu_bytes")), against_ring]
+                      gib(r.get("peak_gpu_bytes")), *against]
 
 
 THROUGHPUT = Section(
     title="### Throughput and MFU at equal length",
     intro="\"states\": where the parameters, gradients and optimizer states live (\"host\": `--cpu-offload-params`, "
           "the optimizer step on the CPU, during the backward or after it where the record says). "
-          "`× ring`: tokens/s against ring context parallelism on the same card, GPU "
-          "count, depth, length and placement. "
+          "`× ring`, `× alst`: tokens/s against ring context parallelism and DeepSpeed's ALST on the same card, GPU "
+          "count, depth and length, with the states in the same place (GPU or host). "
           "modelparallel's tokens/s counts every GPU's own sequence. Runs of one step (the searches) are left out: "
           "their only step includes the warm-up.",
     columns=("card", "GPUs", "model", "S", "system", "states", "step s", "tokens/s", "TFLOP/s per GPU", "MFU",
-             "peak GiB", "× ring"),
+             "peak GiB", *(f"× {peer}" for peer in PEERS)),
     rows=_throughput_rows, empty="No completed runs.",
 )
 

@@ -463,7 +463,7 @@ def test_host_bound_lengths_show_the_gpu_limit_beside_the_hosts():
     assert lengths.both_ratios(ours, theirs) == "– (GPU memory: ≥ 32.00×)"
     doc = page.render_markdown(records)
     assert ("| none (host: the full depth's pinned memory fits no length run; GPU: 1,048,576 ran [1], nothing longer "
-            "failed) [1] | 32,768; 49,152 failed (gpu) [2] | not run | – (GPU memory: ≥ 32.00×) |") in doc
+            "failed) [1] | 32,768; 49,152 failed (gpu) [2] | not run | not run | – (GPU memory: ≥ 32.00×) |") in doc
     # where the host does not bind there is one figure only
     records[0] = run_record("fpdt", gpus=1, layers=2, seq_len=1_048_576, timed_steps=0)
     systems_found = lengths.max_lengths(records)[(H100, 1, "llama3-8b")]
@@ -489,3 +489,49 @@ def test_capped_runs_and_fpdt_variants_are_told_apart():
     assert shown.variant(fpdt) == "attention recomputed, 4 head groups"
     fpdt["options"] = {"recompute_attention": False, "head_chunks": 1, "offload": False}
     assert shown.variant(fpdt) == "offload off"
+
+
+def test_alst_has_its_maximum_and_is_set_against_at_equal_placement():
+    """ALST's maximum length is a column of its own, with fpdt's over it; a fpdt lower bound below ALST's exact
+    maximum says nothing, so no ratio. In the throughput table fpdt's host-resident runs, whichever way the host
+    stepped, are set against ALST's host-resident run (the optimizer on the CPU), and the GPU-resident ones against
+    its GPU-resident run."""
+    def with_states(record: dict, host_step: str = None) -> dict:
+        record["options"] = {**record["options"], "cpu_offload_params": True}
+        if host_step:
+            record["options"]["host_step"] = host_step
+        return record
+
+    records = [
+        run_record("alst", gpus=4, layers=2, seq_len=1_572_864, timed_steps=0),
+        run_record("alst", gpus=4, layers=2, seq_len=1_638_400, status="oom", limit="gpu"),
+        run_record("fpdt", gpus=4, layers=2, seq_len=131_072),
+        run_record("alst", gpus=1, layers=2, seq_len=393_216, timed_steps=0),
+        run_record("alst", gpus=1, layers=2, seq_len=458_752, status="oom", limit="gpu"),
+        run_record("fpdt", gpus=1, layers=2, seq_len=1_048_576, timed_steps=0),
+        with_states(run_record("alst", gpus=4, layers=2, seq_len=524_288, tokens_per_s=36_000.0)),
+        with_states(run_record("fpdt-hf", gpus=4, layers=2, seq_len=524_288, tokens_per_s=54_000.0), "in backward"),
+        with_states(run_record("fpdt-hf", gpus=4, layers=2, seq_len=524_288, tokens_per_s=45_000.0),
+                    "after backward"),
+        run_record("alst", gpus=4, layers=2, seq_len=524_288, tokens_per_s=40_000.0),
+        run_record("fpdt-hf", gpus=4, layers=2, seq_len=524_288, tokens_per_s=56_000.0),
+    ]
+    found = lengths.max_lengths(records)
+    four, one = found[(H100, 4, "llama3-8b")], found[(H100, 1, "llama3-8b")]
+    assert (four["alst"]["max"], four["alst"]["fail"]) == (1_572_864, 1_638_400)
+    assert lengths.length_ratio(four["fpdt"], four["alst"])[0] == "? (nothing longer run for fpdt)"
+    assert lengths.length_ratio(one["fpdt"], one["alst"])[0] == "≥ 2.67×"
+    doc = page.render_markdown(records)
+    assert "| fpdt / modelparallel | fpdt / ring | fpdt / alst | commit |" in doc
+    assert "| 393,216; 458,752 failed (gpu) [" in doc and "| ≥ 2.67× |" in doc
+
+    def throughput_row(*cells: str) -> list[str]:
+        found_rows = [line for line in doc.splitlines() if all(cell in line for cell in cells) and "tokens" not in line]
+        assert len(found_rows) == 1, (cells, found_rows)
+        return [cell.strip() for cell in found_rows[0].strip("|").split("|")]
+
+    # columns: ..., peak GiB, × ring, × alst, cmd, commit
+    assert throughput_row("| 524,288 | fpdt-hf | host, step in backward |")[-4:-2] == ["–", "1.50×"]
+    assert throughput_row("| 524,288 | fpdt-hf | host, step after backward |")[-4:-2] == ["–", "1.25×"]
+    assert throughput_row("| 524,288 | fpdt-hf | GPU |")[-4:-2] == ["–", "1.40×"]
+    assert throughput_row("| 524,288 | alst | host |")[-4:-2] == ["–", "–"]

@@ -154,6 +154,10 @@ def _check_alst(args: argparse.Namespace, world_size: int) -> None:
     if args.accelerator != "cuda":
         raise ValueError("alst: DeepSpeed's recipe runs ZeRO-3 and its offloads on GPUs; run it with --accelerator "
                          "cuda (the CPU path is for the fpdt and modelparallel tests)")
+    if world_size == 1 and "TORCHELASTIC_RUN_ID" in os.environ:
+        raise ValueError("alst on one GPU: start it with python3 -m bench.peers, not torchrun: under torchrun with one "
+                         "process DeepSpeed's run never finished its first step; started with python3 the same run "
+                         "completes")
     if args.seq_len % world_size:
         raise ValueError(f"alst: --seq-len ({args.seq_len}) must be a multiple of the GPU count ({world_size}): "
                          "UlyssesSPDataLoaderAdapter shards each sample evenly; pick "

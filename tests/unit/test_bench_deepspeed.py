@@ -44,6 +44,18 @@ def test_alst_refuses_what_its_recipe_cannot_run():
         cli._warn_ignored(_args("--system", "alst", "--chunks", "4"))
 
 
+def test_alst_on_one_gpu_refuses_torchrun(monkeypatch):
+    """One GPU under torchrun never finished a step of the recipe; with python3 it does, and several GPUs need
+    torchrun."""
+    args = cli.parse_args(["--system", "alst", "--seq-len", "64"])
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    with pytest.raises(ValueError, match="alst on one GPU: start it with python3 -m bench.peers, not torchrun"):
+        cli._check_alst(args, world_size=1)
+    cli._check_alst(args, world_size=4)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    cli._check_alst(args, world_size=1)
+
+
 def test_fpdt_hf_shares_fpdts_checks():
     """fpdt-hf refuses what fpdt refuses and takes fpdt's options without a warning."""
     with pytest.raises(ValueError, match="fpdt-hf: --attention-backend efficient"):

@@ -65,3 +65,13 @@ def host_memory_refusal(strategy: Any, seq_len: int, batch_size: int) -> Optiona
     except ValueError as refusal:
         return refusal
     return None
+
+
+def check_memory_plan(strategy: Any, seq_len: int, batch_size: int, *, collective: bool) -> None:
+    """Raise :func:`host_memory_refusal`'s error; ``collective``: every rank agrees first and all raise together, so
+    none waits in a collective for a rank that raised."""
+    refusal = host_memory_refusal(strategy, seq_len, batch_size)
+    if collective and not strategy.reduce_boolean_decision(refusal is None, all=True):
+        raise refusal or ValueError("another rank refused the run: its host lacks the pinned memory (see its log)")
+    if refusal is not None:
+        raise refusal

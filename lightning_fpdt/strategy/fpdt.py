@@ -29,7 +29,6 @@ from lightning_fpdt.sequence.layout import SequenceLayout
 from lightning_fpdt.sequence.loss import sequence_parallel_loss
 from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry
-from lightning_fpdt.sequence.sizes import resolve_sequence_sizes
 from lightning_fpdt.strategy import budget
 from lightning_fpdt.strategy import checkpoint as checkpointing
 from lightning_fpdt.strategy.batch import BatchPlan, check_batch, length_message, padding_message, shard_batch
@@ -37,14 +36,9 @@ from lightning_fpdt.strategy.host_optimizer import InBackwardStep, host_step, ho
 from lightning_fpdt.strategy.loss import check_training_loss, no_target_message, unwrap_loss, with_loss
 from lightning_fpdt.strategy.materialize import has_meta_parameters, materialize
 from lightning_fpdt.strategy.mesh import attention_group, build_mesh, ring_size_of, sequence_mesh
-from lightning_fpdt.strategy.parallelize import (
-    ParallelizeConfig,
-    apply_fpdt,
-    declared_transforms,
-    no_gradient_sync,
-)
+from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt, declared_transforms, no_gradient_sync
 from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
-from lightning_fpdt.strategy.topology import warn_if_sequence_groups_span_hosts
+from lightning_fpdt.strategy.topology import resolve_topology
 from lightning_fpdt.strategy.watchdog import DEFAULT_STALE_AFTER, RankWatchdog
 
 
@@ -193,29 +187,14 @@ class FPDTStrategy(ModelParallelStrategy):
         self._setup_distributed()
         self._watchdog = RankWatchdog(self.global_rank, self.world_size, stale_after=self._heartbeat_timeout)
         self._watchdog.start()
-        heads = attention_heads(self.lightning_module)
-        head_chunks = self.options.head_chunks
-        # with head groups each group's heads split over the ranks: the sizes are resolved per group
-        dp, sp, ring = resolve_sequence_sizes(
-            world_size=self.world_size, devices_per_node=self.num_processes,
+        dp, sp, ring = resolve_topology(
+            world_size=self.world_size, devices_per_node=self.num_processes, options=self.options,
             data_parallel_size=self._data_parallel_size, sequence_parallel_size=self._sequence_parallel_size,
-            ring_size=self.options.ring_size, heads=heads, head_chunks=head_chunks,
+            heads=attention_heads(self.lightning_module),
         )
-        if heads is not None and head_chunks > 1:
-            rank_zero_info(f"fpdt: {heads[0]} query / {heads[1]} kv heads in {head_chunks} head groups")
-            heads = (heads[0] // head_chunks, heads[1] // head_chunks)
-        self.options.check_ring(ring)
         self._data_parallel_size, self._sequence_parallel_size = dp, sp
-        # with a ring only the Ulysses groups (U consecutive ranks) all-to-all; the ring's P2P may cross hosts
-        warn_if_sequence_groups_span_hosts(
-            sequence_parallel_size=sp // ring, devices_per_node=self.num_processes, world_size=self.world_size
-        )
         self._device_mesh = build_mesh(self.root_device.type, dp, sp, ring)
         setattr(self.lightning_module, DEVICE_MESH, self._device_mesh)
-        axes = {"data_parallel": dp, "sequence_parallel": sp}
-        if ring > 1:
-            axes.update(ring=ring, ulysses=sp // ring)
-        rank_zero_info(f"fpdt: mesh {axes}, heads {heads}")
 
     # ---- model ----------------------------------------------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -248,10 +227,9 @@ class FPDTStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.cpu_offload_params:
-                if self._in_backward is not None:
-                    self._in_backward.close()
                 self._in_backward = prepare_host_step(self.optimizers, trainer, in_backward=self._host_step_in_backward,
-                                                      threads=host_threads(self.num_processes))
+                                                      threads=host_threads(self.num_processes),
+                                                      replaces=self._in_backward)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload_params:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -279,10 +257,8 @@ class FPDTStrategy(ModelParallelStrategy):
         free GPU memory at the first batch (:meth:`FPDTOptions.resolve`)."""
         free = self._free_memory()
         planned = free is not None and self._geometry is not None
-        if self._device_mesh is not None:
-            ring = self.ring_size
-        else:
-            ring = self.options.ring_size if isinstance(self.options.ring_size, int) else 1
+        fixed_ring = self.options.ring_size if isinstance(self.options.ring_size, int) else 1
+        ring = self.ring_size if self._device_mesh is not None else fixed_ring
         return self.options.resolve(self._geometry if planned else None, batch_size=batch_size, seq_len=seq_len,
                                     sp_size=self.sequence_parallel_size if planned else 1, ring_size=ring,
                                     free_bytes=free)
@@ -385,11 +361,7 @@ class FPDTStrategy(ModelParallelStrategy):
         """Refuse, before any pinned buffer exists, a run whose pinned host memory does not fit this host
         (``strategy/budget.py``); at setup (``collective``) every rank refuses together, so none waits in a
         collective for a rank that raised."""
-        refusal = budget.host_memory_refusal(self, seq_len, batch_size)
-        if collective and not self.reduce_boolean_decision(refusal is None, all=True):
-            raise refusal or ValueError("another rank refused the run: its host lacks the pinned memory (see its log)")
-        if refusal is not None:
-            raise refusal
+        budget.check_memory_plan(self, seq_len, batch_size, collective=collective)
 
     def on_exception(self, exception: BaseException) -> None:
         """Name the rank that died or hung when a collective failed (``strategy/watchdog.py``)."""

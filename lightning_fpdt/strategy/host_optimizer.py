@@ -113,10 +113,12 @@ def host_step(step: Callable[[Optional[Callable[[], Any]]], Any], closure: Optio
 
 
 def prepare_host_step(optimizers: Sequence[torch.optim.Optimizer], trainer: Any, *, in_backward: bool,
-                      threads: int) -> Optional["InBackwardStep"]:
+                      threads: int, replaces: Optional["InBackwardStep"] = None) -> Optional["InBackwardStep"]:
     """Fuse what can be fused (:func:`prepare_host_optimizers`); with ``in_backward``, the :class:`InBackwardStep`
     of the one optimizer, its worker on all but one of ``threads`` (the other feeds the GPU), or ``None`` with a
-    note naming what keeps the step after the backward."""
+    note naming what keeps the step after the backward. ``replaces``: the one of an earlier fit, closed first."""
+    if replaces is not None:
+        replaces.close()
     prepare_host_optimizers(optimizers)
     if not in_backward:
         return None

@@ -1,4 +1,5 @@
-"""Where the sequence-parallel groups fall on the hosts (docs/design.md §5: sequence-parallel ranks inside one host).
+"""The mesh's sizes and where the sequence-parallel groups fall on the hosts (docs/design.md §5: sequence-parallel
+ranks inside one host).
 
 The mesh is ``(data_parallel, sequence_parallel)``, row-major: sequence group ``g`` is the consecutive ranks
 ``g·sp … g·sp + sp − 1``, and launchers number ranks host by host (host ``n`` holds ranks
@@ -10,9 +11,14 @@ network, several times slower than NVLink inside a host.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Literal, Optional, Union
 
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_fpdt.sequence.options import FPDTOptions
+from lightning_fpdt.sequence.sizes import resolve_sequence_sizes
+
+Size = Union[Literal["auto"], int]
 
 
 def hosts_per_sequence_group(sequence_parallel_size: int, devices_per_node: int) -> int:
@@ -59,3 +65,32 @@ def warn_if_sequence_groups_span_hosts(
         rank_zero_warn(message)
     return message
 
+
+
+def resolve_topology(
+    *, world_size: int, devices_per_node: int, data_parallel_size: Size, sequence_parallel_size: Size,
+    options: FPDTOptions, heads: Optional[tuple[int, int]],
+) -> tuple[int, int, int]:
+    """``(data_parallel_size, sequence_parallel_size, ring_size)`` of the mesh (:mod:`lightning_fpdt.sequence.sizes`)
+    for a model of ``heads = (query, kv)`` heads (``None``: not known), each head group's heads split over the ranks
+    when the heads are chunked. Checks the ring against the options, warns when a sequence group would span hosts and
+    logs the layout."""
+    head_chunks = options.head_chunks
+    dp, sp, ring = resolve_sequence_sizes(
+        world_size=world_size, devices_per_node=devices_per_node, data_parallel_size=data_parallel_size,
+        sequence_parallel_size=sequence_parallel_size, ring_size=options.ring_size, heads=heads,
+        head_chunks=head_chunks,
+    )
+    if heads is not None and head_chunks > 1:
+        rank_zero_info(f"fpdt: {heads[0]} query / {heads[1]} kv heads in {head_chunks} head groups")
+        heads = (heads[0] // head_chunks, heads[1] // head_chunks)
+    options.check_ring(ring)
+    # with a ring only the Ulysses groups (U consecutive ranks) all-to-all; the ring's P2P may cross hosts
+    warn_if_sequence_groups_span_hosts(
+        sequence_parallel_size=sp // ring, devices_per_node=devices_per_node, world_size=world_size
+    )
+    axes = {"data_parallel": dp, "sequence_parallel": sp}
+    if ring > 1:
+        axes.update(ring=ring, ulysses=sp // ring)
+    rank_zero_info(f"fpdt: mesh {axes}, heads {heads}")
+    return dp, sp, ring

@@ -66,7 +66,6 @@ def warn_if_sequence_groups_span_hosts(
     return message
 
 
-
 def resolve_topology(
     *, world_size: int, devices_per_node: int, data_parallel_size: Size, sequence_parallel_size: Size,
     options: FPDTOptions, heads: Optional[tuple[int, int]],

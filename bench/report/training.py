@@ -80,8 +80,9 @@ def _throughput_rows(records: list[Record]) -> Iterator[Row]:
             groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][4], kv[0][5])):
         for system in [s for s in SYSTEMS if s in systems]:
             r = systems[system]
-            against = [NONE if peer not in peers[_peer_key(r)] or system == peer else
-                       ratio(r.get("tokens_per_s"), peers[_peer_key(r)][peer].get("tokens_per_s")) for peer in PEERS]
+            alike = peers.get(_peer_key(r), {})
+            against = [NONE if peer not in alike or system == peer else
+                       ratio(r.get("tokens_per_s"), alike[peer].get("tokens_per_s")) for peer in PEERS]
             yield r, [card, str(gpus), model_name(r), length(seq_len), system, states,
                       number(r.get("step_time_s"), 3),
                       number(r.get("tokens_per_s"), 0), number(r.get("tflops_per_gpu")), percent(r.get("mfu")),

@@ -169,10 +169,11 @@ def host_buffers_untracked(tracker: LiveBytes) -> Iterator[None]:
 
 
 def build_step_model(
-    config: LlamaConfig, num_chunks: int, *, backend: str = "auto", head_chunks: int = 1
+    config: LlamaConfig, num_chunks: int, *, backend: str = "auto", head_chunks: int = 1, prefetch: int = 1,
+    reload_input: bool = False,
 ) -> LlamaForCausalLM:
     """The reference Llama in bf16 with the one-GPU options, installed in the strategy's order (attention, tiled MLP,
-    tiled loss, activation offload with the attention recomputed)."""
+    tiled loss, activation offload with the attention recomputed, and its ``prefetch`` and ``reload_input``)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     attention = FPDTAttention(num_chunks=num_chunks, backend=backend, offload=True, offload_dq=True,
@@ -181,7 +182,8 @@ def build_step_model(
     blocks = find_blocks(model)
     apply_tiled_mlp(model, blocks=blocks)
     apply_tiled_loss(model)
-    ActivationOffload(recompute_attention=True).fpdt_transform(model, blocks)
+    ActivationOffload(recompute_attention=True, prefetch=prefetch, reload_input=reload_input).fpdt_transform(
+        model, blocks)
     return model
 
 
@@ -199,13 +201,14 @@ class StepMemory:
 
 def measure_step(
     config: LlamaConfig, seq_len: int, num_chunks: int, *, reference_len: Optional[int] = None, backend: str = "auto",
-    head_chunks: int = 1,
+    head_chunks: int = 1, prefetch: int = 1, reload_input: bool = False,
 ) -> StepMemory:
     """Count one training step (forward, loss, backward) of ``seq_len`` tokens with tiles as Llama-3-8B's at
     ``reference_len`` tokens (:func:`scaled_tiles`; default: ``seq_len``)."""
     reference_len = reference_len or seq_len
     reference = LlamaConfig.from_name("llama3-8b")
-    model = build_step_model(config, num_chunks, backend=backend, head_chunks=head_chunks)
+    model = build_step_model(config, num_chunks, backend=backend, head_chunks=head_chunks, prefetch=prefetch,
+                             reload_input=reload_input)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (1, seq_len + 1), generator=gen)
     input_ids, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()  # shifted on the global sequence
@@ -246,6 +249,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--chunks", type=int, default=16)
     parser.add_argument("--head-chunks", type=int, default=1, help="head groups G of the attention module")
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--prefetch", type=int, default=1, help="ActivationOffload(prefetch=...)")
+    parser.add_argument("--reload-input", action="store_true", help="ActivationOffload(reload_input=True)")
     parser.add_argument("--vocab", type=int, default=512, help="small: the loss's vocabulary terms are constants")
     parser.add_argument("--narrow", type=int, default=1,
                         help="divide hidden, intermediate and head counts by this (head_dim kept): same ratios")
@@ -254,7 +259,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     config = LlamaConfig.from_name("llama3-8b", num_layers=args.layers, vocab_size=args.vocab,
                                    hidden_size=4096 // n, intermediate_size=14336 // n, num_heads=32 // n,
                                    num_kv_heads=max(1, 8 // n), head_dim=128)
-    step = measure_step(config, args.seq_len, args.chunks, reference_len=args.reference_len, head_chunks=args.head_chunks)
+    step = measure_step(config, args.seq_len, args.chunks, reference_len=args.reference_len,
+                        head_chunks=args.head_chunks, prefetch=args.prefetch, reload_input=args.reload_input)
     print(report(step))
 
 

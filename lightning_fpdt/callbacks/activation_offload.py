@@ -34,6 +34,11 @@ class ActivationOffload(Callback):
         recompute_attention: run the FPDT attention again in the recompute instead of keeping every layer's chunks
             and output until its backward: host (or GPU) memory of one layer's stash instead of all layers', for
             about +30% attention compute (a second forward beside the backward's 2.5 forwards' worth).
+        reload_input: leave each block's input on the host through the block's backward (what the recompute saves
+            from it points at the host copy) and bring it back only for the block's first norm: one hidden-sized
+            tensor ``B·S/P·hidden`` less on the GPU in every phase of the backward, for one more host-to-device copy
+            per block that the backward waits for. With ``prefetch=0`` too, a block's backward holds no block input
+            but briefly at its end: what reaches the longest sequences on one GPU. Needs ``offload=True``.
 
     With ``strategy="fpdt"`` the strategy applies it before FSDP2; with another strategy it wraps the blocks of the
     LightningModule's model at ``setup`` (checkpointing and offload work; the attention is recomputed there).
@@ -50,12 +55,17 @@ class ActivationOffload(Callback):
         prefetch: int = 1,
         offload: bool = True,
         recompute_attention: bool = False,
+        reload_input: bool = False,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 blocks, got {prefetch}")
+        if reload_input and not offload:
+            raise ValueError("reload_input brings block inputs back from the host: it needs offload=True (with "
+                             "offload=False they stay on the GPU anyway)")
         self.layer_classes = layer_classes
         self.prefetch = prefetch
         self.recompute_attention = recompute_attention
+        self.reload_input = reload_input
         self.stashes = StashFactory(offload=offload, pin_memory=pin_memory)
         self._owner: Optional[BlockCheckpoints] = None
 
@@ -68,7 +78,8 @@ class ActivationOffload(Callback):
     def fpdt_plan_flags(self) -> dict[str, bool]:
         """What the memory planner counts for this callback."""
         return {"activation_checkpointing": True, "activation_offload": self.stashes.offload,
-                "recompute_attention": self.recompute_attention}
+                "recompute_attention": self.recompute_attention, "reload_input": self.reload_input,
+                "input_prefetch": self.prefetch > 0}
 
     def fpdt_transform(self, model: nn.Module, blocks: list[nn.Module]) -> None:
         blocks = find_blocks(model, self.layer_classes) if self.layer_classes else blocks
@@ -79,7 +90,7 @@ class ActivationOffload(Callback):
         # attentions told to record their first pass (and not run again); none when the recompute runs them
         attentions = [] if self.recompute_attention else shared_attentions(model)
         self._owner = apply_block_offload(blocks, stashes=self.stashes, prefetch=self.prefetch, attentions=attentions,
-                                          unused_mlp_values=residual_mlps(blocks))
+                                          unused_mlp_values=residual_mlps(blocks), reload_input=self.reload_input)
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         transform_without_fpdt(self, trainer, pl_module, self.layer_classes, require_parameters=False)

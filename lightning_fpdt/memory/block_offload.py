@@ -3,7 +3,17 @@
 Under plain activation checkpointing each block keeps its input on the GPU until the backward: ``L × S/P × hidden``
 for the whole model, which at millions of tokens no longer fits. Here the input of each block goes to (pinned) host
 memory asynchronously after the block's forward, and comes back one block ahead in the backward, while the block
-after it is still computing its gradients.
+after it is still computing its gradients. In a block whose MLP is known (``residual_mlps``) that copy starts when the
+block's MLP backward has ended, so the MLP backward (recomputed activations and the MLP's gradient buffers, the step's
+highest point at long sequences) never holds the next block's input beside them; the attention backward, the longest
+part of the block at such lengths, hides the copy. Other blocks start it as their backward starts.
+
+With ``reload_input`` the block's own input does not stay on the GPU through its backward either: the recompute
+reads it, the tensors saved from it point at its host copy (saved-tensor hooks), and it comes back for the backward
+that unpacks them (the block's first norm), at the end of the block. One hidden-sized tensor less in every phase of a
+block's backward, for one more host-to-device copy per block that the backward waits for. In a block whose MLP is
+known the input's device copy goes as soon as the MLP starts in the recompute (nothing reads it after the attention's
+residual add), so the recompute's last steps do not hold it either.
 
 Attention objects passed as ``attentions`` are told to record during a block's first (no-grad) forward, so the
 recompute takes their output back instead of running attention again (docs/design.md §4). MLPs passed as
@@ -13,8 +23,11 @@ and a tiled MLP there skips computing it (:func:`mlp_value_unused`), since its b
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -22,7 +35,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_fpdt.sequence.host_stash import ChunkStash, StashFactory
+from lightning_fpdt.sequence.host_stash import ChunkStash, HostStash, StashFactory
 
 _UNUSED_VALUES: ContextVar[frozenset[int]] = ContextVar("fpdt_unused_mlp_values", default=frozenset())
 """Ids of the MLPs whose value nothing reads in the block recompute running on this thread (empty otherwise)."""
@@ -36,9 +49,12 @@ def mlp_value_unused(mlp: nn.Module) -> bool:
 class BlockCheckpoints:
     """The stash of block inputs of one model, and the order blocks ran in (for the one-ahead prefetch)."""
 
-    def __init__(self, stashes: StashFactory, prefetch: int, attentions: Sequence[Any] = ()) -> None:
+    def __init__(self, stashes: StashFactory, prefetch: int, attentions: Sequence[Any] = (),
+                 reload_input: bool = False) -> None:
         self.stashes = stashes
         self.prefetch = prefetch
+        self.reload_input = reload_input
+        """Leave a block's input on the host through its backward (when the stash offloads; module docstring)."""
         self.attentions = list(attentions)
         """Told to keep what the recompute needs (no attention recompute); objects with a ``recording`` flag."""
         self.forward_order: list[int] = []  # stash keys of this step's blocks, in forward order
@@ -68,7 +84,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 
     | tensor | shape | kept for backward |
     |---|---|---|
-    | hidden (in) | (B, S/P, hidden) | in the host stash (pinned), prefetched one block ahead in backward |
+    | hidden (in) | (B, S/P, hidden) | in the host stash (pinned), prefetched one block ahead in backward; with
+    ``reload_input`` the tensors saved from it in the recompute point at the host copy until unpacked |
     | other tensor inputs | small (position ids, RoPE tables) | as they are |
     | block activations | — | no: recomputed in backward (attention is not: see the module docstring) |
     """
@@ -93,18 +110,22 @@ class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs: Tensor) -> tuple[Optional[Tensor], ...]:
         block = ctx.block
-        owner, stash = block.owner, block.owner._stash
-        owner.prefetch_before(block.key)
-        hidden = stash.get(block.key).detach().requires_grad_()
-        stash.release(block.key)
-        stash.free(block.key)
+        owner = block.owner
+        if block.mlp is None:
+            owner.prefetch_before(block.key)
+        hidden = _RecomputeInput(owner, block)
         others = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x for x in ctx.others]
         unused = _UNUSED_VALUES.set(block.unused_mlp_values)
+        # the MLP's input gradient is complete when the MLP's backward ends: start the prefetch there
+        mlp_hook = None if block.mlp is None else block.mlp.register_forward_pre_hook(
+            functools.partial(_at_mlp, owner, block.key, hidden))
         try:
-            with torch.enable_grad():
-                outputs = block.run(ctx.spec, (hidden, *others))
+            with torch.enable_grad(), hidden.saved_tensor_hooks:
+                outputs = block.run(ctx.spec, (hidden.pop(), *others))
         finally:
             _UNUSED_VALUES.reset(unused)
+            if mlp_hook is not None:
+                mlp_hook.remove()
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         # The roots of the block's backward as gradient edges (autograd node + output index), not tensors: the backward
         # reads their nodes, never their values, so the recomputed outputs (for a transformer block one hidden-sized
@@ -115,19 +136,136 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         # backward (not autograd.grad): the block's parameters accumulate their gradients here
         torch.autograd.backward([edge for edge, _ in roots], [g for _, g in roots])
         other_grads = [x.grad if isinstance(x, Tensor) and x.requires_grad else None for x in others]
+        grad_hidden = hidden.finish()
         if block.key == owner.forward_order[0]:
             owner.forward_order.clear()  # the first block's backward ends the step
-        return (None, None, hidden.grad, *other_grads)
+        return (None, None, grad_hidden, *other_grads)
+
+
+class _RecomputeInput:
+    """The input of a block's recompute: its device copy from the stash (prefetched, or loaded now). Without
+    ``reload_input`` a leaf whose ``grad`` is the block's input gradient. With it (and a host stash) an alias from
+    :class:`_InputTap`, whose gradient goes to ``taps``; the tensors the recompute saves from it point at the host
+    copy (:class:`_SavedOnHost`), and :meth:`free_device_copy` lets the memory go before the recompute ends."""
+
+    def __init__(self, owner: BlockCheckpoints, block: "CheckpointedForward") -> None:
+        stash, key = owner._stash, block.key
+        self.stash, self.key = stash, key
+        self.reload = owner.reload_input and isinstance(stash, HostStash)
+        loaded = stash.get(key)
+        stash.release(key)
+        self.taps: list[Tensor] = []
+        self._storage: Optional[torch.UntypedStorage] = None
+        if self.reload:
+            with torch.enable_grad():  # a backward runs with grad mode off
+                self._tensor = _InputTap.apply(loaded.new_empty(0).requires_grad_(), loaded, self.taps)
+            self.saved_tensor_hooks: Any = _SavedOnHost(stash, key, loaded)
+            self._storage = loaded.untyped_storage()
+            self.leaf = None
+        else:
+            stash.free(key)
+            self._tensor = self.leaf = loaded.detach().requires_grad_()
+            self.saved_tensor_hooks = contextlib.nullcontext()
+
+    def pop(self) -> Tensor:
+        """The tensor, handed over once: this object keeps no reference to its value (but the leaf's)."""
+        tensor, self._tensor = self._tensor, None
+        return tensor
+
+    def free_device_copy(self) -> None:
+        """Under ``reload_input``: the recompute reads the input no more; its device copy goes now."""
+        if self._storage is not None:
+            self.saved_tensor_hooks.free_input(self._storage)
+            self._storage = None
+
+    def finish(self) -> Optional[Tensor]:
+        """After the block's backward: the input's gradient; the stash entry freed."""
+        self._storage = None
+        if self.leaf is not None:
+            return self.leaf.grad
+        self.stash.release(self.key)  # the copy the first norm's backward took back
+        self.stash.free(self.key)
+        return self.taps[0] if self.taps else None
+
+
+class _InputTap(torch.autograd.Function):
+    """The identity on a block input ``x`` (no grad) as a graph node: the gradient it receives is appended to
+    ``into``. Unlike a leaf (whose gradient accumulator keeps the tensor), it leaves ``x``'s memory to whoever else
+    holds it; ``anchor`` (empty, requiring grad) makes the output require grad."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, x: Tensor, into: list) -> Tensor:
+        ctx.into = into
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[None, None, None]:
+        ctx.into.append(grad)
+        return None, None, None
+
+
+@dataclass(frozen=True)
+class _OnHost:
+    """A saved tensor that views a block input, by its view of the input's host copy."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _SavedOnHost(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks of a recompute under ``reload_input``: a tensor saved that views the block input
+    ``value`` is kept as its view of the input's copy in ``stash`` (entry ``key``), brought back to the device
+    (and shared by every such tensor) when the backward unpacks it. The hooks keep integers, not ``value``: they
+    live as long as the saved tensors do."""
+
+    def __init__(self, stash: ChunkStash, key: int, value: Tensor) -> None:
+        device = value.device
+        self._address = [value.untyped_storage().data_ptr()]  # None once the input's device copy is gone
+
+        def pack(t: Tensor) -> Any:
+            if t.device == device and t.untyped_storage().data_ptr() == self._address[0]:
+                return _OnHost(tuple(t.size()), tuple(t.stride()), t.storage_offset())
+            return t
+
+        def unpack(packed: Any) -> Tensor:
+            if isinstance(packed, _OnHost):
+                return stash.get(key).as_strided(packed.size, packed.stride, packed.offset)
+            return packed
+
+        super().__init__(pack, unpack)
+
+    def free_input(self, storage: torch.UntypedStorage) -> None:
+        """Free the input's device copy (``storage``) before the recompute ends; a tensor allocated at its address
+        afterwards is not the input."""
+        storage.resize_(0)
+        self._address[0] = None
+
+
+def _at_mlp(owner: BlockCheckpoints, key: int, hidden: _RecomputeInput, mlp: nn.Module, args: tuple) -> None:
+    """Forward pre-hook on a block's MLP in its recompute. The block's input is read no more (in these blocks the
+    MLP follows the attention's residual add): under ``reload_input`` its device copy goes now. The inputs of the
+    blocks before ``key`` come back once the gradient of the MLP's input is complete, i.e. when the MLP's backward
+    has ended."""
+    hidden.free_device_copy()
+    x = args[0] if args else None
+    if isinstance(x, Tensor) and x.requires_grad:
+        x.register_hook(lambda grad: owner.prefetch_before(key))
+    else:  # nothing to wait on: start now
+        owner.prefetch_before(key)
 
 
 class CheckpointedForward:
     """What replaces a block's ``forward``: the original forward, checkpointed with its input offloaded."""
 
     def __init__(self, forward: Callable[..., Any], owner: BlockCheckpoints, key: int,
-                 unused_mlp_values: frozenset[int]) -> None:
+                 mlp: Optional[nn.Module] = None) -> None:
         self.forward, self.owner, self.key = forward, owner, key
         self.__wrapped__ = forward  # the wrapper convention: what this forward wraps
-        self.unused_mlp_values = unused_mlp_values
+        self.mlp = mlp
+        """The block's MLP when its output only feeds the residual add that ends the block (``residual_mlps``):
+        nothing reads its value in the recompute, and the earlier blocks' inputs come back after its backward."""
+        self.unused_mlp_values = frozenset() if mlp is None else frozenset({id(mlp)})
 
     def run(self, spec: Any, leaves: tuple) -> Any:
         args, kwargs = tree_unflatten(list(leaves), spec)
@@ -151,20 +289,19 @@ def offloaded_blocks(blocks: Sequence[nn.Module]) -> Optional[BlockCheckpoints]:
 
 def apply_block_offload(
     blocks: Sequence[nn.Module], *, stashes: StashFactory, prefetch: int = 1, attentions: Sequence[Any] = (),
-    unused_mlp_values: Optional[Mapping[nn.Module, nn.Module]] = None,
+    unused_mlp_values: Optional[Mapping[nn.Module, nn.Module]] = None, reload_input: bool = False,
 ) -> BlockCheckpoints:
     """Checkpoint each of ``blocks`` with its input in ``stashes`` (host memory when offloading); in place,
     idempotent. ``attentions`` record their first pass; ``unused_mlp_values`` maps a block to its MLP whose output
-    only feeds the block's residual add (see the module docstring). Returns the blocks' owner."""
+    only feeds the block's residual add; ``reload_input`` leaves a block's input on the host through its backward
+    (both: see the module docstring). Returns the blocks' owner."""
     if not blocks:
         raise ValueError("apply_block_offload got no blocks")
     wrapped = offloaded_blocks(blocks)
     if wrapped is not None:
         return wrapped  # fit then validate must not wrap twice
-    owner = BlockCheckpoints(stashes, prefetch, attentions)
+    owner = BlockCheckpoints(stashes, prefetch, attentions, reload_input)
     unused = unused_mlp_values or {}
     for key, block in enumerate(blocks):
-        mlp = unused.get(block)
-        unused_ids = frozenset() if mlp is None else frozenset({id(mlp)})
-        block.forward = CheckpointedForward(block.forward, owner, key, unused_ids)
+        block.forward = CheckpointedForward(block.forward, owner, key, unused.get(block))
     return owner

@@ -92,6 +92,26 @@ def test_activation_offload_runs_attention_once_per_layer(offload):
     assert (callback.host_bytes > 0) == offload
 
 
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("head_chunks, recompute", [(1, False), (1, True), (2, True)])
+def test_reload_input_gives_the_same_gradients(prefetch, head_chunks, recompute):
+    """reload_input: a block's input leaves the GPU after the recompute (what was saved from it points at the host
+    copy) and comes back for its first norm's backward; the gradients of every parameter and of the embedding are
+    those of the uncheckpointed model, with and without the one-ahead prefetch, head groups and attention recompute.
+    The input's host buffers all go back to the pool by the end of each step."""
+    plain, model = _models()
+    for m in (plain, model):
+        attention = FPDTAttention(num_chunks=2, backend="math", offload=True, head_chunks=head_chunks)
+        install_reference_llama(m, SequenceParallelContext(group=None, attention=attention))
+    callback = ActivationOffload(prefetch=prefetch, recompute_attention=recompute, reload_input=True)
+    callback.fpdt_transform(model, find_blocks(model))
+    _train_steps(plain)
+    _train_steps(model)
+    for (name, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12, msg=name)  # fp64, the same arithmetic
+    assert len(callback._owner._stash) == 0  # every block input freed by its backward
+
+
 def test_plain_checkpointing_would_recompute_attention():
     """Contrast: torch's own checkpoint around each block runs the attention twice per layer and step."""
     model, _ = _models()
@@ -157,5 +177,7 @@ def test_activation_offload_option_messages():
     """prefetch < 0 and a model without blocks are refused by name."""
     with pytest.raises(ValueError, match="prefetch must be >= 0 blocks, got -1"):
         ActivationOffload(prefetch=-1)
+    with pytest.raises(ValueError, match="reload_input .* needs offload=True"):
+        ActivationOffload(offload=False, reload_input=True)
     with pytest.raises(ValueError, match="found no transformer blocks in Linear"):
         ActivationOffload().fpdt_transform(torch.nn.Linear(2, 2), [])

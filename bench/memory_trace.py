@@ -209,8 +209,9 @@ def train(args: argparse.Namespace) -> None:
     trainer = L.Trainer(strategy=strategy, accelerator="gpu", devices=world, precision="bf16-mixed",
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False,
-                        callbacks=[ActivationOffload(recompute_attention=args.recompute_attention), TiledMLP(),
-                                   TiledLoss(), _Steps()])
+                        callbacks=[ActivationOffload(recompute_attention=args.recompute_attention,
+                                                     reload_input=args.reload_input, prefetch=args.prefetch),
+                                   TiledMLP(), TiledLoss(), _Steps()])
     trainer.fit(module, DataLoader(RandomTokens(128256, args.seq_len, args.steps * world), batch_size=1))
     if rank == 0:
         resolved = strategy.resolved_options(args.seq_len)
@@ -221,7 +222,8 @@ def train(args: argparse.Namespace) -> None:
                       seq_len=args.seq_len, gpus=world, chunks=resolved.chunks, offload=resolved.offload,
                       offload_dq=resolved.offload_dq, head_chunks=args.head_chunks,
                       recompute_attention=args.recompute_attention, cpu_offload_params=args.cpu_offload_params,
-                      peak_gpu_bytes_per_step=peaks, peak_phase=summary["peak_phase"])
+                      reload_input=args.reload_input, prefetch=args.prefetch, peak_gpu_bytes_per_step=peaks,
+                      peak_phase=summary["peak_phase"])
         append_record(args.out, record)
         with open(args.out.removesuffix(".jsonl") + ".txt", "a") as f:
             f.write(f"== {args.model} S={args.seq_len} gpus={world}\n{format_summary(summary)}\n")
@@ -245,6 +247,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     run.add_argument("--offload", choices=["on", "off", "auto"], default="auto")
     run.add_argument("--offload-dq", choices=["on", "off", "auto"], default="auto")
     run.add_argument("--recompute-attention", action="store_true")
+    run.add_argument("--reload-input", action="store_true", help="ActivationOffload(reload_input=True)")
+    run.add_argument("--prefetch", type=int, default=1, help="ActivationOffload(prefetch=...)")
     run.add_argument("--cpu-offload-params", action="store_true")
     run.add_argument("--steps", type=int, default=2)
     run.add_argument("--out", default="memory_trace.jsonl")

@@ -40,6 +40,11 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute-attention", action="store_true",
                         help="fpdt: ActivationOffload(recompute_attention=True), one layer's attention stash instead "
                              "of every layer's (for lengths where the full depth's stashes exceed host memory)")
+    parser.add_argument("--reload-input", action="store_true",
+                        help="fpdt: ActivationOffload(reload_input=True), a block's input on the host through its "
+                             "backward")
+    parser.add_argument("--prefetch", type=int, default=1,
+                        help="fpdt: ActivationOffload(prefetch=...), block inputs brought back ahead (0: none)")
     parser.add_argument("--cpu-offload-params", action="store_true",
                         help="FSDP2 CPUOffloadPolicy in every system but alst; alst: ZeRO offload_optimizer to the CPU "
                              "with DeepSpeedCPUAdam, and offload_param on one GPU (Llama-3-8B's states do not fit one "
@@ -142,6 +147,7 @@ def _warn_ignored(args: argparse.Namespace) -> None:
         "--chunks": (args.chunks, "auto", FPDT_SYSTEMS), "--offload": (args.offload, "on", FPDT_SYSTEMS),
         "--head-chunks": (args.head_chunks, 1, FPDT_SYSTEMS),
         "--recompute-attention": (args.recompute_attention, False, FPDT_SYSTEMS),
+        "--reload-input": (args.reload_input, False, FPDT_SYSTEMS), "--prefetch": (args.prefetch, 1, FPDT_SYSTEMS),
         "--rotate-method": (args.rotate_method, "allgather", ("ring",)),
         "--ring-kv-heads": (args.ring_kv_heads, "native", ("ring",)),
     }

@@ -227,8 +227,9 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
                                 attention_backend=args.attention_backend, head_chunks=args.head_chunks,
                                 cpu_offload_params=args.cpu_offload_params,
                                 host_step_in_backward=not args.host_step_after_backward)
-        callbacks: list[L.Callback] = [ActivationOffload(recompute_attention=args.recompute_attention), TiledMLP(),
-                                       TiledLoss()]
+        offload = ActivationOffload(recompute_attention=args.recompute_attention, reload_input=args.reload_input,
+                                    prefetch=args.prefetch)
+        callbacks: list[L.Callback] = [offload, TiledMLP(), TiledLoss()]
         return module, strategy, callbacks, args.precision  # FPDTPrecision: FSDP2 MixedPrecisionPolicy, no autocast
     module = ModelParallelLlamaLM(args.model, precision=args.precision, cpu_offload_params=args.cpu_offload_params,
                                   lr=args.lr, seed=args.seed, num_layers=layers)

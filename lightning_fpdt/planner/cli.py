@@ -119,6 +119,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--cpu-offload-params", action="store_true", help="FSDP2 CPUOffloadPolicy")
     parser.add_argument("--recompute-attention", action="store_true",
                         help="ActivationOffload(recompute_attention=True): one layer's attention stash instead of all")
+    parser.add_argument("--reload-input", action="store_true",
+                        help="ActivationOffload(reload_input=True): a block's input stays on the host through its "
+                             "backward")
+    parser.add_argument("--prefetch", type=int, default=1,
+                        help="ActivationOffload(prefetch=...): block inputs brought back ahead (0: none)")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
                         help="GiB of one GPU (an H100 80GB reports ~79, an H200 ~139)")
     parser.add_argument("--host-memory-gib", type=_host_memory, default=None,
@@ -138,6 +143,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             tiled_mlp="mlp" in args.callbacks, tiled_loss="loss" in args.callbacks, precision=args.precision,
             optimizer=args.optimizer, cpu_offload_params=args.cpu_offload_params, gpu_memory_gib=args.gpu_memory_gib,
             host_memory_gib=host, recompute_attention=args.recompute_attention, head_chunks=args.head_chunks,
+            reload_input=args.reload_input, input_prefetch=args.prefetch > 0,
         )
     except ValueError as error:
         print(f"lightning-fpdt plan: {error}", file=sys.stderr)

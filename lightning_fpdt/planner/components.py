@@ -347,7 +347,18 @@ def components(
     out_kept = G > 1 or (o.activation_checkpointing and not o.recompute_attention and not o.offload)
     layer = 2 * norm + A + (rope if G == 1 else 0) + (0 if out_kept else N * attn_width * b) + mlp_saved
     if o.activation_offload:
-        add("checkpointed block inputs", min(2, L) * A, L * A, formula="2 on GPU (current, prefetched), L on host")
+        add("checkpointed block inputs", 0, L * A, formula="L on host; on the GPU by phase (block inputs)")
+        # the forward's: the block's and the one before on its way to the host; in a block's backward its own
+        # (none under reload_input) and, from the end of its MLP backward, the next one prefetched
+        own, ahead, forward = (0 if o.reload_input else A), (A if o.input_prefetch and L > 1 else 0), min(2, L) * A
+        for phase, gpu, formula in (
+            ("attention forward", forward, "the block's + the one before, on its way to the host"),
+            ("MLP backward", own, "the block's own (on the host under reload_input)"),
+            ("attention backward", own + ahead, "own + the next one, prefetched after the MLP backward"),
+            ("loss", forward, "the last block's output and input"),
+            ("end of backward", forward, "the first block's input gradient and input"),
+        ):
+            add(f"block inputs ({phase})", gpu, phase=phase, formula=formula)
     elif o.activation_checkpointing:
         add("checkpointed block inputs", L * A, formula="L x B·S/P·hidden")
     else:
@@ -399,13 +410,14 @@ def components(
         add("attention backward", grads + N * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * b + backward_chunks,
             phase="attention backward", formula="grads + dq, dk, dv + FPDT backward chunks")
     else:
-        # a group's backward (integrations/head_groups.py) holds no other hidden-sized tensor: the output projection
-        # is differentiated by hand and the q/k/v projections' input gradients are added into dx in place; at its
-        # peak (RoPE's backward of dq) the group's dout, dq and rotated dq, dk and dv are alive: (out + qkv)/G
-        add("attention backward", 2 * A + (N * attn_width * b + qkv_out) // G + backward_chunks,
+        # a group's backward (integrations/head_groups.py) holds no other hidden-sized tensor but the gradient into
+        # the block (held until the block's backward returns): the output projection is differentiated by hand and
+        # the q/k/v projections' input gradients are added into dx in place; at its peak (RoPE's backward of dq)
+        # the group's dout, dq and rotated dq, dk and dv are alive: (out + qkv)/G
+        add("attention backward", 3 * A + (N * attn_width * b + qkv_out) // G + backward_chunks,
             phase="attention backward",
-            formula="output grad + running input grad + one group's dout, dq and its rotation, dk, dv"
-            " + its FPDT backward chunks")
+            formula="grad into the block + output grad + running input grad + one group's dout, dq and its "
+            "rotation, dk, dv + its FPDT backward chunks")
     if o.tiled_loss:
         loss = A + V * h * 4 + LOSS_TILE_BYTES_PER_LOGIT * loss_tile_tokens(N, V) * V
         formula = "hidden grad + fp32 lm_head grad + one tile"

@@ -47,6 +47,11 @@ class PlanOptions:
     """``R``: ring ranks of the 2-D sequence mesh (``P = U·R``); 1: plain Ulysses/FPDT."""
     head_chunks: int = 1
     """Head groups ``G``: the attention's projections and FPDT calls run on ``H/G`` query heads at a time."""
+    reload_input: bool = False
+    """``ActivationOffload(reload_input=True)``: a block's input stays on the host through its backward (counted
+    under ``activation_offload`` only, as both below)."""
+    input_prefetch: bool = True
+    """``ActivationOffload(prefetch >= 1)``: the next block's input comes back during a block's backward."""
 
     def __post_init__(self) -> None:
         if self.activation_offload and not self.activation_checkpointing:
@@ -74,6 +79,8 @@ class PlanOptions:
             f"{' (attention recomputed)' if self.recompute_attention else ''} "
             f"cpu_offload_params={on(self.cpu_offload_params)} {self.precision} {self.optimizer}"
             + (f" head_chunks={self.head_chunks}" if self.head_chunks > 1 else "")
+            + (" reload_input" if self.activation_offload and self.reload_input else "")
+            + (" prefetch=0" if self.activation_offload and not self.input_prefetch else "")
         )
 
 
@@ -94,7 +101,8 @@ def resolve_options(
     geometry: ModelGeometry, attention_options: FPDTOptions, *, seq_len: int, batch_size: int, num_gpus: int,
     gpus_per_node: int, sequence_parallel_size: Union[str, int], activation_offload: bool,
     activation_checkpointing: Optional[bool], tiled_mlp: bool, tiled_loss: bool, precision: str, optimizer: str,
-    cpu_offload_params: bool, gpu_memory_bytes: int, recompute_attention: bool = False,
+    cpu_offload_params: bool, gpu_memory_bytes: int, recompute_attention: bool = False, reload_input: bool = False,
+    input_prefetch: bool = True,
 ) -> PlanOptions:
     """The sizes (as the strategy resolves its mesh) and the attention options (:meth:`FPDTOptions.resolve`, with
     the free memory of :func:`free_for_auto`) of a plan."""
@@ -116,6 +124,7 @@ def resolve_options(
         activation_checkpointing=activation_offload or bool(activation_checkpointing),
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, cpu_offload_params=cpu_offload_params, precision=precision,
         optimizer=optimizer, recompute_attention=recompute_attention, ring_size=ring, head_chunks=head_chunks,
+        reload_input=reload_input, input_prefetch=input_prefetch,
     )
 
 

@@ -36,6 +36,8 @@ def plan_memory(
     host_memory_gib: Optional[float] = None,
     recompute_attention: bool = False,
     head_chunks: int = 1,
+    reload_input: bool = False,
+    input_prefetch: bool = True,
 ) -> MemoryPlan:
     """Predict the memory of one training step under ``strategy="fpdt"``, per GPU and per host, and recommend options.
 
@@ -62,6 +64,10 @@ def plan_memory(
         host_memory_gib: memory one host can pin; ``None``: not checked.
         head_chunks: head groups ``G`` (``FPDTStrategy(head_chunks=...)``): the attention phases hold one group's
             q/k/v/out (``1/G`` of the full-width buffers) and its FPDT working set, plus a hidden-sized output sum.
+        reload_input: ``ActivationOffload(reload_input=True)``: a block's input stays on the host through its
+            backward (one hidden-sized tensor less in the backward phases).
+        input_prefetch: ``ActivationOffload(prefetch=...)`` of one block or more: the next block's input comes back
+            during a block's attention backward (``False``: ``prefetch=0``).
 
     Returns:
         A :class:`MemoryPlan`: components, ``peak_gpu_bytes = Σ persistent + max(transient phases)``, pinned host
@@ -92,6 +98,7 @@ def plan_memory(
         activation_offload=activation_offload, activation_checkpointing=activation_checkpointing,
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, precision=precision, optimizer=optimizer,
         cpu_offload_params=cpu_offload_params, gpu_memory_bytes=gpu_bytes, recompute_attention=recompute_attention,
+        reload_input=reload_input, input_prefetch=input_prefetch,
     )
     plan = build_plan(geometry, model, seq_len=seq_len, batch_size=batch_size, num_gpus=num_gpus,
                       gpus_per_node=gpus_per_node, options=options, gpu_memory_bytes=gpu_bytes,

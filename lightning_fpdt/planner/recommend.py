@@ -14,8 +14,12 @@ MIN_CHUNK_TOKENS = 8192
 """The search doubles chunks down to this many global tokens per chunk, not further (a choice: smaller attention
 blocks were not measured; the benchmarks use 32K and 64K)."""
 
-SEARCH_ORDER = ("tiled_loss", "tiled_mlp", "activation_offload", "offload", "chunks", "cpu_offload_params")
-"""What the recommendation turns on, one after the other, until the run fits."""
+SEARCH_ORDER = ("tiled_loss", "tiled_mlp", "activation_offload", "offload", "reload_input", "input_prefetch", "chunks",
+                "cpu_offload_params")
+"""What the recommendation turns on, one after the other, until the run fits (``input_prefetch``: turned off,
+``ActivationOffload(prefetch=0)``). The block-input options come before more chunks: they cost one host-to-device
+copy of a block input per block, which long sequences do not notice, where smaller chunks slow every attention
+call."""
 
 
 def recommend(plan: MemoryPlan, offload_dq: Union[str, bool]) -> tuple[Optional[MemoryPlan], str]:
@@ -74,6 +78,10 @@ def recommend(plan: MemoryPlan, offload_dq: Union[str, bool]) -> tuple[Optional[
                 if trial.peak_gpu_bytes >= current.peak_gpu_bytes:
                     break
                 current, chunks, changes = trial, 2 * chunks, {**changes, "chunks": 2 * chunks}
+        elif name == "input_prefetch":
+            if current.options.input_prefetch:
+                changes = {**changes, name: False}
+                current = replan(changes)
         elif not getattr(current.options, name):
             changes = {**changes, name: True}
             current = replan(changes)

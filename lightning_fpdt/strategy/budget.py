@@ -12,7 +12,8 @@ import torch
 from lightning_fpdt.memory.surgery import find_model
 from lightning_fpdt.planner import available_host_memory, check_host_memory, plan_memory, resolve_geometry
 
-PLAN_FLAGS = ("tiled_mlp", "tiled_loss", "activation_checkpointing", "activation_offload", "recompute_attention")
+PLAN_FLAGS = ("tiled_mlp", "tiled_loss", "activation_checkpointing", "activation_offload", "recompute_attention",
+              "reload_input", "input_prefetch")
 """What the memory callbacks declare to the planner (``fpdt_plan_flags``); off unless a callback says so."""
 
 

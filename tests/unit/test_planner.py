@@ -76,13 +76,22 @@ def test_state_components_by_hand():
 
 
 def test_activation_and_stash_components_by_hand():
-    """Block inputs: 2 on the GPU and L on the host under ActivationOffload; the attention stash is L · planning.
-    stash_bytes plus the kept attention outputs plus one layer's dout and out, on the host when offloaded."""
+    """Block inputs under ActivationOffload: L on the host; on the GPU 2 in the forward, the block's own in its MLP
+    backward, its own and the next one (prefetched after the MLP backward) in its attention backward; one less in
+    both with reload_input, and without the prefetch. The attention stash is L · planning.stash_bytes plus the kept
+    attention outputs plus one layer's dout and out, on the host when offloaded."""
     plan = small_plan()
     # N = 65536 / 4 = 16,384 local tokens; A = N · 1024 · 2 B = 33,554,432
+    A = 33_554_432
     assert plan.local_tokens == 16_384
-    assert plan.component("checkpointed block inputs").gpu_bytes == 2 * 33_554_432
-    assert plan.component("checkpointed block inputs").host_bytes == 2 * 33_554_432  # L = 2 layers
+    assert plan.component("checkpointed block inputs").gpu_bytes == 0
+    assert plan.component("checkpointed block inputs").host_bytes == 2 * A  # L = 2 layers
+    phases = ("attention forward", "MLP backward", "attention backward")
+    for options, counts in (({}, (2, 1, 2)), ({"reload_input": True}, (2, 0, 1)),
+                            ({"input_prefetch": False}, (2, 1, 1)), ({"reload_input": True, "input_prefetch": False},
+                                                                     (2, 0, 0))):
+        plan_ = small_plan(**options)
+        assert [plan_.component(f"block inputs ({phase})").gpu_bytes for phase in phases] == [c * A for c in counts]
     # stash_bytes (q, k, v, lse; not out): 16384 · (8 + 2·max(2, 4)) · 128 · 2 + 16384 · 8 · 4
     # = 67,108,864 + 524,288 = 67,633,152
     assert stash_bytes(AttentionGeometry(2, 8, 2, 128), batch_size=1, seq_len=65536, sp_size=4) == 67_633_152
@@ -197,6 +206,7 @@ def test_prediction_of_traced_steps(run):
         num_gpus=run["gpus"], chunks=run["chunks"], offload=run["offload"], offload_dq=run["offload_dq"],
         head_chunks=run["head_chunks"], recompute_attention=run["recompute_attention"],
         cpu_offload_params=run["cpu_offload_params"], activation_offload=True, tiled_mlp=True, tiled_loss=True,
+        reload_input=run.get("reload_input", False), input_prefetch=run.get("prefetch", 1) > 0,
     )
     measured = max(run["peak_gpu_bytes_per_step"])
     assert 1.0 <= plan.peak_gpu_bytes / measured <= 1.10, (plan.peak_gpu_bytes / GIB, measured / GIB)
@@ -446,3 +456,33 @@ def test_plan_says_when_the_host_is_not_checked():
     checked = plan_memory(geometry="llama3-8b", seq_len=1048576, num_gpus=4, activation_offload=True, tiled_mlp=True,
                           tiled_loss=True, host_memory_gib=2000)
     assert "binding limit: fits (largest component" in format_plan(checked)
+
+
+def test_search_leaves_block_inputs_on_the_host_for_one_gpu_at_1_5m():
+    """Llama-3-8B at 1,572,864 tokens on one 80 GB GPU (states on the host, head groups, attention recomputed,
+    offloaded chunks) is over by the block inputs a block's backward holds (its own, the next one prefetched):
+    the search leaves them on the host (reload_input, no prefetch) and keeps the chunks."""
+    plan = plan_memory(geometry="llama3-8b", seq_len=1_572_864, num_gpus=1, chunks=24, offload=True, offload_dq=True,
+                       head_chunks=4, recompute_attention=True, cpu_offload_params=True, activation_offload=True,
+                       tiled_mlp=True, tiled_loss=True, gpu_memory_gib=79)
+    assert not plan.fits_gpu and plan.binding_limit == "gpu memory"
+    assert plan.recommendation == "set reload_input=True, input_prefetch=False"
+    assert plan.recommended.fits_gpu and plan.recommended.options.chunks == 24
+    # two hidden-sized tensors (A = 12 GiB here) less at the peak, the attention backward
+    assert plan.peak_gpu_bytes - plan.recommended.peak_gpu_bytes == 2 * 1_572_864 * 4096 * 2
+
+
+def test_callbacks_declare_what_the_planner_takes():
+    """The strategy plans with what its memory callbacks declare (strategy/budget.py): every declared flag is a
+    plan_memory option, ActivationOffload's block-input options included."""
+    from lightning_fpdt import ActivationOffload, TiledLoss, TiledMLP
+    from lightning_fpdt.strategy.budget import declared_plan_flags
+
+    flags = declared_plan_flags([ActivationOffload(reload_input=True, prefetch=0, recompute_attention=True),
+                                 TiledMLP(), TiledLoss()])
+    assert flags == {"tiled_mlp": True, "tiled_loss": True, "activation_checkpointing": True,
+                     "activation_offload": True, "recompute_attention": True, "reload_input": True,
+                     "input_prefetch": False}
+    plan = plan_memory(geometry="llama3-8b", seq_len=1_572_864, num_gpus=1, chunks=24, offload=True,
+                       offload_dq=True, head_chunks=4, cpu_offload_params=True, gpu_memory_gib=79, **flags)
+    assert plan.fits_gpu and plan.options.reload_input and not plan.options.input_prefetch

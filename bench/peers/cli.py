@@ -68,6 +68,8 @@ def _add_system_options(parser: argparse.ArgumentParser) -> None:
                              "attention peaks)")
     parser.add_argument("--offload", choices=["on", "off", "auto"], default="on",
                         help="fpdt, fpdt-hf: attention chunk offload")
+    parser.add_argument("--offload-dq", choices=["on", "off", "auto"], default="auto",
+                        help="fpdt, fpdt-hf: the backward's partial dQ sums in host memory too")
     parser.add_argument("--rotate-method", choices=["allgather", "alltoall"], default="allgather",
                         help="ring: how the kv shards travel (torch's set_rotate_method)")
     parser.add_argument("--ring-kv-heads", choices=["native", "expand"], default="native",
@@ -145,7 +147,7 @@ def _check_memory_options(args: argparse.Namespace) -> None:
 def _warn_ignored(args: argparse.Namespace) -> None:
     ignored = {
         "--chunks": (args.chunks, "auto", FPDT_SYSTEMS), "--offload": (args.offload, "on", FPDT_SYSTEMS),
-        "--head-chunks": (args.head_chunks, 1, FPDT_SYSTEMS),
+        "--head-chunks": (args.head_chunks, 1, FPDT_SYSTEMS), "--offload-dq": (args.offload_dq, "auto", FPDT_SYSTEMS),
         "--recompute-attention": (args.recompute_attention, False, FPDT_SYSTEMS),
         "--reload-input": (args.reload_input, False, FPDT_SYSTEMS), "--prefetch": (args.prefetch, 1, FPDT_SYSTEMS),
         "--rotate-method": (args.rotate_method, "allgather", ("ring",)),

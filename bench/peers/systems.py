@@ -223,7 +223,8 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
             from bench.peers.hf_llama import HFLlamaLM  # transformers is imported when the model is built
 
             module = HFLlamaLM(args.model, num_layers=layers, max_seq_len=args.seq_len, seed=args.seed, lr=args.lr)
-        strategy = FPDTStrategy(chunks=args.chunks, offload={"on": True, "off": False, "auto": "auto"}[args.offload],
+        switch = {"on": True, "off": False, "auto": "auto"}
+        strategy = FPDTStrategy(chunks=args.chunks, offload=switch[args.offload], offload_dq=switch[args.offload_dq],
                                 attention_backend=args.attention_backend, head_chunks=args.head_chunks,
                                 cpu_offload_params=args.cpu_offload_params,
                                 host_step_in_backward=not args.host_step_after_backward)

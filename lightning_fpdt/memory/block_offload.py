@@ -160,7 +160,8 @@ class _RecomputeInput:
             with torch.enable_grad():  # a backward runs with grad mode off
                 self._tensor = _InputTap.apply(loaded.new_empty(0).requires_grad_(), loaded, self.taps)
             self.saved_tensor_hooks: Any = _SavedOnHost(stash, key, loaded)
-            self._storage = loaded.untyped_storage()
+            if block.mlp is not None:  # freed when the MLP starts; other blocks may read the input to their end
+                self._storage = loaded.untyped_storage()
             self.leaf = None
         else:
             stash.free(key)

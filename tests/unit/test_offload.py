@@ -112,6 +112,27 @@ def test_reload_input_gives_the_same_gradients(prefetch, head_chunks, recompute)
     assert len(callback._owner._stash) == 0  # every block input freed by its backward
 
 
+def test_reload_input_in_a_block_it_does_not_know():
+    """reload_input in a block class outside the Llama families (its input may be read after the MLP starts): the
+    input's device copy is kept to the end of the recompute, and the gradients are exact."""
+    from lightning_fpdt.models.llama import LlamaDecoderLayer
+
+    class PostNormLayer(LlamaDecoderLayer):
+        pass
+
+    plain, model = _models()
+    for layer in model.model.layers:
+        layer.__class__ = PostNormLayer
+    for m in (plain, model):
+        install_reference_llama(m, SequenceParallelContext(group=None, attention=FPDTAttention(num_chunks=2,
+                                                                                               backend="math")))
+    ActivationOffload(prefetch=0, reload_input=True).fpdt_transform(model, find_blocks(model))
+    _train_steps(plain)
+    _train_steps(model)
+    for (name, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12, msg=name)  # fp64, the same arithmetic
+
+
 def test_plain_checkpointing_would_recompute_attention():
     """Contrast: torch's own checkpoint around each block runs the attention twice per layer and step."""
     model, _ = _models()

@@ -151,12 +151,11 @@ class _RecomputeInput:
     def __init__(self, owner: BlockCheckpoints, block: "CheckpointedForward") -> None:
         stash, key = owner._stash, block.key
         self.stash, self.key = stash, key
-        self.reload = owner.reload_input and isinstance(stash, HostStash)
         loaded = stash.get(key)
         stash.release(key)
         self.taps: list[Tensor] = []
         self._storage: Optional[torch.UntypedStorage] = None
-        if self.reload:
+        if owner.reload_input and isinstance(stash, HostStash):
             with torch.enable_grad():  # a backward runs with grad mode off
                 self._tensor = _InputTap.apply(loaded.new_empty(0).requires_grad_(), loaded, self.taps)
             self.saved_tensor_hooks: Any = _SavedOnHost(stash, key, loaded)
@@ -222,10 +221,10 @@ class _SavedOnHost(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, stash: ChunkStash, key: int, value: Tensor) -> None:
         device = value.device
-        self._address = [value.untyped_storage().data_ptr()]  # None once the input's device copy is gone
+        self._address: Optional[int] = value.untyped_storage().data_ptr()  # None once the device copy is gone
 
         def pack(t: Tensor) -> Any:
-            if t.device == device and t.untyped_storage().data_ptr() == self._address[0]:
+            if t.device == device and t.untyped_storage().data_ptr() == self._address:
                 return _OnHost(tuple(t.size()), tuple(t.stride()), t.storage_offset())
             return t
 
@@ -240,7 +239,7 @@ class _SavedOnHost(torch.autograd.graph.saved_tensors_hooks):
         """Free the input's device copy (``storage``) before the recompute ends; a tensor allocated at its address
         afterwards is not the input."""
         storage.resize_(0)
-        self._address[0] = None
+        self._address = None
 
 
 def _at_mlp(owner: BlockCheckpoints, key: int, hidden: _RecomputeInput, mlp: nn.Module, args: tuple) -> None:

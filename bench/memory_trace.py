@@ -172,6 +172,7 @@ def train(args: argparse.Namespace) -> None:
     import lightning as L
     from torch.utils.data import DataLoader
 
+    from bench.peers.ballast import ON_OFF_AUTO
     from bench.peers.hf_llama import HFLlamaLM
     from bench.peers.systems import RandomTokens, prime_adam_states
     from bench.provenance import append_record, stamp, this_command
@@ -183,9 +184,8 @@ def train(args: argparse.Namespace) -> None:
         module = LlamaLM("llama3-8b", lr=1e-4, num_layers=args.layers)
     else:
         module = HFLlamaLM("llama3-8b", num_layers=args.layers, max_seq_len=args.seq_len, seed=0, lr=1e-4)
-    switch = {"on": True, "off": False, "auto": "auto"}
     strategy = FPDTStrategy(chunks=args.chunks if args.chunks == "auto" else int(args.chunks),
-                            offload=switch[args.offload], offload_dq=switch[args.offload_dq],
+                            offload=ON_OFF_AUTO[args.offload], offload_dq=ON_OFF_AUTO[args.offload_dq],
                             head_chunks=args.head_chunks, cpu_offload_params=args.cpu_offload_params)
     peaks: list[int] = []
 

@@ -18,6 +18,9 @@ from lightning_fpdt.models.llama import LlamaConfig
 from lightning_fpdt.planner import OPTIMIZER_STATES, PRECISIONS, attention_geometry, parameter_counts, plan_memory
 from lightning_fpdt.sequence.planning import stash_bytes
 
+ON_OFF_AUTO = {"on": True, "off": False, "auto": "auto"}
+"""The fpdt systems' ``--offload`` and ``--offload-dq`` choices as ``FPDTStrategy`` and the planner take them."""
+
 GIB = 2**30
 
 
@@ -113,7 +116,7 @@ def host_check(
     """
     fpdt = args.system in ("fpdt", "fpdt-hf")
     alst = args.system == "alst"  # block inputs in host memory, tiled MLP and loss, Ulysses over every GPU
-    offload = {"on": True, "off": False, "auto": "auto"}[args.offload]
+    offload = ON_OFF_AUTO[args.offload]
     plan = plan_memory(
         geometry=args.model, seq_len=args.seq_len, num_gpus=num_gpus, gpus_per_node=gpus_per_node,
         sequence_parallel_size=resolved.get("sequence_parallel_size", "auto") if fpdt else num_gpus if alst else 1,

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from bench.peers.ballast import layers_run
+from bench.peers.ballast import ON_OFF_AUTO, layers_run
 from bench.step_profile import StepProfiler
 from lightning_fpdt import ActivationOffload, FPDTStrategy, MFUMonitor, TiledLoss, TiledMLP
 from lightning_fpdt.models.llama import IGNORE_INDEX, LlamaConfig, LlamaForCausalLM, sdpa_attention
@@ -223,8 +223,8 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
             from bench.peers.hf_llama import HFLlamaLM  # transformers is imported when the model is built
 
             module = HFLlamaLM(args.model, num_layers=layers, max_seq_len=args.seq_len, seed=args.seed, lr=args.lr)
-        switch = {"on": True, "off": False, "auto": "auto"}
-        strategy = FPDTStrategy(chunks=args.chunks, offload=switch[args.offload], offload_dq=switch[args.offload_dq],
+        strategy = FPDTStrategy(chunks=args.chunks, offload=ON_OFF_AUTO[args.offload],
+                                offload_dq=ON_OFF_AUTO[args.offload_dq],
                                 attention_backend=args.attention_backend, head_chunks=args.head_chunks,
                                 cpu_offload_params=args.cpu_offload_params,
                                 host_step_in_backward=not args.host_step_after_backward)

@@ -66,7 +66,7 @@ class ActivationOffload(Callback):
         self.prefetch = prefetch
         self.recompute_attention = recompute_attention
         self.reload_input = reload_input
-        self.stashes = StashFactory(offload=offload, pin_memory=pin_memory)
+        self.stashes = StashFactory(offload=offload, pin_memory=pin_memory, what="the checkpointed block inputs")
         self._owner: Optional[BlockCheckpoints] = None
 
     @property

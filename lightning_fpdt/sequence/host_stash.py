@@ -8,7 +8,8 @@ otherwise show up as wrong gradients or a hang.
 
 - :class:`ChunkStash` keeps the tensors where they are (device memory): ``offload=False``.
 - :class:`HostStash` keeps them in host memory (pinned on CUDA) from a :class:`HostBufferPool` that allocates each
-  buffer size once and reuses it across chunks, layers and steps (pinning is slow). On CUDA, ``put`` copies on a
+  buffer size once and reuses it across chunks, layers and steps (pinning is slow); its buffers hold exactly the bytes
+  asked for (:class:`~lightning_fpdt.sequence.host_memory.HostAllocator`). On CUDA, ``put`` copies on a
   device-to-host stream and ``prefetch`` on a host-to-device stream, ordered by CUDA events only: no
   ``synchronize()`` and no barrier anywhere in the chunk loops. On CPU the same logic runs with plain tensors and
   no streams, so the multi-process CPU tests cover it.
@@ -22,6 +23,8 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+
+from lightning_fpdt.sequence.host_memory import HostAllocator, HostMemoryGuard
 
 
 class ChunkStash:
@@ -77,22 +80,32 @@ class HostBufferPool:
     """Host buffers (pinned on CUDA machines) by ``(dtype, numel)``, allocated once and reused.
 
     A buffer handed back carries the event of its last device read; its next user waits on that event before
-    writing, so a buffer is never overwritten while a copy still reads it.
+    writing, so a buffer is never overwritten while a copy still reads it. Each buffer is exactly the bytes asked for
+    (rounded to the page): ``allocated_bytes`` is what the host gives.
+
+    Args:
+        pin_memory: page-lock the buffers (CUDA machines).
+        guard: asked before each new buffer (the strategy's: a host that runs short ends the run with an error that
+            names its plan, not with the kernel's out-of-memory kill).
+        what: what the buffers hold, for that error.
     """
 
-    def __init__(self, pin_memory: bool) -> None:
+    def __init__(self, pin_memory: bool, guard: Optional[HostMemoryGuard] = None, what: str = "a host buffer") -> None:
         self.pin_memory = pin_memory
+        self.allocator = HostAllocator(pin=pin_memory, guard=guard)
+        self.what = what
         self._idle: dict[tuple[torch.dtype, int], list[tuple[Tensor, Optional[torch.cuda.Event]]]] = {}
-        self.allocated_bytes = 0
+
+    @property
+    def allocated_bytes(self) -> int:
         """Host memory this pool has allocated (the peak of what was live at once)."""
+        return self.allocator.allocated_bytes
 
     def acquire(self, dtype: torch.dtype, numel: int) -> tuple[Tensor, Optional[torch.cuda.Event]]:
         idle = self._idle.get((dtype, numel))
         if idle:
             return idle.pop()
-        buffer = torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
-        self.allocated_bytes += buffer.numel() * buffer.element_size()
-        return buffer, None
+        return self.allocator.empty(numel, dtype, what=self.what), None
 
     def give_back(self, buffer: Tensor, last_read: Optional[torch.cuda.Event]) -> None:
         self._idle.setdefault((buffer.dtype, buffer.numel()), []).append((buffer, last_read))
@@ -206,12 +219,17 @@ class StashFactory:
         offload: keep q/k/v/out/lse chunks in host memory between forward and backward.
         offload_dq: keep the partial dQ sums of the backward in host memory too (a tighter GPU budget, more copies).
         pin_memory: pin host buffers on CUDA machines (pageable copies are ~3× slower and synchronous).
+        what: what the stashes hold, named when the host runs short.
     """
 
-    def __init__(self, *, offload: bool = False, offload_dq: bool = False, pin_memory: bool = True) -> None:
+    def __init__(self, *, offload: bool = False, offload_dq: bool = False, pin_memory: bool = True,
+                 what: str = "the attention stash") -> None:
         self.offload = offload
         self.offload_dq = offload_dq
         self.pin_memory = pin_memory
+        self.what = what
+        self.guard: Optional[HostMemoryGuard] = None
+        """Asked before each new host buffer (set before the first one; the strategy sets it at setup)."""
         self._pool: Optional[HostBufferPool] = None
         self._streams: dict[torch.device, CopyStreams] = {}
 
@@ -229,7 +247,8 @@ class StashFactory:
     def _host_stash(self, device: torch.device) -> HostStash:
         cuda = device.type == "cuda"
         if self._pool is None:
-            self._pool = HostBufferPool(pin_memory=cuda and self.pin_memory)
+            self._pool = HostBufferPool(pin_memory=cuda and self.pin_memory, what=self.what)
+        self._pool.allocator.guard = self.guard  # the strategy's, also when it came after the pool
         streams = None
         if cuda:
             streams = self._streams.get(device)

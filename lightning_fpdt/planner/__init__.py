@@ -1,10 +1,12 @@
 """The memory planner: will a long-context run fit, which limit binds, what makes it fit (``lightning-fpdt plan``,
 docs/planner.md).
 
-:func:`plan_memory` predicts, per GPU and per host, the bytes of each part of one training step; :func:`format_plan`
-prints them; :func:`check_host_memory` is what the strategy runs before any pinned buffer exists. No Lightning: the
-attention sizes and the ``"auto"`` options resolve as the strategy resolves them (``lightning_fpdt.sequence``), the
-tile sizes follow the tiled transforms' own rules (``lightning_fpdt.memory``).
+:func:`plan_memory` predicts, per GPU and per host, the bytes of each part of one training step and resolves the
+``"auto"`` options to the fastest configuration that fits both memories (:func:`fastest_fitting`, the search the
+strategy runs too); :func:`format_plan` prints them; :func:`check_host_memory` is what the strategy runs before any
+pinned buffer exists. Each memory feature has one module in :mod:`lightning_fpdt.planner.features`. No Lightning:
+the attention sizes resolve as the strategy resolves them (``lightning_fpdt.sequence``), the tile sizes follow the
+tiled transforms' own rules (``lightning_fpdt.memory``).
 """
 
 from lightning_fpdt.planner.cli import CALLBACK_NAMES, format_plan, main
@@ -31,14 +33,14 @@ from lightning_fpdt.planner.geometry import (
 from lightning_fpdt.planner.host import available_host_memory, check_host_memory
 from lightning_fpdt.planner.options import PlanOptions
 from lightning_fpdt.planner.plan import plan_memory
-from lightning_fpdt.planner.recommend import SEARCH_ORDER
+from lightning_fpdt.planner.search import SEARCHED, fastest_fitting, step_seconds
 
 __all__ = [
     "CALLBACK_NAMES",
     "GIB",
     "OPTIMIZER_STATES",
     "PRECISIONS",
-    "SEARCH_ORDER",
+    "SEARCHED",
     "Component",
     "MemoryPlan",
     "PlanOptions",
@@ -47,6 +49,7 @@ __all__ = [
     "attention_host_bytes",
     "available_host_memory",
     "check_host_memory",
+    "fastest_fitting",
     "format_plan",
     "geometry_name",
     "loss_op_bytes",
@@ -57,5 +60,6 @@ __all__ = [
     "parameter_counts",
     "plan_memory",
     "resolve_geometry",
+    "step_seconds",
     "total_parameters",
 ]

@@ -11,6 +11,7 @@ import sys
 from typing import Optional, Union
 
 from lightning_fpdt.models.llama import NAMED_CONFIGS
+from lightning_fpdt.planner.arguments import python_arguments, yaml_arguments
 from lightning_fpdt.planner.components import GIB, MemoryPlan
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, resolve_geometry
 from lightning_fpdt.planner.host import available_host_memory, gib
@@ -20,8 +21,9 @@ CALLBACK_NAMES = ("mlp", "loss", "offload", "checkpoint")
 
 
 def format_plan(plan: MemoryPlan) -> str:
-    """The plan as a table (component, phase, GPU GiB, host GiB), the peak, the binding limit and the recommendation."""
-    o, g = plan.options, plan.geometry
+    """The plan as a table (component, phase, GPU GiB, pinned and pageable host GiB), the peaks, the binding limit,
+    the recommendation and the options as a user writes them."""
+    o = plan.options
     lines = [
         f"memory plan: {plan.model}, S = {plan.seq_len:,} tokens"
         + (f" (padded to {plan.padded_seq_len:,})" if plan.padded_seq_len != plan.seq_len else "")
@@ -29,35 +31,43 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  {plan.local_tokens:,} tokens per GPU, "
         + (f"{plan.padded_seq_len // o.ring_size:,} tokens per ring share; " if o.ring_size > 1 else
            f"{plan.padded_seq_len // o.chunks:,} global tokens per chunk; ")
-        + f"{g.num_layers} layers",
+        + f"{plan.geometry.num_layers} layers",
         f"  options: {o.describe()}",
         "",
-        f"  {'component':<42} {'phase':<20} {'GPU GiB':>9} {'host GiB':>9}",
+        f"  {'component':<42} {'phase':<20} {'GPU GiB':>9} {'pinned':>9} {'pageable':>9}",
     ]
     for c in plan.components:
-        lines.append(f"  {c.name:<42} {c.phase or 'persistent':<20} {gib(c.gpu_bytes):>9} {gib(c.host_bytes):>9}")
-    lines.append("  " + "-" * 83)
+        lines.append(f"  {c.name:<42} {c.phase or 'persistent':<20} {gib(c.gpu_bytes):>9} {gib(c.host_bytes):>9} "
+                     f"{gib(c.pageable_bytes):>9}")
+    lines.append("  " + "-" * 93)
     phases = plan.phase_bytes
     lines.append(f"  {'persistent':<63} {gib(plan.persistent_gpu_bytes):>9}")
     lines.append(f"  {'largest transient phase: ' + plan.peak_phase:<63} {gib(phases[plan.peak_phase]):>9}")
     lines.append(f"  {'predicted peak per GPU':<63} {gib(plan.peak_gpu_bytes):>9}   "
                  f"of {plan.gpu_memory_bytes / GIB:.1f} GiB")
     host_limit = "not checked" if plan.host_memory_bytes is None else f"of {plan.host_memory_bytes / GIB:.1f} GiB"
-    lines.append(f"  {'pinned host memory per host (' + str(plan.gpus_per_node) + ' GPUs)':<63} "
-                 f"{'':>9} {gib(plan.host_bytes_per_node):>9}   {host_limit}")
+    lines.append(f"  {'host memory per host (' + str(plan.gpus_per_node) + ' GPUs), pinned':<63} {'':>9} "
+                 f"{gib(plan.host_bytes_per_node):>9}")
+    lines.append(f"  {'host memory per host, all resident':<63} {'':>9} {'':>9} "
+                 f"{gib(plan.host_resident_bytes_per_node):>9}   {host_limit}")
     largest = plan.largest_component
-    where = largest.host_bytes if plan.binding_limit == "host memory" else largest.gpu_bytes
+    where = largest.host_bytes + largest.pageable_bytes if plan.binding_limit == "host memory" else largest.gpu_bytes
     verdict = plan.binding_limit
     if verdict == "fits" and plan.host_memory_bytes is None and plan.host_bytes_per_node:
-        verdict = (f"fits the GPU memory; the host's not checked ({gib(plan.host_bytes_per_node)} GiB pinned per "
-                   f"host: pass --host-memory-gib N, or auto for this machine)")
+        verdict = (f"fits the GPU memory; the host's not checked ({gib(plan.host_resident_bytes_per_node)} GiB per "
+                   f"host, {gib(plan.host_bytes_per_node)} GiB pinned: pass --host-memory-gib N, or auto for this "
+                   f"machine)")
     lines += ["", f"binding limit: {verdict} (largest component: {largest.name}, {gib(where)} GiB)"]
     lines.append(f"recommendation: {plan.recommendation}")
+    chosen = plan if plan.recommended is None else plan.recommended
     if plan.recommended is not None:
         r = plan.recommended
         lines.append(f"  -> {r.options.describe()}")
-        lines.append(f"  -> predicted peak {gib(r.peak_gpu_bytes)} GiB per GPU, pinned host "
-                     f"{gib(r.host_bytes_per_node)} GiB per host")
+        lines.append(f"  -> predicted peak {gib(r.peak_gpu_bytes)} GiB per GPU, host {gib(r.host_resident_bytes_per_node)} "
+                     f"GiB per host ({gib(r.host_bytes_per_node)} pinned)")
+    if chosen.fits:
+        lines += ["", "as arguments:", *("  " + line for line in python_arguments(chosen).splitlines()),
+                  "as YAML:", *("  " + line for line in yaml_arguments(chosen).splitlines())]
     lines.append("(a model, not a measurement: keep a few GiB of headroom; see docs/planner.md)")
     return "\n".join(lines)
 
@@ -108,7 +118,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--ring-size", type=_auto_or_int, default="auto",
                         help="ring ranks R of the sequence mesh (sp = ulysses x R; auto: the smallest the heads need)")
     parser.add_argument("--chunks", type=_auto_or_int, default="auto", help="FPDT chunks per rank")
-    parser.add_argument("--head-chunks", type=int, default=1,
+    parser.add_argument("--head-chunks", type=_auto_or_int, default="auto",
                         help="head groups G: attention projections and FPDT calls per group of H/G query heads")
     parser.add_argument("--offload", type=_switch, default="auto", help="attention chunk offload: auto, on, off")
     parser.add_argument("--offload-dq", type=_switch, default="auto", help="partial dQ offload: auto, on, off")
@@ -117,17 +127,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS))
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     parser.add_argument("--cpu-offload-params", action="store_true", help="FSDP2 CPUOffloadPolicy")
-    parser.add_argument("--recompute-attention", action="store_true",
-                        help="ActivationOffload(recompute_attention=True): one layer's attention stash instead of all")
-    parser.add_argument("--reload-input", action="store_true",
-                        help="ActivationOffload(reload_input=True): a block's input stays on the host through its "
-                             "backward")
-    parser.add_argument("--prefetch", type=int, default=1,
-                        help="ActivationOffload(prefetch=...): block inputs brought back ahead (0: none)")
+    parser.add_argument("--recompute-attention", type=_switch, nargs="?", const=True, default="auto",
+                        help="ActivationOffload(recompute_attention=...): auto, on (the same as no value), off; on: one "
+                             "layer's attention stash instead of all")
+    parser.add_argument("--reload-input", type=_switch, nargs="?", const=True, default="auto",
+                        help="ActivationOffload(reload_input=...): auto, on (the same as no value), off; on: a block's "
+                             "input stays on the host through its backward")
+    parser.add_argument("--prefetch", type=_auto_or_int, default="auto",
+                        help="ActivationOffload(prefetch=...): block inputs brought back ahead (0: none), or auto")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
                         help="GiB of one GPU (an H100 80GB reports ~79, an H200 ~139)")
     parser.add_argument("--host-memory-gib", type=_host_memory, default=None,
-                        help="memory one host can pin, or 'auto' for this machine's available memory")
+                        help="memory the processes of one host may hold (pinned and pageable), or 'auto' for this "
+                             "machine's available memory")
+    parser.add_argument("--host-baseline-gib", type=float, default=None,
+                        help="resident memory of one process before the step's buffers (default: the planner's "
+                             "estimate)")
     args = parser.parse_args(argv)
     host = args.host_memory_gib
     if host == "auto":
@@ -143,7 +158,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             tiled_mlp="mlp" in args.callbacks, tiled_loss="loss" in args.callbacks, precision=args.precision,
             optimizer=args.optimizer, cpu_offload_params=args.cpu_offload_params, gpu_memory_gib=args.gpu_memory_gib,
             host_memory_gib=host, recompute_attention=args.recompute_attention, head_chunks=args.head_chunks,
-            reload_input=args.reload_input, input_prefetch=args.prefetch > 0,
+            reload_input=args.reload_input,
+            input_prefetch=args.prefetch if args.prefetch == "auto" else args.prefetch > 0,
+            host_baseline_gib=args.host_baseline_gib,
         )
     except ValueError as error:
         print(f"lightning-fpdt plan: {error}", file=sys.stderr)

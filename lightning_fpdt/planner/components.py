@@ -58,23 +58,14 @@ the CUDA context, NCCL buffers or cuBLAS workspaces: keep a few GiB of headroom.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.memory.tiling import auto_loss_tiles, auto_mlp_tiles
-from lightning_fpdt.planner.geometry import (
-    OPTIMIZER_STATES,
-    PRECISIONS,
-    attention_geometry,
-    parameter_counts,
-    total_parameters,
-)
 from lightning_fpdt.planner.options import PlanOptions
-from lightning_fpdt.sequence.layout import SequenceLayout
-from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry, stash_bytes, working_set_bytes
+from lightning_fpdt.sequence.planning import AttentionGeometry, stash_bytes
 
 GIB = 2**30
 
@@ -90,8 +81,6 @@ LOSS_TILE_BYTES_PER_LOGIT = 8
 an H100: 8.0 bytes per tile logit at 16K and at 512K tokens."""
 MLP_GRAD_SUM_BYTES = 4
 """``TiledMLP`` sums each weight's gradient over the tiles in fp32 (``tiled_mlp_backward``): bytes per weight."""
-ROPE_TABLES = 2
-"""fp32 ``(B, N, D)`` tables a layer holds for backward: cos and sin."""
 
 @dataclass(frozen=True)
 class Component:
@@ -106,6 +95,9 @@ class Component:
     """``None``: held through the backward; else the transient phase it belongs to."""
     formula: str = ""
     """How it is counted, in short."""
+    pageable_bytes: int = 0
+    """Host bytes for each GPU that are resident but not pinned (optimizer states stepped on the host, the process's
+    own baseline)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +115,7 @@ class MemoryPlan:
     components: tuple[Component, ...]
     gpu_memory_bytes: int
     host_memory_bytes: Optional[int]
+    """Memory the processes of one host may hold (pinned and pageable); ``None``: not checked."""
     recommended: Optional["MemoryPlan"] = field(default=None, compare=False)
     """A plan that fits, found by the search in :data:`SEARCH_ORDER` (``None`` if this one fits or none was found)."""
     recommendation: str = ""
@@ -164,11 +157,23 @@ class MemoryPlan:
 
     @property
     def host_bytes_per_gpu(self) -> int:
+        """Pinned host bytes of one GPU's process."""
         return sum(c.host_bytes for c in self.components)
 
     @property
     def host_bytes_per_node(self) -> int:
+        """Pinned host bytes of one host."""
         return self.host_bytes_per_gpu * self.gpus_per_node
+
+    @property
+    def host_resident_bytes_per_gpu(self) -> int:
+        """All host memory one GPU's process holds at the step's peak: pinned, pageable and its baseline."""
+        return sum(c.host_bytes + c.pageable_bytes for c in self.components)
+
+    @property
+    def host_resident_bytes_per_node(self) -> int:
+        """All host memory the processes of one host hold at the step's peak: what is checked against the host."""
+        return self.host_resident_bytes_per_gpu * self.gpus_per_node
 
     @property
     def fits_gpu(self) -> bool:
@@ -176,7 +181,7 @@ class MemoryPlan:
 
     @property
     def fits_host(self) -> bool:
-        return self.host_memory_bytes is None or self.host_bytes_per_node <= self.host_memory_bytes
+        return self.host_memory_bytes is None or self.host_resident_bytes_per_node <= self.host_memory_bytes
 
     @property
     def fits(self) -> bool:
@@ -186,7 +191,7 @@ class MemoryPlan:
     def binding_limit(self) -> Literal["gpu memory", "host memory", "fits"]:
         """The limit exceeded (by the larger ratio when both are), or ``"fits"``."""
         gpu_ratio = self.peak_gpu_bytes / self.gpu_memory_bytes
-        host_ratio = self.host_bytes_per_node / self.host_memory_bytes if self.host_memory_bytes else 0.0
+        host_ratio = self.host_resident_bytes_per_node / self.host_memory_bytes if self.host_memory_bytes else 0.0
         if max(gpu_ratio, host_ratio) <= 1:
             return "fits"
         return "gpu memory" if gpu_ratio >= host_ratio else "host memory"
@@ -196,7 +201,7 @@ class MemoryPlan:
         """The largest host component when host memory binds, else the largest part of the GPU peak (a persistent
         component or one of the largest phase): what to shrink first."""
         if self.binding_limit == "host memory":
-            return max(self.components, key=lambda c: c.host_bytes)
+            return max(self.components, key=lambda c: c.host_bytes + c.pageable_bytes)
         at_peak = [c for c in self.components if c.phase in (None, self.peak_phase)]
         return max(at_peak, key=lambda c: c.gpu_bytes)
 
@@ -296,171 +301,3 @@ def loss_op_bytes(num_tokens: int, hidden_size: int, vocab_size: int, *, tiled: 
     tile = LOSS_TILE_BYTES_PER_LOGIT * loss_tile_tokens(num_tokens, vocab_size) * vocab_size
     grads = num_tokens * hidden_size * dtype_bytes + vocab_size * hidden_size * 4
     return grads + max(tile, vocab_size * hidden_size * dtype_bytes)
-
-
-# ---- the plan ------------------------------------------------------------------------------------------------
-def components(
-    geometry: ModelGeometry, options: PlanOptions, *, seq_len: int, batch_size: int, num_gpus: int
-) -> list[Component]:
-    g, o, dtypes = geometry, options, PRECISIONS[options.precision]
-    b, L, h, V = dtypes["act"], g.num_layers, g.hidden_size, g.vocab_size
-    P, W = o.sequence_parallel_size, num_gpus
-    N = batch_size * seq_len // P  # local tokens
-    A = N * h * b  # one hidden-state tensor
-    attn_width = g.num_heads * g.head_dim
-    block, rest = parameter_counts(g)
-    total = total_parameters(g)
-    offloaded_states = o.cpu_offload_params
-    G = o.head_chunks
-    attention = grouped_geometry(attention_geometry(g, b), G)  # G > 1: L·G calls of one head group each
-    size = dict(batch_size=batch_size, seq_len=seq_len, sp_size=P)
-    ring = dict(ring_size=o.ring_size)
-
-    def on(nbytes: int, host: bool) -> tuple[int, int]:  # (gpu, host)
-        return (0, nbytes) if host else (nbytes, 0)
-
-    items: list[Component] = []
-
-    def add(name: str, gpu: int, host: int = 0, phase: Optional[str] = None, formula: str = "") -> None:
-        items.append(Component(name, int(gpu), int(host), phase, formula))
-
-    # ---- persistent
-    master = dtypes["master"] * total // W
-    gpu, host = on(master, offloaded_states)
-    add("parameters", gpu + dtypes["param"] * rest, host, formula="sharded master + gathered root unit")
-    # the blocks' sharded gradients; the root unit's exist from its reduce-scatter at the end of the backward until
-    # Lightning's zero_grad, which runs after the next step's forward and loss (counted in those phases)
-    block_grads = dtypes["grad"] * L * block // W
-    root_grads = 0 if offloaded_states else dtypes["grad"] * rest // W
-    gpu, host = on(block_grads, offloaded_states)
-    add("gradients", gpu, host + (dtypes["grad"] * rest // W if offloaded_states else 0), formula="blocks' shards")
-    moments = OPTIMIZER_STATES[o.optimizer] * dtypes["master"] * total // W
-    add("optimizer states", *on(moments, offloaded_states), formula=f"{OPTIMIZER_STATES[o.optimizer]} x sharded master")
-
-    norm = A + N * 4  # the normalised output and one fp32 rstd per token (the package's tiled RMSNorm)
-    rope = ROPE_TABLES * N * g.head_dim * 4
-    mlp_saved = 0 if o.tiled_mlp else 4 * N * g.intermediate_size * b
-    # what one layer's backward needs: two norms, the residual between them (the second norm's input), RoPE's tables
-    # and the attention output, unless a stash on the GPU holds it ("kept out": head groups, and checkpointed
-    # first-pass outputs; an offloaded stash holds it on the host, and the layer's replay brings it back to the GPU);
-    # a checkpoint's recompute frees the block's own output before its backward (memory/block_offload.py)
-    out_kept = G > 1 or (o.activation_checkpointing and not o.recompute_attention and not o.offload)
-    layer = 2 * norm + A + (rope if G == 1 else 0) + (0 if out_kept else N * attn_width * b) + mlp_saved
-    if o.activation_offload:
-        add("checkpointed block inputs", 0, L * A, formula="L on host; on the GPU by phase (block inputs)")
-        # the forward's: the block's and the one before on its way to the host; in a block's backward its own
-        # (none under reload_input) and, from the end of its MLP backward, the next one prefetched
-        own, ahead, forward = (0 if o.reload_input else A), (A if o.input_prefetch and L > 1 else 0), min(2, L) * A
-        for phase, gpu, formula in (
-            ("attention forward", forward, "the block's + the one before, on its way to the host"),
-            ("MLP backward", own, "the block's own (on the host under reload_input)"),
-            ("attention backward", own + ahead, "own + the next one, prefetched after the MLP backward"),
-            ("loss", forward, "the last block's output and input"),
-            ("end of backward", forward, "the first block's input gradient and input"),
-        ):
-            add(f"block inputs ({phase})", gpu, phase=phase, formula=formula)
-    elif o.activation_checkpointing:
-        add("checkpointed block inputs", L * A, formula="L x B·S/P·hidden")
-    else:
-        add("activations (no checkpointing)", L * (A + layer), formula="L x (block input + layer activations)")
-
-    # attention calls holding a stash between forward and backward: every layer's, or under attention recompute only
-    # the layer in backward; with head groups, each of its G groups
-    layers_stashed = 1 if o.recompute_attention else L
-    stashed = layers_stashed * G
-    if G > 1:  # head groups keep each group's output for their backward (the layer in backward's, under recompute)
-        kept = layers_stashed
-    else:
-        kept = L if o.activation_checkpointing and not o.recompute_attention else 0  # first-pass outputs kept
-    kept_out = kept * N * attn_width * b
-    stash = stashed * stash_bytes(attention, **size, **ring)
-    host_attention = attention_host_bytes(dataclasses.replace(attention, num_layers=stashed), offload=o.offload,
-                                          offload_dq=o.offload_dq, kept_out_layers=kept * G, **size, **ring)
-    add("attention stash", 0 if o.offload else stash + kept_out, host_attention,
-        formula=("1 layer (attention recomputed)" if o.recompute_attention else "L")
-        + " x planning.stash_bytes (+ kept outputs)" + (", offloaded" if o.offload else ""))
-
-    # ---- transient phases
-    recompute = layer if o.activation_checkpointing else 0  # without checkpointing it is in "activations" already
-    qkv_out = N * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * b + N * attn_width * b  # full width
-    if G == 1:
-        add("attention forward", norm + qkv_out + working_set_bytes(attention, num_chunks=o.chunks, **size, **ring),
-            phase="attention forward", formula="norm + q, k, v, out + planning.working_set_bytes")
-    else:
-        group_working_set = working_set_bytes(attention, num_chunks=o.chunks, **size, **ring)
-        add("attention forward", norm + A + qkv_out // G + group_working_set,
-            phase="attention forward", formula="norm + output sum + one group's q, k, v, out and working set")
-    mlp_rows = mlp_tile_tokens(N, g.intermediate_size, b) if o.tiled_mlp else N
-    mlp_work = MLP_BACKWARD_BUFFERS * mlp_rows * g.intermediate_size * b - mlp_saved
-    if o.tiled_mlp:  # the fp32 sums of the gate, up and down weight gradients over the tiles
-        mlp_work += 3 * g.hidden_size * g.intermediate_size * MLP_GRAD_SUM_BYTES
-    add("layer activations (recompute)", recompute, phase="MLP backward", formula="norms, attention out, rope, MLP")
-    add("MLP backward", 2 * A + mlp_work, phase="MLP backward",
-        formula=f"grads in/out + {'one tile' if o.tiled_mlp else 'all tokens'} x {MLP_BACKWARD_BUFFERS} x I"
-        + (" + fp32 weight-gradient sums" if o.tiled_mlp else ""))
-    at_attention = norm + rope + (0 if out_kept else N * attn_width * b)  # the recomputed output, if not kept
-    add("layer activations (at attention)", at_attention if o.activation_checkpointing else 0,
-        phase="attention backward", formula="first norm, rope (, attention output when recomputed)")
-    backward_chunks = attention_backward_bytes(attention, num_chunks=o.chunks, offload=o.offload,
-                                               offload_dq=o.offload_dq, **size, **ring)
-    if G == 1:
-        # the residual stream's gradient and the attention output's; under checkpointing also a hidden-sized output
-        # of the block's recompute that lives until the block's backward ends (measured: bench/memory_trace.py)
-        grads = A + N * attn_width * b + (A if o.activation_checkpointing else 0)
-        add("attention backward", grads + N * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * b + backward_chunks,
-            phase="attention backward", formula="grads + dq, dk, dv + FPDT backward chunks")
-    else:
-        # a group's backward (integrations/head_groups.py) holds no other hidden-sized tensor but the gradient into
-        # the block (held until the block's backward returns): the output projection is differentiated by hand and
-        # the q/k/v projections' input gradients are added into dx in place; at its peak (RoPE's backward of dq)
-        # the group's dout, dq and rotated dq, dk and dv are alive: (out + qkv)/G
-        add("attention backward", 3 * A + (N * attn_width * b + qkv_out) // G + backward_chunks,
-            phase="attention backward",
-            formula="grad into the block + output grad + running input grad + one group's dout, dq and its "
-            "rotation, dk, dv + its FPDT backward chunks")
-    if o.tiled_loss:
-        loss = A + V * h * 4 + LOSS_TILE_BYTES_PER_LOGIT * loss_tile_tokens(N, V) * V
-        formula = "hidden grad + fp32 lm_head grad + one tile"
-    else:
-        loss = UNTILED_LOSS_BYTES_PER_LOGIT * N * V
-        formula = "fp32 logits, log-softmax, grad"
-    add("logits / loss", norm + loss, phase="loss", formula=formula)
-    # parts of the states that exist in some phases only
-    for phase in ("attention forward", "MLP backward", "attention backward"):
-        add(f"gathered blocks ({phase})", 2 * dtypes["param"] * block, phase=phase, formula="current + prefetched")
-    for phase in ("MLP backward", "attention backward"):
-        add(f"block gradients ({phase})", block * (dtypes["param"] + dtypes["reduce"]), phase=phase,
-            formula="one block unsharded + its reduce-scatter copy")
-    # with host-resident states an untied head that computes the tiled loss is its own FSDP2 unit
-    # (strategy/parallelize.py): it is gathered in the loss only and reduce-scatters after the loss's backward, but
-    # its fp32 reduce-scatter input stays alive until the next unit's reduce-scatter, through the last block's
-    # backward: V·h·4 there in place of the gathered head and its gradient, V·h·(2 + 2) in bf16 (traced: the same
-    # peak, 40.72 GiB, with the head a unit of its own and without); the terms below stand for both
-    for phase in ("MLP backward", "attention backward", "end of backward"):
-        add(f"lm_head gradient ({phase})", V * h * b, phase=phase,
-            formula="V·hidden, unsharded from the loss's backward to the root's reduce-scatter")
-    for phase in ("attention forward", "loss"):
-        add(f"root gradients ({phase})", root_grads, phase=phase,
-            formula="the last step's sharded root-unit gradients, alive until zero_grad")
-    add("embedding gradient + root reduce-scatter", V * h * b * (not g.tie_word_embeddings)
-        + rest * dtypes["reduce"] + rest * dtypes["reduce"] // W, phase="end of backward",
-        formula="V·hidden + root unit in reduce dtype")
-    order = [None, "attention forward", "MLP backward", "attention backward", "loss", "end of backward"]
-    return sorted(items, key=lambda c: order.index(c.phase))  # persistent first, then the phases in step order
-
-
-def build_plan(
-    geometry: ModelGeometry, model: str, *, seq_len: int, batch_size: int, num_gpus: int, gpus_per_node: int,
-    options: PlanOptions, gpu_memory_bytes: int, host_memory_bytes: Optional[int],
-) -> MemoryPlan:
-    """The plan of these resolved options: the components of the padded sequence and the limits."""
-    layout = SequenceLayout(options.sequence_parallel_size, 0, options.chunks, ring_size=options.ring_size)
-    padded = layout.padded_length(seq_len)
-    parts = components(geometry, options, seq_len=padded, batch_size=batch_size, num_gpus=num_gpus)
-    return MemoryPlan(
-        model=model, geometry=geometry, seq_len=seq_len, padded_seq_len=padded, batch_size=batch_size,
-        num_gpus=num_gpus, gpus_per_node=gpus_per_node, options=options, components=tuple(parts),
-        gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes,
-    )
-
-

@@ -6,11 +6,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Optional, Union
 
-from lightning_fpdt.planner.components import GIB, MemoryPlan, build_plan
+from lightning_fpdt.planner.components import GIB, MemoryPlan
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, geometry_name, resolve_geometry
+from lightning_fpdt.planner.host import gib
 from lightning_fpdt.planner.options import resolve_options
-from lightning_fpdt.planner.recommend import recommend
+from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES
+from lightning_fpdt.planner.search import SEARCHED, Run, changes_between, fastest_fitting
 from lightning_fpdt.sequence.options import FPDTOptions
+
+AUTO_NEUTRAL = dict(head_chunks=1, recompute_attention=False, reload_input=False, input_prefetch=True)
+"""What these options are before the search resolves their ``"auto"`` (and when nothing fits)."""
+
+Switch = Union[Literal["auto"], bool]
 
 
 def plan_memory(
@@ -23,8 +30,8 @@ def plan_memory(
     sequence_parallel_size: Union[Literal["auto"], int] = "auto",
     ring_size: Union[Literal["auto"], int] = "auto",
     chunks: Union[Literal["auto"], int] = "auto",
-    offload: Union[Literal["auto"], bool] = "auto",
-    offload_dq: Union[Literal["auto"], bool] = "auto",
+    offload: Switch = "auto",
+    offload_dq: Switch = "auto",
     activation_offload: bool,
     tiled_mlp: bool,
     tiled_loss: bool,
@@ -34,12 +41,14 @@ def plan_memory(
     cpu_offload_params: bool = False,
     gpu_memory_gib: float = 80.0,
     host_memory_gib: Optional[float] = None,
-    recompute_attention: bool = False,
-    head_chunks: int = 1,
-    reload_input: bool = False,
-    input_prefetch: bool = True,
+    recompute_attention: Switch = False,
+    head_chunks: Union[Literal["auto"], int] = 1,
+    reload_input: Switch = False,
+    input_prefetch: Switch = True,
+    host_baseline_gib: Optional[float] = None,
 ) -> MemoryPlan:
-    """Predict the memory of one training step under ``strategy="fpdt"``, per GPU and per host, and recommend options.
+    """Predict the memory of one training step under ``strategy="fpdt"``, per GPU and per host; resolve the
+    ``"auto"`` options to the fastest configuration that fits both memories; recommend changes when none fits.
 
     Args:
         geometry: a :class:`ModelGeometry`, a ``LlamaConfig`` or Hugging Face config, a named size (``"llama3-8b"``)
@@ -47,32 +56,28 @@ def plan_memory(
         seq_len: global tokens of one sequence ``S`` (padded here as the strategy pads it, to a multiple of ``P·u``).
         batch_size: sequences per data-parallel group per step.
         num_gpus: all GPUs ``W`` (FSDP2 shards the states over all of them).
-        gpus_per_node: GPUs of one host (``None``: all of them); pinned host memory is needed per host.
-        sequence_parallel_size, ring_size, chunks, offload, offload_dq, cpu_offload_params: as ``FPDTStrategy``
-            takes them (``ring_size="auto"``: the smallest ring the heads need, 1 when ``P`` divides them);
-            ``"auto"`` resolves as the strategy does, with the free memory of ``gpu_memory_gib`` minus the sharded
-            weights.
+        gpus_per_node: GPUs of one host (``None``: all of them); host memory is needed per host.
+        sequence_parallel_size, ring_size, chunks, offload, offload_dq, head_chunks, cpu_offload_params: as
+            ``FPDTStrategy`` takes them. ``"auto"`` (``ring_size``: the smallest ring the heads need) is resolved by
+            the search (:mod:`lightning_fpdt.planner.search`), as the strategy resolves it on a GPU.
         activation_offload, tiled_mlp, tiled_loss: whether the ``ActivationOffload``, ``TiledMLP``, ``TiledLoss``
             callbacks are on.
         activation_checkpointing: blocks checkpointed with their inputs on the GPU (``ActivationOffload(offload=
             False)``); ``None``: only when ``activation_offload``.
-        recompute_attention: ``ActivationOffload(recompute_attention=True)``: one layer's stash instead of every
-            layer's, the attention forward run twice.
+        recompute_attention, reload_input, input_prefetch: ``ActivationOffload``'s ``recompute_attention``,
+            ``reload_input`` and ``prefetch`` (``input_prefetch``: one block or more), or ``"auto"``.
         precision: ``"bf16-mixed"``, ``"bf16-true"`` or ``"32-true"``.
         optimizer: ``"adamw"``, ``"adam"`` (two moments) or ``"sgd"`` (none).
         gpu_memory_gib: memory of one GPU in GiB (about 79 for an H100 80GB, 139 for an H200).
-        host_memory_gib: memory one host can pin; ``None``: not checked.
-        head_chunks: head groups ``G`` (``FPDTStrategy(head_chunks=...)``): the attention phases hold one group's
-            q/k/v/out (``1/G`` of the full-width buffers) and its FPDT working set, plus a hidden-sized output sum.
-        reload_input: ``ActivationOffload(reload_input=True)``: a block's input stays on the host through its
-            backward (one hidden-sized tensor less in the backward phases).
-        input_prefetch: ``ActivationOffload(prefetch=...)`` of one block or more: the next block's input comes back
-            during a block's attention backward (``False``: ``prefetch=0``).
+        host_memory_gib: memory the processes of one host may hold (pinned and pageable); ``None``: not checked.
+        host_baseline_gib: resident memory of one process before the step's buffers; ``None``: the planner's
+            estimate (:data:`~lightning_fpdt.planner.phases.PROCESS_BASELINE_BYTES`).
 
     Returns:
-        A :class:`MemoryPlan`: components, ``peak_gpu_bytes = Σ persistent + max(transient phases)``, pinned host
-        bytes per host, ``binding_limit`` and, when it does not fit, ``recommended`` (a plan that fits) and
-        ``recommendation`` (the changes in words). A model, not a measurement: see the module docstring.
+        A :class:`MemoryPlan`: components, ``peak_gpu_bytes = Σ persistent + max(transient phases)``, host bytes
+        per host (pinned and resident), ``binding_limit`` and, when it does not fit, ``recommended`` (the fastest
+        plan that fits) and ``recommendation`` (the changes in words). A model, not a measurement: see
+        :mod:`lightning_fpdt.planner.components`.
     """
     geometry = resolve_geometry(geometry)
     model = geometry_name(geometry)
@@ -86,22 +91,58 @@ def plan_memory(
         raise ValueError(f"precision {precision!r} is not planned for; use one of {sorted(PRECISIONS)}")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer {optimizer!r} is not planned for; use one of {sorted(OPTIMIZER_STATES)}")
-    attention_options = FPDTOptions(chunks=chunks, offload=offload, offload_dq=offload_dq, head_chunks=head_chunks,
-                                    ring_size=ring_size)
+    for name, value in (("recompute_attention", recompute_attention), ("reload_input", reload_input),
+                        ("input_prefetch", input_prefetch)):
+        if value not in ("auto", True, False):
+            raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
+    given = dict(chunks=chunks, offload=offload, offload_dq=offload_dq, head_chunks=head_chunks,
+                 recompute_attention=recompute_attention, reload_input=reload_input, input_prefetch=input_prefetch)
+    free = {name for name, value in given.items() if value == "auto"}
+    attention_options = FPDTOptions(chunks=chunks, offload=offload, offload_dq=offload_dq,
+                                    head_chunks=1 if head_chunks == "auto" else head_chunks, ring_size=ring_size)
     if gpu_memory_gib <= 0 or (host_memory_gib is not None and host_memory_gib <= 0):
         raise ValueError(f"gpu_memory_gib ({gpu_memory_gib}) and host_memory_gib ({host_memory_gib}) must be positive")
     gpu_bytes = int(gpu_memory_gib * GIB)
-    host_bytes = None if host_memory_gib is None else int(host_memory_gib * GIB)
-    options = resolve_options(
+    run = Run(geometry, model, seq_len=seq_len, batch_size=batch_size, num_gpus=num_gpus, gpus_per_node=gpus_per_node,
+              gpu_memory_bytes=gpu_bytes, host_memory_bytes=None if host_memory_gib is None else int(host_memory_gib * GIB),
+              host_baseline_bytes=PROCESS_BASELINE_BYTES if host_baseline_gib is None else int(host_baseline_gib * GIB))
+    neutral = {name: AUTO_NEUTRAL[name] if given[name] == "auto" else given[name] for name in AUTO_NEUTRAL}
+    base = resolve_options(
         geometry, attention_options, seq_len=seq_len, batch_size=batch_size, num_gpus=num_gpus,
         gpus_per_node=gpus_per_node, sequence_parallel_size=sequence_parallel_size,
         activation_offload=activation_offload, activation_checkpointing=activation_checkpointing,
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, precision=precision, optimizer=optimizer,
-        cpu_offload_params=cpu_offload_params, gpu_memory_bytes=gpu_bytes, recompute_attention=recompute_attention,
-        reload_input=reload_input, input_prefetch=input_prefetch,
+        cpu_offload_params=cpu_offload_params, gpu_memory_bytes=gpu_bytes,
+        **{name: value for name, value in neutral.items() if name != "head_chunks"},
     )
-    plan = build_plan(geometry, model, seq_len=seq_len, batch_size=batch_size, num_gpus=num_gpus,
-                      gpus_per_node=gpus_per_node, options=options, gpu_memory_bytes=gpu_bytes,
-                      host_memory_bytes=host_bytes)
-    recommended, recommendation = recommend(plan, offload_dq)
-    return dataclasses.replace(plan, recommended=recommended, recommendation=recommendation)
+    base = dataclasses.replace(base, head_chunks=neutral["head_chunks"])
+    plan = (fastest_fitting(run, base, free) if free else None) or run.plan(base)
+    if plan.fits:
+        return dataclasses.replace(plan, recommendation="the options as given fit" if not free else
+                                   "the options as given fit (\"auto\" resolved to the fastest that fits)")
+    explicit = {name: getattr(base, name) for name in SEARCHED if name not in free}
+    recommended = fastest_fitting(run, plan.options, SEARCHED, explicit)
+    if recommended is None:
+        return dataclasses.replace(plan, recommendation=nothing_fits(plan))
+    changes = changes_between(plan.options, recommended.options)
+    return dataclasses.replace(plan, recommended=recommended, recommendation=said(changes, free))
+
+
+def said(changes: dict[str, Any], auto: set[str]) -> str:
+    """``set a=1, b=2`` for the options to set; those left ``"auto"`` follow in brackets."""
+    if changes.get("activation_offload") and "activation_checkpointing" in changes:
+        changes = {k: v for k, v in changes.items() if k != "activation_checkpointing"}  # ActivationOffload implies it
+    chosen = [f"{name}={value}" for name, value in changes.items() if name not in auto]
+    resolved = [f"{name}={value}" for name, value in changes.items() if name in auto]
+    text = "set " + ", ".join(chosen) if chosen else "keep the options as given"
+    return text + (f" (\"auto\" then resolves {', '.join(resolved)})" if resolved else "")
+
+
+def nothing_fits(plan: MemoryPlan) -> str:
+    """Why no configuration fits, and what to do instead."""
+    if plan.binding_limit == "host memory":
+        return (f"nothing fits the host ({gib(plan.host_resident_bytes_per_node)} GiB per host as planned, "
+                f"{gib(plan.host_memory_bytes)} GiB there): use more hosts (each GPU holds S/P tokens) or a shorter "
+                f"sequence")
+    return ("nothing in the search fits (still over GPU memory with every memory feature tried): use more GPUs "
+            "(each holds S/P tokens and 1/W of the states) or a shorter sequence")

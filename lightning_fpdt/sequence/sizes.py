@@ -128,7 +128,8 @@ def resolve_ring_size(
     return ring_size
 
 
-def _valid_head_chunks(num_heads: int, num_kv_heads: int, sp_size: int) -> list[int]:
+def valid_head_chunks(num_heads: int, num_kv_heads: int, sp_size: int) -> list[int]:
+    """The head group counts ``G`` the heads allow on ``sp_size`` ranks (each group's heads split like a layer's)."""
     return [groups for groups in range(1, num_kv_heads + 1)
             if num_kv_heads % groups == 0 and heads_allow(num_heads // groups, num_kv_heads // groups, sp_size)]
 
@@ -138,7 +139,7 @@ def check_head_groups(num_heads: int, num_kv_heads: int, head_chunks: int, sp_si
     (see :func:`check_heads`, which applies per group: ``Hkv/G`` kv heads against ``P`` ranks)."""
     check_positive_int("head_chunks", head_chunks)
     check_heads(num_heads, num_kv_heads, 1)  # H a multiple of Hkv
-    valid = _valid_head_chunks(num_heads, num_kv_heads, sp_size)
+    valid = valid_head_chunks(num_heads, num_kv_heads, sp_size)
     if num_kv_heads % head_chunks:
         raise ValueError(
             f"head_chunks ({head_chunks}) must divide num_kv_heads ({num_kv_heads}): each head group holds whole kv "

@@ -1,0 +1,28 @@
+"""The memory features the planner counts, one module each: its options (the
+:class:`~lightning_fpdt.planner.options.PlanOptions` fields it owns), the values the ``"auto"`` search tries, its
+memory terms, its cost in step time and the arguments a user writes for it (:class:`~.base.MemoryFeature`).
+
+A new feature is a module here and a line in :data:`FEATURES` (and its fields in ``PlanOptions``).
+"""
+
+from lightning_fpdt.planner.features.attention_stash import AttentionStash
+from lightning_fpdt.planner.features.base import MemoryFeature
+from lightning_fpdt.planner.features.block_inputs import BlockInputs
+from lightning_fpdt.planner.features.chunks import Chunks
+from lightning_fpdt.planner.features.head_groups import HeadGroups
+from lightning_fpdt.planner.features.host_states import HostStates
+from lightning_fpdt.planner.features.tiled_loss import TiledLossFeature
+from lightning_fpdt.planner.features.tiled_mlp import TiledMLPFeature
+
+FEATURES: tuple[MemoryFeature, ...] = (
+    HostStates(),
+    BlockInputs(),
+    AttentionStash(),
+    Chunks(),
+    HeadGroups(),
+    TiledMLPFeature(),
+    TiledLossFeature(),
+)
+"""Every memory feature, in the order their terms are listed."""
+
+__all__ = ["FEATURES", "MemoryFeature"]

@@ -1,0 +1,60 @@
+"""What the attention keeps from its forward for its backward, and where: every layer's chunks (and, under
+checkpointing, its output) on the GPU or offloaded to the host (``FPDTStrategy(offload=...)``), the backward's fp32
+partial dQ sums on the host too (``offload_dq``), or, with ``ActivationOffload(recompute_attention=True)``, only the
+chunks of the layer in backward, its attention run again in the recompute."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from lightning_fpdt.planner.components import Component, attention_host_bytes
+from lightning_fpdt.planner.cost import attention_forward_seconds, attention_seconds
+from lightning_fpdt.planner.features.base import MemoryFeature
+from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.sequence.planning import stash_bytes
+
+OFFLOAD_SLOWDOWN = 0.02
+"""Share of the attention's time the chunks' copies to and from the host add (they overlap the kernels)."""
+OFFLOAD_DQ_SLOWDOWN = 0.03
+"""The same for the partial dQ sums' copies, which the backward's inner loop waits on more often."""
+
+
+class AttentionStash(MemoryFeature):
+    fields = ("offload", "offload_dq", "recompute_attention")
+
+    def normalise(self, changes: dict[str, Any]) -> Optional[dict[str, Any]]:
+        if changes["recompute_attention"] and not changes["activation_checkpointing"]:
+            return None  # there is no recompute to run the attention in
+        if not changes["offload"]:
+            changes["offload_dq"] = False  # the sums go to the host with the chunks or not at all
+        return changes
+
+    def components(self, s: StepSizes) -> list[Component]:
+        o, L, G = s.o, s.L, s.G
+        # attention calls holding a stash between forward and backward: every layer's, or under attention recompute
+        # only the layer in backward; with head groups, each of its G groups
+        layers_stashed = 1 if o.recompute_attention else L
+        stashed = layers_stashed * G
+        if G > 1:  # head groups keep each group's output for their backward (the layer in backward's, under recompute)
+            kept = layers_stashed
+        else:
+            kept = L if o.activation_checkpointing and not o.recompute_attention else 0  # first-pass outputs kept
+        stash = stashed * stash_bytes(s.attention, **s.size, **s.ring)
+        host = attention_host_bytes(dataclasses.replace(s.attention, num_layers=stashed), offload=o.offload,
+                                    offload_dq=o.offload_dq, kept_out_layers=kept * G, **s.size, **s.ring)
+        return [Component("attention stash", 0 if o.offload else stash + kept * s.out, host,
+                          formula=("1 layer (attention recomputed)" if o.recompute_attention else "L")
+                          + " x planning.stash_bytes (+ kept outputs)" + (", offloaded" if o.offload else ""))]
+
+    def extra_seconds(self, s: StepSizes) -> float:
+        o = s.o
+        seconds = attention_forward_seconds(s) if o.recompute_attention else 0.0
+        return seconds + attention_seconds(s) * (OFFLOAD_SLOWDOWN * o.offload + OFFLOAD_DQ_SLOWDOWN * o.offload_dq)
+
+    def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
+        o = s.o
+        chosen: dict[str, dict[str, Any]] = {"FPDTStrategy": {"offload": o.offload, "offload_dq": o.offload_dq}}
+        if o.activation_checkpointing:
+            chosen["ActivationOffload"] = {"recompute_attention": o.recompute_attention}
+        return chosen

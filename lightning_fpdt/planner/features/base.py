@@ -1,0 +1,44 @@
+"""What a memory feature is to the planner: its options, the values the search tries, its memory terms, its cost,
+and the arguments a user writes for it."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning_fpdt.planner.components import Component
+from lightning_fpdt.planner.sizes import StepSizes
+
+
+class MemoryFeature:
+    """One memory feature, held in one module of this package (see the package docstring).
+
+    Subclasses set ``fields`` (the :class:`~lightning_fpdt.planner.options.PlanOptions` fields it owns) and override
+    what applies to them; the defaults contribute nothing.
+    """
+
+    fields: tuple[str, ...] = ()
+    """The plan options this feature owns."""
+
+    def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
+        """The values the search tries for ``field``, cheapest first (``s``: the sizes of the run as given); by default
+        a switch off, then on."""
+        return (False, True)
+
+    def normalise(self, changes: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """The candidate ``changes`` (all plan options) as the feature sees them: a value that has no effect in this
+        combination set to its neutral value (so the search does not try the same run twice), or ``None`` for a
+        combination that cannot run."""
+        return changes
+
+    def components(self, s: StepSizes) -> list[Component]:
+        """The memory terms this feature owns."""
+        return []
+
+    def extra_seconds(self, s: StepSizes) -> float:
+        """Step time this feature adds (an estimate for ranking the runs that fit; see :mod:`..cost`)."""
+        return 0.0
+
+    def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
+        """How a user asks for these options: ``{"FPDTStrategy": {...}, "ActivationOffload": {...}}``; a class named
+        with no arguments (``{"TiledMLP": {}}``) is a callback to add."""
+        return {}

@@ -1,0 +1,80 @@
+"""Checkpointed blocks and where their inputs wait (``ActivationOffload``): no checkpointing, checkpointing with the
+inputs on the GPU (``offload=False``), or in host memory (the default), and how they come back (``reload_input``,
+``prefetch``; memory/block_offload.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning_fpdt.planner.components import Component
+from lightning_fpdt.planner.cost import COPY_BYTES, dense_forward_seconds
+from lightning_fpdt.planner.features.base import MemoryFeature
+from lightning_fpdt.planner.sizes import StepSizes
+
+RELOAD_EXPOSED = 0.25
+"""Share of the extra input copy of ``reload_input`` a block's backward waits for (the rest overlaps its end)."""
+
+
+class BlockInputs(MemoryFeature):
+    fields = ("activation_checkpointing", "activation_offload", "reload_input", "input_prefetch")
+
+    def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
+        return (True, False) if field == "input_prefetch" else (False, True)
+
+    def normalise(self, changes: dict[str, Any]) -> Optional[dict[str, Any]]:
+        if changes["activation_offload"] and not changes["activation_checkpointing"]:
+            return None  # ActivationOffload checkpoints the blocks: counted once, as (True, True)
+        if not changes["activation_offload"]:  # counted under the offload only
+            changes.update(reload_input=False, input_prefetch=True)
+        return changes
+
+    def components(self, s: StepSizes) -> list[Component]:
+        o, L, A = s.o, s.L, s.A
+        parts = []
+        if o.activation_offload:
+            parts.append(Component("checkpointed block inputs", 0, L * A,
+                                   formula="L on host; on the GPU by phase (block inputs)"))
+            # the forward's: the block's and the one before on its way to the host; in a block's backward its own
+            # (none under reload_input) and, from the end of its MLP backward, the next one prefetched
+            own, ahead, forward = (0 if o.reload_input else A), (A if o.input_prefetch and L > 1 else 0), min(2, L) * A
+            for phase, gpu, formula in (
+                ("attention forward", forward, "the block's + the one before, on its way to the host"),
+                ("MLP backward", own, "the block's own (on the host under reload_input)"),
+                ("attention backward", own + ahead, "own + the next one, prefetched after the MLP backward"),
+                ("loss", forward, "the last block's output and input"),
+                ("end of backward", forward, "the first block's input gradient and input"),
+            ):
+                parts.append(Component(f"block inputs ({phase})", gpu, phase=phase, formula=formula))
+        elif o.activation_checkpointing:
+            parts.append(Component("checkpointed block inputs", L * A, formula="L x B·S/P·hidden"))
+        else:
+            parts.append(Component("activations (no checkpointing)", L * (A + s.layer),
+                                   formula="L x (block input + layer activations)"))
+        # the recomputed layer, in its MLP backward and at its attention (without checkpointing: in "activations")
+        checkpointed = o.activation_checkpointing
+        at_attention = s.norm + s.rope + (0 if s.out_kept else s.out)  # the recomputed output, if not kept
+        parts.append(Component("layer activations (recompute)", s.layer if checkpointed else 0, phase="MLP backward",
+                               formula="norms, attention out, rope, MLP"))
+        parts.append(Component("layer activations (at attention)", at_attention if checkpointed else 0,
+                               phase="attention backward",
+                               formula="first norm, rope (, attention output when recomputed)"))
+        return parts
+
+    def extra_seconds(self, s: StepSizes) -> float:
+        o = s.o
+        if not o.activation_checkpointing:
+            return 0.0
+        # the recompute runs each block's dense layers again (its attention too: see the attention stash)
+        seconds = dense_forward_seconds(s, s.L * s.block_parameters)
+        if o.activation_offload:
+            inputs = s.L * s.A / COPY_BYTES  # every input back once, overlapped with the block after
+            seconds += (0 if o.input_prefetch else inputs) + (RELOAD_EXPOSED * inputs if o.reload_input else 0)
+        return seconds
+
+    def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
+        o = s.o
+        if not o.activation_checkpointing:
+            return {}
+        if not o.activation_offload:
+            return {"ActivationOffload": {"offload": False}}
+        return {"ActivationOffload": {"reload_input": o.reload_input, "prefetch": 1 if o.input_prefetch else 0}}

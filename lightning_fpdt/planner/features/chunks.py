@@ -1,0 +1,41 @@
+"""FPDT chunks per rank (``FPDTStrategy(chunks=...)``): more chunks, a smaller working set of the attention's forward
+and backward, and smaller (slower) attention blocks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lightning_fpdt.planner.cost import attention_seconds
+from lightning_fpdt.planner.features.base import MemoryFeature
+from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.sequence.planning import MAX_CHUNK_TOKENS
+
+MIN_CHUNK_TOKENS = 8192
+"""The search halves chunks down to this many global tokens per chunk, not further (a choice: smaller attention
+blocks were not measured; the benchmarks use 32K and 64K)."""
+FULL_SPEED_CHUNK_TOKENS = 32768
+"""Global tokens per chunk from which the attention blocks run at full speed."""
+HALVING_SLOWDOWN = 0.05
+"""Share of the attention's time each halving of the chunk below :data:`FULL_SPEED_CHUNK_TOKENS` adds."""
+
+
+class Chunks(MemoryFeature):
+    fields = ("chunks",)
+
+    def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
+        if s.o.ring_size > 1:
+            return (1,)  # not composed with the ring
+        chunks = max(1, math.ceil(s.seq_len / MAX_CHUNK_TOKENS))
+        values = [chunks]
+        while s.seq_len / (2 * chunks) >= max(MIN_CHUNK_TOKENS, s.P):
+            chunks *= 2
+            values.append(chunks)
+        return tuple(sorted(set(values) | {s.o.chunks}))
+
+    def extra_seconds(self, s: StepSizes) -> float:
+        tokens = s.seq_len / s.o.chunks
+        return attention_seconds(s) * HALVING_SLOWDOWN * max(0.0, math.log2(FULL_SPEED_CHUNK_TOKENS / tokens))
+
+    def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
+        return {"FPDTStrategy": {"chunks": s.o.chunks}}

@@ -1,0 +1,35 @@
+"""Head groups (``FPDTStrategy(head_chunks=G)``, docs/head_chunks.md): the attention's projections and FPDT calls run
+on ``H/G`` query heads at a time, so its full-width q, k, v and output never exist at once. Their terms are the
+attention phases' (:mod:`lightning_fpdt.planner.phases`), written with ``G``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_fpdt.planner.cost import attention_seconds, dense_forward_seconds
+from lightning_fpdt.planner.features.base import MemoryFeature
+from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.sequence.sizes import valid_head_chunks
+
+GROUP_SLOWDOWN = 0.02
+"""Share of the attention's time each group beyond the first adds (smaller calls: +6% at ``G = 4`` on an H100)."""
+
+
+class HeadGroups(MemoryFeature):
+    fields = ("head_chunks",)
+
+    def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
+        if s.o.ring_size > 1:
+            return (1,)  # not composed with the ring
+        return tuple(valid_head_chunks(s.g.num_heads, s.g.num_kv_heads, s.P))
+
+    def extra_seconds(self, s: StepSizes) -> float:
+        if s.G == 1:
+            return 0.0
+        g = s.g
+        # each group's q/k/v projections run again in its backward; the smaller attention calls
+        projections = s.L * g.hidden_size * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim
+        return dense_forward_seconds(s, projections) + attention_seconds(s) * GROUP_SLOWDOWN * (s.G - 1)
+
+    def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
+        return {"FPDTStrategy": {"head_chunks": s.G}}

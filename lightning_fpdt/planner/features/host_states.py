@@ -1,0 +1,56 @@
+"""Where the sharded states live: the GPU, or the host (``FPDTStrategy(cpu_offload_params=True)``, FSDP2's
+``CPUOffloadPolicy``).
+
+On the host the fp32 master weights are page-locked, each exactly its size (the strategy registers FSDP2's shards
+itself, ``lightning_fpdt.sequence.host_memory``), so the GPU copies them in asynchronously; the gradients arrive in
+pageable memory (the optimizer steps them on the host as they land) and the optimizer's moments are pageable too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_fpdt.planner.components import Component
+from lightning_fpdt.planner.cost import COPY_BYTES, HOST_STEP_BYTES
+from lightning_fpdt.planner.features.base import MemoryFeature
+from lightning_fpdt.planner.geometry import OPTIMIZER_STATES
+from lightning_fpdt.planner.sizes import StepSizes
+
+PAGEABLE_COPY_BYTES = 19e9
+"""Device-to-host copies into pageable memory, bytes/s (the gradients under host-resident states)."""
+
+
+class HostStates(MemoryFeature):
+    fields = ("cpu_offload_params",)
+
+    def components(self, s: StepSizes) -> list[Component]:
+        d, W, on_host = s.dtypes, s.W, s.o.cpu_offload_params
+        master = d["master"] * s.total_parameters // W
+        block_grads = d["grad"] * s.L * s.block_parameters // W
+        root_grads = d["grad"] * s.rest_parameters // W
+        moments = OPTIMIZER_STATES[s.o.optimizer] * master
+        parts = [
+            Component("parameters", (0 if on_host else master) + d["param"] * s.rest_parameters,
+                      master if on_host else 0, formula="sharded master + gathered root unit"),
+            # the blocks' sharded gradients; the root unit's exist from its reduce-scatter at the end of the backward
+            # until Lightning's zero_grad, which runs after the next step's forward and loss (by phase, below)
+            Component("gradients", 0 if on_host else block_grads, formula="blocks' shards",
+                      pageable_bytes=block_grads + root_grads if on_host else 0),
+            Component("optimizer states", 0 if on_host else moments,
+                      formula=f"{OPTIMIZER_STATES[s.o.optimizer]} x sharded master",
+                      pageable_bytes=moments if on_host else 0),
+        ]
+        parts += [Component(f"root gradients ({phase})", 0 if on_host else root_grads, phase=phase,
+                            formula="the last step's sharded root-unit gradients, alive until zero_grad")
+                  for phase in ("attention forward", "loss")]
+        return parts
+
+    def extra_seconds(self, s: StepSizes) -> float:
+        if not s.o.cpu_offload_params:
+            return 0.0
+        shard = s.dtypes["master"] * s.total_parameters // s.W
+        # the weights copied in twice (forward, backward), the gradients out, the optimizer's passes on the host
+        return 2 * shard / COPY_BYTES + shard / PAGEABLE_COPY_BYTES + 4 * shard / HOST_STEP_BYTES
+
+    def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
+        return {"FPDTStrategy": {"cpu_offload_params": True}} if s.o.cpu_offload_params else {}

@@ -1,0 +1,117 @@
+"""The phases of a step as the formula sheet writes them (:mod:`lightning_fpdt.planner.components`), one function
+each, and the plan that adds them to the memory features' own terms (:mod:`lightning_fpdt.planner.features`)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from lightning_fpdt.flops import ModelGeometry
+from lightning_fpdt.planner.components import Component, MemoryPlan, attention_backward_bytes
+from lightning_fpdt.planner.features import FEATURES
+from lightning_fpdt.planner.options import PlanOptions
+from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.sequence.layout import SequenceLayout
+from lightning_fpdt.sequence.planning import working_set_bytes
+
+PHASES = (None, "attention forward", "MLP backward", "attention backward", "loss", "end of backward")
+"""Persistent (``None``) first, then the transient phases in step order: the order of a plan's table."""
+PROCESS_BASELINE_BYTES = 3 * 2**30
+"""Host memory of one training process before any buffer of the step: Python, torch, CUDA's context and its own
+pinned staging, Lightning, transformers (``bench.memory_trace`` on an H200: the resident memory of a process at its
+first step, less what the plan counts). The strategy measures its own instead."""
+
+
+def attention_forward(s: StepSizes) -> list[Component]:
+    """The layer's input norm, q, k, v, out and the FPDT working set of one chunk; with head groups one group's q, k,
+    v, out and working set, and the hidden-sized output sum the groups add into."""
+    working_set = working_set_bytes(s.attention, num_chunks=s.o.chunks, **s.size, **s.ring)
+    if s.G == 1:
+        return [Component("attention forward", s.norm + s.qkv + s.out + working_set, phase="attention forward",
+                          formula="norm + q, k, v, out + planning.working_set_bytes")]
+    return [Component("attention forward", s.norm + s.A + (s.qkv + s.out) // s.G + working_set,
+                      phase="attention forward",
+                      formula="norm + output sum + one group's q, k, v, out and working set")]
+
+
+def attention_backward(s: StepSizes) -> list[Component]:
+    """The gradients around the attention and the FPDT backward's chunks (``attention_backward_bytes``)."""
+    o = s.o
+    chunks = attention_backward_bytes(s.attention, num_chunks=o.chunks, offload=o.offload, offload_dq=o.offload_dq,
+                                      **s.size, **s.ring)
+    if s.G == 1:
+        # the residual stream's gradient and the attention output's; under checkpointing also a hidden-sized output
+        # of the block's recompute that lives until the block's backward ends (measured: bench/memory_trace.py)
+        grads = s.A + s.out + (s.A if o.activation_checkpointing else 0)
+        return [Component("attention backward", grads + s.qkv + chunks, phase="attention backward",
+                          formula="grads + dq, dk, dv + FPDT backward chunks")]
+    # a group's backward (integrations/head_groups.py) holds no other hidden-sized tensor but the gradient into the
+    # block (held until the block's backward returns): the output projection is differentiated by hand and the
+    # q/k/v projections' input gradients are added into dx in place; at its peak (RoPE's backward of dq) the group's
+    # dout, dq and rotated dq, dk and dv are alive: (2·out + qkv)/G
+    return [Component("attention backward", 3 * s.A + (2 * s.out + s.qkv) // s.G + chunks, phase="attention backward",
+                      formula="grad into the block + output grad + running input grad + one group's dout, dq and its "
+                      "rotation, dk, dv + its FPDT backward chunks")]
+
+
+def gathered_states(s: StepSizes) -> list[Component]:
+    """The parts of the states that exist in some phases only: the current and prefetched block gathered, one block's
+    unsharded gradients and their reduce-scatter copy, the unsharded lm_head gradient, and at the end of the
+    backward the embedding gradient and the root unit's reduce-scatter."""
+    d, V, h = s.dtypes, s.g.vocab_size, s.g.hidden_size
+    block, rest = s.block_parameters, s.rest_parameters
+    parts = [Component(f"gathered blocks ({phase})", 2 * d["param"] * block, phase=phase, formula="current + prefetched")
+             for phase in ("attention forward", "MLP backward", "attention backward")]
+    parts += [Component(f"block gradients ({phase})", block * (d["param"] + d["reduce"]), phase=phase,
+                        formula="one block unsharded + its reduce-scatter copy")
+              for phase in ("MLP backward", "attention backward")]
+    # with host-resident states an untied head that computes the tiled loss is its own FSDP2 unit
+    # (strategy/parallelize.py): it is gathered in the loss only and reduce-scatters after the loss's backward, but
+    # its fp32 reduce-scatter input stays alive until the next unit's reduce-scatter, through the last block's
+    # backward: V·h·4 there in place of the gathered head and its gradient, V·h·(2 + 2) in bf16 (traced: the same
+    # peak, 40.72 GiB, with the head a unit of its own and without); the terms below stand for both
+    parts += [Component(f"lm_head gradient ({phase})", V * h * s.b, phase=phase,
+                        formula="V·hidden, unsharded from the loss's backward to the root's reduce-scatter")
+              for phase in ("MLP backward", "attention backward", "end of backward")]
+    parts.append(Component("embedding gradient + root reduce-scatter",
+                           V * h * s.b * (not s.g.tie_word_embeddings) + rest * d["reduce"] + rest * d["reduce"] // s.W,
+                           phase="end of backward", formula="V·hidden + root unit in reduce dtype"))
+    return parts
+
+
+def process_baseline(host_baseline_bytes: int) -> list[Component]:
+    """The process itself: libraries, the CUDA context, everything resident before the step's buffers."""
+    return [Component("process baseline", 0, pageable_bytes=host_baseline_bytes,
+                      formula="Python, torch, CUDA context: resident before the step")]
+
+
+def components(geometry: ModelGeometry, options: PlanOptions, *, seq_len: int, batch_size: int, num_gpus: int,
+               host_baseline_bytes: int = PROCESS_BASELINE_BYTES) -> list[Component]:
+    """Every component of one step: the phases' and the memory features', persistent first, then by phase."""
+    s = StepSizes(geometry, options, seq_len, batch_size, num_gpus)
+    parts = process_baseline(host_baseline_bytes)
+    for feature in FEATURES:
+        parts += feature.components(s)
+    parts += attention_forward(s) + attention_backward(s) + gathered_states(s)
+    return sorted(parts, key=lambda c: PHASES.index(c.phase))
+
+
+def build_plan(
+    geometry: ModelGeometry, model: str, *, seq_len: int, batch_size: int, num_gpus: int, gpus_per_node: int,
+    options: PlanOptions, gpu_memory_bytes: int, host_memory_bytes: Optional[int],
+    host_baseline_bytes: int = PROCESS_BASELINE_BYTES,
+) -> MemoryPlan:
+    """The plan of these resolved options: the components of the padded sequence and the limits."""
+    padded = padded_length(options, seq_len)
+    parts = components(geometry, options, seq_len=padded, batch_size=batch_size, num_gpus=num_gpus,
+                       host_baseline_bytes=host_baseline_bytes)
+    return MemoryPlan(
+        model=model, geometry=geometry, seq_len=seq_len, padded_seq_len=padded, batch_size=batch_size,
+        num_gpus=num_gpus, gpus_per_node=gpus_per_node, options=options, components=tuple(parts),
+        gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes,
+    )
+
+
+def padded_length(options: PlanOptions, seq_len: int) -> int:
+    """``S`` padded as the strategy pads it, to a multiple of ``P·u`` (with a ring, of its block count)."""
+    layout = SequenceLayout(options.sequence_parallel_size, 0, options.chunks, ring_size=options.ring_size)
+    return layout.padded_length(seq_len)

@@ -1,0 +1,111 @@
+"""The fastest configuration that fits the GPU and the host: what ``"auto"`` resolves to, and what the planner
+recommends when the options given do not fit.
+
+Each memory feature (:mod:`lightning_fpdt.planner.features`) names the values its options may take, cheapest first,
+and what they cost in step time. The search ranks every combination of the free options by that cost
+(:func:`step_seconds`) and plans them in that order until one fits: the first that fits is the fastest that fits.
+Options a user gave explicitly stay fixed when ``"auto"`` is resolved; for a recommendation they are free too, each
+change of one costing :data:`CHANGE_PENALTY` of the step, so that the fewest changes that fit come first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from lightning_fpdt.flops import ModelGeometry
+from lightning_fpdt.planner.components import MemoryPlan
+from lightning_fpdt.planner.cost import base_seconds
+from lightning_fpdt.planner.features import FEATURES
+from lightning_fpdt.planner.options import PlanOptions
+from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES, build_plan, padded_length
+from lightning_fpdt.planner.sizes import StepSizes
+
+SEARCHED = tuple(field for feature in FEATURES for field in feature.fields)
+"""Every option the search can change, feature by feature."""
+CHANGE_PENALTY = 0.1
+"""Step time charged, as a share of the step, for each option a recommendation changes from what the user gave."""
+MAX_PLANS = 6000
+"""Plans the search builds at most before it says that nothing fits (the largest spaces hold about that many)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a plan is made for besides its options: the model, the sequence, the GPUs and the memories."""
+
+    geometry: ModelGeometry
+    model: str
+    seq_len: int
+    batch_size: int
+    num_gpus: int
+    gpus_per_node: int
+    gpu_memory_bytes: int
+    host_memory_bytes: Optional[int]
+    host_baseline_bytes: int = PROCESS_BASELINE_BYTES
+
+    def sizes(self, options: PlanOptions) -> StepSizes:
+        return StepSizes(self.geometry, options, padded_length(options, self.seq_len), self.batch_size,
+                         self.num_gpus)
+
+    def plan(self, options: PlanOptions) -> MemoryPlan:
+        return build_plan(self.geometry, self.model, seq_len=self.seq_len, batch_size=self.batch_size,
+                          num_gpus=self.num_gpus, gpus_per_node=self.gpus_per_node, options=options,
+                          gpu_memory_bytes=self.gpu_memory_bytes, host_memory_bytes=self.host_memory_bytes,
+                          host_baseline_bytes=self.host_baseline_bytes)
+
+
+def step_seconds(s: StepSizes) -> float:
+    """The estimated step time of one configuration: the work every configuration does and each feature's own."""
+    return base_seconds(s) + sum(feature.extra_seconds(s) for feature in FEATURES)
+
+
+def candidates(run: Run, base: PlanOptions, free: Iterable[str]) -> list[PlanOptions]:
+    """Every combination of the ``free`` options' values (the others as in ``base``) that can run, once each."""
+    s = run.sizes(base)
+    owners = {field: feature for feature in FEATURES for field in feature.fields}
+    axes = [(field, owners[field].choices(field, s)) for field in SEARCHED if field in set(free)]
+    seen: set[PlanOptions] = set()
+    found = []
+    for values in itertools.product(*(choices for _, choices in axes)):
+        changes: Optional[dict[str, Any]] = {**dataclasses.asdict(base), **dict(zip((f for f, _ in axes), values))}
+        for feature in FEATURES:
+            changes = feature.normalise(changes)
+            if changes is None:
+                break
+        if changes is None:
+            continue
+        try:
+            options = PlanOptions(**changes)
+        except ValueError:
+            continue  # a combination the options refuse (a ring with chunks, say)
+        if options not in seen:
+            seen.add(options)
+            found.append(options)
+    return found
+
+
+def fastest_fitting(run: Run, base: PlanOptions, free: Iterable[str],
+                    explicit: Optional[Mapping[str, Any]] = None) -> Optional[MemoryPlan]:
+    """The plan of the fastest combination of the ``free`` options that fits the run's GPU and host memory, or
+    ``None``. ``explicit``: options the user gave, each change of which costs :data:`CHANGE_PENALTY`."""
+    explicit = explicit or {}
+    ranked = []
+    for options in candidates(run, base, free):
+        s = run.sizes(options)
+        seconds = step_seconds(s)
+        changed = sum(getattr(options, name) != value for name, value in explicit.items())
+        ranked.append((seconds * (1 + CHANGE_PENALTY * changed), options))
+    ranked.sort(key=lambda item: item[0])
+    for _, options in ranked[:MAX_PLANS]:
+        plan = run.plan(options)
+        if plan.fits:
+            return plan
+    return None
+
+
+def changes_between(given: PlanOptions, chosen: PlanOptions) -> dict[str, Any]:
+    """The options ``chosen`` sets differently from ``given``, in :data:`SEARCHED` order."""
+    return {name: getattr(chosen, name) for name in SEARCHED if getattr(chosen, name) != getattr(given, name)}

@@ -1,0 +1,145 @@
+"""The quantities of the planner's formula sheet (:mod:`lightning_fpdt.planner.components`), computed once per plan.
+
+Every phase function and every memory feature reads its sizes from one :class:`StepSizes`, so a symbol of the sheet
+(``N``, ``A``, ``norm``, ``layer``, ...) has one definition in code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import cached_property
+
+from lightning_fpdt.flops import ModelGeometry
+from lightning_fpdt.planner.geometry import PRECISIONS, attention_geometry, parameter_counts, total_parameters
+from lightning_fpdt.planner.options import PlanOptions
+from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry
+
+ROPE_TABLES = 2
+"""fp32 ``(B, N, D)`` tables a layer holds for backward: cos and sin."""
+
+
+@dataclass(frozen=True)
+class StepSizes:
+    """One step's sizes per GPU: the geometry ``g``, the resolved options ``o`` and what follows from them."""
+
+    g: ModelGeometry
+    o: PlanOptions
+    seq_len: int
+    """``S``, padded to a multiple of ``P·u``."""
+    batch_size: int
+    num_gpus: int
+
+    @property
+    def dtypes(self) -> dict[str, int]:
+        """Bytes of the master weights, compute weights, gradients, reduce-scatter copies, activations."""
+        return PRECISIONS[self.o.precision]
+
+    @property
+    def b(self) -> int:
+        """Bytes of one activation element."""
+        return self.dtypes["act"]
+
+    @property
+    def L(self) -> int:  # noqa: N802 (the sheet's symbol)
+        return self.g.num_layers
+
+    @property
+    def P(self) -> int:  # noqa: N802
+        return self.o.sequence_parallel_size
+
+    @property
+    def W(self) -> int:  # noqa: N802
+        return self.num_gpus
+
+    @property
+    def G(self) -> int:  # noqa: N802
+        return self.o.head_chunks
+
+    @property
+    def N(self) -> int:  # noqa: N802
+        """Local tokens ``B·S/P``."""
+        return self.batch_size * self.seq_len // self.P
+
+    @property
+    def A(self) -> int:  # noqa: N802
+        """One hidden-state tensor ``N·h·b``."""
+        return self.N * self.g.hidden_size * self.b
+
+    @property
+    def attn_width(self) -> int:
+        return self.g.num_heads * self.g.head_dim
+
+    @property
+    def out(self) -> int:
+        """One attention output ``N·H·D·b``."""
+        return self.N * self.attn_width * self.b
+
+    @property
+    def qkv(self) -> int:
+        """Full-width q, k and v: ``N·(H + 2·Hkv)·D·b``."""
+        return self.N * (self.g.num_heads + 2 * self.g.num_kv_heads) * self.g.head_dim * self.b
+
+    @cached_property
+    def block_parameters(self) -> int:
+        """``Θ_block``."""
+        return parameter_counts(self.g)[0]
+
+    @cached_property
+    def rest_parameters(self) -> int:
+        """``Θ_rest``: embedding, lm_head unless tied, final norm (FSDP2's root unit)."""
+        return parameter_counts(self.g)[1]
+
+    @cached_property
+    def total_parameters(self) -> int:
+        """``Θ``."""
+        return total_parameters(self.g)
+
+    @cached_property
+    def attention(self) -> AttentionGeometry:
+        """The attention calls as ``sequence.planning`` counts them: ``L·G`` calls of one head group each."""
+        return grouped_geometry(attention_geometry(self.g, self.b), self.G)
+
+    @property
+    def size(self) -> dict[str, int]:
+        """The ``batch_size, seq_len, sp_size`` keywords of ``sequence.planning``."""
+        return dict(batch_size=self.batch_size, seq_len=self.seq_len, sp_size=self.P)
+
+    @property
+    def ring(self) -> dict[str, int]:
+        return dict(ring_size=self.o.ring_size)
+
+    # ---- what one layer keeps for its backward -------------------------------------------------------------------
+    @property
+    def norm(self) -> int:
+        """The tiled RMSNorm's output and one fp32 rstd per token: ``A + N·4``."""
+        return self.A + self.N * 4
+
+    @property
+    def rope(self) -> int:
+        """RoPE's fp32 cos and sin tables."""
+        return ROPE_TABLES * self.N * self.g.head_dim * 4
+
+    @property
+    def mlp_saved(self) -> int:
+        """What an untiled gated MLP saves: ``4·N·I·b`` (a tiled one saves only its input)."""
+        return 0 if self.o.tiled_mlp else 4 * self.N * self.g.intermediate_size * self.b
+
+    @property
+    def out_kept(self) -> bool:
+        """Whether a stash on the GPU holds the attention output (head groups; checkpointed first-pass outputs not
+        offloaded): then the layer's replay takes it from there and the layer does not count it again. An offloaded
+        stash holds it on the host, and the layer's replay brings it back to the GPU."""
+        o = self.o
+        return self.G > 1 or (o.activation_checkpointing and not o.recompute_attention and not o.offload)
+
+    @property
+    def layer(self) -> int:
+        """One layer's activations for its backward: two norms, the residual between them, RoPE's tables (not with
+        head groups), the attention output unless kept, the untiled MLP's saved tensors. A checkpoint's recompute
+        frees the block's own output before its backward (memory/block_offload.py)."""
+        return (2 * self.norm + self.A + (self.rope if self.G == 1 else 0) + (0 if self.out_kept else self.out)
+                + self.mlp_saved)
+
+    def with_options(self, **changes: object) -> "StepSizes":
+        return dataclasses.replace(self, o=dataclasses.replace(self.o, **changes))

@@ -36,6 +36,11 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
         num_kv_heads=8, head_dim=64, rope_theta=500000.0, tie_word_embeddings=True,
     ),
+    # Llama-3.2-3B geometry (as llama3-1b: no llama3 RoPE frequency scaling).
+    "llama3-3b": dict(
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24,
+        num_kv_heads=8, head_dim=128, rope_theta=500000.0, tie_word_embeddings=True,
+    ),
     "llama3-8b": dict(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
         num_kv_heads=8, rope_theta=500000.0, tie_word_embeddings=False,

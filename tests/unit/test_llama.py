@@ -177,9 +177,12 @@ def test_num_parameters_matches_module(tied):
 
 def test_named_configs():
     """from_name builds each named geometry and applies overrides."""
-    assert set(NAMED_CONFIGS) == {"tiny", "llama3-1b", "llama3-8b"}
+    assert set(NAMED_CONFIGS) == {"tiny", "llama3-1b", "llama3-3b", "llama3-8b"}
     one_b = LlamaConfig.from_name("llama3-1b")
     assert (one_b.head_dim, one_b.num_kv_heads, one_b.tie_word_embeddings) == (64, 8, True)
+    three_b = LlamaConfig.from_name("llama3-3b")  # Llama-3.2-3B: 3.21B parameters, the embedding tied
+    assert (three_b.num_layers, three_b.hidden_size, three_b.num_heads, three_b.num_kv_heads) == (28, 3072, 24, 8)
+    assert three_b.num_parameters() == 3_212_749_824
     assert LlamaConfig.from_name("tiny", num_layers=3).num_layers == 3
 
 

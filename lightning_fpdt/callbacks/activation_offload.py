@@ -6,11 +6,16 @@ handed back to the recompute, and its backward uses the chunks stashed by that f
 That keeps every layer's stash until its backward; ``recompute_attention=True`` trades it for a second attention
 forward: the first forward stashes nothing, and only the layer in backward holds a stash, which is what lets a
 full-depth model reach lengths where the stashes of all layers exceed the host's memory.
+
+``recompute_attention``, ``reload_input`` and ``prefetch`` default to ``"auto"``: under ``strategy="fpdt"`` on a GPU
+the strategy chooses them, with its own ``"auto"`` options, as the fastest configuration that fits the GPU and the
+host (``lightning_fpdt.planner.search``); elsewhere ``"auto"`` is what costs nothing: the attention kept, the input
+prefetched one block ahead, not reloaded.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -19,7 +24,12 @@ from torch import nn
 from lightning_fpdt.callbacks.transforms import transform_without_fpdt
 from lightning_fpdt.integrations import residual_mlps, shared_attentions
 from lightning_fpdt.memory import BlockCheckpoints, apply_block_offload, find_blocks
+from lightning_fpdt.planner.options import MemoryFeatures
 from lightning_fpdt.sequence.host_stash import StashFactory
+from lightning_fpdt.sequence.options import check_switch
+
+AUTO_VALUES = dict(recompute_attention=False, reload_input=False, prefetch=1)
+"""What ``"auto"`` is where nothing plans it (another strategy, no GPU): what costs nothing."""
 
 
 class ActivationOffload(Callback):
@@ -29,16 +39,19 @@ class ActivationOffload(Callback):
         layer_classes: class names of the blocks to checkpoint; ``None``: the strategy's blocks (the largest
             ``nn.ModuleList``).
         pin_memory: pin the host buffers (CUDA only; pageable copies are synchronous and ~3× slower).
-        prefetch: how many blocks ahead their inputs come back during the backward.
+        prefetch: how many blocks ahead their inputs come back during the backward; ``"auto"``: chosen by the
+            strategy (module docstring), else 1.
         offload: ``False`` keeps the block inputs on the GPU (plain checkpointing without recomputing attention).
         recompute_attention: run the FPDT attention again in the recompute instead of keeping every layer's chunks
             and output until its backward: host (or GPU) memory of one layer's stash instead of all layers', for
-            about +30% attention compute (a second forward beside the backward's 2.5 forwards' worth).
+            about +30% attention compute (a second forward beside the backward's 2.5 forwards' worth);
+            ``"auto"``: chosen by the strategy, else off.
         reload_input: leave each block's input on the host through the block's backward (what the recompute saves
             from it points at the host copy) and bring it back only for the block's first norm: one hidden-sized
             tensor ``B·S/P·hidden`` less on the GPU in every phase of the backward, for one more host-to-device copy
             per block that the backward waits for. With ``prefetch=0`` too, a block's backward holds no block input
-            but briefly at its end: what reaches the longest sequences on one GPU. Needs ``offload=True``.
+            but briefly at its end: what reaches the longest sequences on one GPU. Needs ``offload=True``;
+            ``"auto"``: chosen by the strategy, else off.
 
     With ``strategy="fpdt"`` the strategy applies it before FSDP2; with another strategy it wraps the blocks of the
     LightningModule's model at ``setup`` (checkpointing and offload work; the attention is recomputed there).
@@ -52,14 +65,16 @@ class ActivationOffload(Callback):
         self,
         layer_classes: Optional[list[str]] = None,
         pin_memory: bool = True,
-        prefetch: int = 1,
+        prefetch: Union[Literal["auto"], int] = "auto",
         offload: bool = True,
-        recompute_attention: bool = False,
-        reload_input: bool = False,
+        recompute_attention: Union[Literal["auto"], bool] = "auto",
+        reload_input: Union[Literal["auto"], bool] = "auto",
     ) -> None:
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0 blocks, got {prefetch}")
-        if reload_input and not offload:
+        if prefetch != "auto" and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
+            raise ValueError(f"prefetch must be >= 0 blocks, got {prefetch!r} (or 'auto': the strategy chooses)")
+        check_switch("recompute_attention", recompute_attention)
+        check_switch("reload_input", reload_input)
+        if reload_input is True and not offload:
             raise ValueError("reload_input brings block inputs back from the host: it needs offload=True (with "
                              "offload=False they stay on the GPU anyway)")
         self.layer_classes = layer_classes
@@ -75,11 +90,31 @@ class ActivationOffload(Callback):
         return self.stashes.host_bytes
 
     @property
-    def fpdt_plan_flags(self) -> dict[str, bool]:
-        """What the memory planner counts for this callback."""
-        return {"activation_checkpointing": True, "activation_offload": self.stashes.offload,
-                "recompute_attention": self.recompute_attention, "reload_input": self.reload_input,
-                "input_prefetch": self.prefetch > 0}
+    def fpdt_memory_features(self) -> MemoryFeatures:
+        """What the memory planner counts for this callback ("auto" where the strategy is to choose)."""
+        offload = self.stashes.offload
+        return MemoryFeatures(
+            activation_checkpointing=True, activation_offload=offload, recompute_attention=self.recompute_attention,
+            reload_input=self.reload_input if offload else False,
+            input_prefetch=self.prefetch if self.prefetch == "auto" else self.prefetch > 0,
+        )
+
+    def resolved(self, name: str) -> Any:
+        """The value of ``recompute_attention``, ``reload_input`` or ``prefetch`` in force: the one given, or the
+        strategy's choice for ``"auto"`` (:meth:`apply_memory_choice`), or, before any choice, what costs nothing."""
+        value = getattr(self, name)
+        if value != "auto":
+            return value
+        return getattr(self, "_chosen", {}).get(name, AUTO_VALUES[name])
+
+    def apply_memory_choice(self, *, recompute_attention: bool, reload_input: bool, prefetch: int) -> None:
+        """The strategy's choice for this run's sequence length: taken for the options left at ``"auto"`` (an
+        explicit value stays; the strategy plans with it)."""
+        self._chosen = dict(recompute_attention=recompute_attention, reload_input=reload_input, prefetch=prefetch)
+        if self._owner is not None:
+            self._owner.configure(recompute_attention=self.resolved("recompute_attention"),
+                                  reload_input=self.resolved("reload_input") and self.stashes.offload,
+                                  prefetch=self.resolved("prefetch"))
 
     def fpdt_transform(self, model: nn.Module, blocks: list[nn.Module]) -> None:
         blocks = find_blocks(model, self.layer_classes) if self.layer_classes else blocks
@@ -87,10 +122,12 @@ class ActivationOffload(Callback):
             raise ValueError(
                 f"ActivationOffload found no transformer blocks in {type(model).__name__}: give layer_classes=[...]"
             )
-        # attentions told to record their first pass (and not run again); none when the recompute runs them
-        attentions = [] if self.recompute_attention else shared_attentions(model)
-        self._owner = apply_block_offload(blocks, stashes=self.stashes, prefetch=self.prefetch, attentions=attentions,
-                                          unused_mlp_values=residual_mlps(blocks), reload_input=self.reload_input)
+        # the attentions record their first pass (and do not run again) unless the recompute runs them
+        self._owner = apply_block_offload(
+            blocks, stashes=self.stashes, prefetch=self.resolved("prefetch"), attentions=shared_attentions(model),
+            unused_mlp_values=residual_mlps(blocks), reload_input=self.resolved("reload_input"),
+            recompute_attention=self.resolved("recompute_attention"),
+        )
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         transform_without_fpdt(self, trainer, pl_module, self.layer_classes, require_parameters=False)

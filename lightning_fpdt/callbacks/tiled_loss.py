@@ -13,6 +13,7 @@ from lightning_fpdt.callbacks.transforms import transform_without_fpdt
 from lightning_fpdt.integrations.install import apply_tiled_loss
 from lightning_fpdt.memory.tiled_loss import tiled_cross_entropy
 from lightning_fpdt.memory.tiling import check_num_tiles
+from lightning_fpdt.planner.options import MemoryFeatures
 
 __all__ = ["TiledLoss", "tiled_cross_entropy"]
 
@@ -41,9 +42,9 @@ class TiledLoss(pl.Callback):
     """The slot of ``apply_fpdt`` it fills: after the tiled MLP, before checkpointing and FSDP2 (docs/design.md §5)."""
 
     @property
-    def fpdt_plan_flags(self) -> dict[str, bool]:
+    def fpdt_memory_features(self) -> MemoryFeatures:
         """What the memory planner counts for this callback."""
-        return {"tiled_loss": True}
+        return MemoryFeatures(tiled_loss=True)
 
     def __init__(self, num_tiles: Union[Literal["auto"], int] = "auto") -> None:
         super().__init__()

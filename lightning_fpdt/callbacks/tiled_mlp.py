@@ -11,6 +11,7 @@ from torch import nn
 from lightning_fpdt.callbacks.transforms import transform_without_fpdt
 from lightning_fpdt.memory.tiled_mlp import apply_tiled_mlp
 from lightning_fpdt.memory.tiling import check_num_tiles
+from lightning_fpdt.planner.options import MemoryFeatures
 
 
 class TiledMLP(pl.Callback):
@@ -40,9 +41,9 @@ class TiledMLP(pl.Callback):
     (docs/design.md §5)."""
 
     @property
-    def fpdt_plan_flags(self) -> dict[str, bool]:
+    def fpdt_memory_features(self) -> MemoryFeatures:
         """What the memory planner counts for this callback."""
-        return {"tiled_mlp": True}
+        return MemoryFeatures(tiled_mlp=True)
 
     def __init__(
         self, num_tiles: Union[Literal["auto"], int] = "auto", mlp_classes: Optional[list[str]] = None

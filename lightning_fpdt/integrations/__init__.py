@@ -9,7 +9,13 @@ from lightning_fpdt.integrations.context import (
 )
 from lightning_fpdt.integrations.head_groups import HeadGroupedAttention, install_head_groups
 from lightning_fpdt.integrations.huggingface import install_hf_model, register_hf_attention
-from lightning_fpdt.integrations.install import apply_tiled_loss, attention_geometry, install, residual_mlps
+from lightning_fpdt.integrations.install import (
+    apply_tiled_loss,
+    attention_geometry,
+    install,
+    residual_mlps,
+    supports_head_groups,
+)
 from lightning_fpdt.integrations.reference_llama import install_reference_llama
 from lightning_fpdt.integrations.sdpa import SDPAInterception, install_sdpa_interception
 
@@ -29,4 +35,5 @@ __all__ = [
     "register_hf_attention",
     "residual_mlps",
     "shared_attentions",
+    "supports_head_groups",
 ]

@@ -33,6 +33,21 @@ Hugging Face families'): in a checkpoint's recompute nothing reads that value, s
 it and its backward recomputes the tiles as always: the MLP forward runs twice per step, not three times."""
 
 
+def supports_head_groups(model: nn.Module) -> bool:
+    """Whether head groups can run ``model``'s attention: the reference Llama, or a Hugging Face model whose attention
+    modules all have separate ``q_proj``/``k_proj``/``v_proj``/``o_proj`` and a ``head_dim`` (Llama, Qwen2, Qwen3,
+    Mistral); what ``head_chunks="auto"`` may choose from."""
+    if is_reference_llama(model):
+        return True
+    if not is_hf_model(model):
+        return False
+    attentions = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
+    return bool(attentions) and all(
+        all(isinstance(getattr(m, name, None), nn.Linear) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        and isinstance(getattr(m, "head_dim", None), int) for m in attentions
+    )
+
+
 def install(model: nn.Module, blocks: list[nn.Module], context: SequenceParallelContext) -> str:
     """Install the FPDT attention and loss in ``model`` by its kind; returns the kind's name."""
     if is_reference_llama(model):

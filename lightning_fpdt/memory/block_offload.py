@@ -16,7 +16,8 @@ known the input's device copy goes as soon as the MLP starts in the recompute (n
 residual add), so the recompute's last steps do not hold it either.
 
 Attention objects passed as ``attentions`` are told to record during a block's first (no-grad) forward, so the
-recompute takes their output back instead of running attention again (docs/design.md §4). MLPs passed as
+recompute takes their output back instead of running attention again (docs/design.md §4); with
+``recompute_attention`` they are not, and the recompute runs the attention again. MLPs passed as
 ``unused_mlp_values`` feed only the residual add that ends their block: nothing reads their value in the recompute,
 and a tiled MLP there skips computing it (:func:`mlp_value_unused`), since its backward recomputes the tiles anyway.
 """
@@ -50,15 +51,22 @@ class BlockCheckpoints:
     """The stash of block inputs of one model, and the order blocks ran in (for the one-ahead prefetch)."""
 
     def __init__(self, stashes: StashFactory, prefetch: int, attentions: Sequence[Any] = (),
-                 reload_input: bool = False) -> None:
+                 reload_input: bool = False, recompute_attention: bool = False) -> None:
         self.stashes = stashes
-        self.prefetch = prefetch
-        self.reload_input = reload_input
-        """Leave a block's input on the host through its backward (when the stash offloads; module docstring)."""
         self.attentions = list(attentions)
-        """Told to keep what the recompute needs (no attention recompute); objects with a ``recording`` flag."""
+        """Told to keep what the recompute needs (unless it recomputes them); objects with a ``recording`` flag."""
+        self.configure(recompute_attention=recompute_attention, reload_input=reload_input, prefetch=prefetch)
         self.forward_order: list[int] = []  # stash keys of this step's blocks, in forward order
         self._stash: Optional[ChunkStash] = None
+
+    def configure(self, *, recompute_attention: bool, reload_input: bool, prefetch: int) -> None:
+        """Set how the next steps run (between steps: the strategy's choice for a sequence length)."""
+        self.prefetch = prefetch
+        """Blocks ahead whose inputs come back during a block's backward."""
+        self.reload_input = reload_input
+        """Leave a block's input on the host through its backward (when the stash offloads; module docstring)."""
+        self.recompute_attention = recompute_attention
+        """Run the attention again in the recompute instead of keeping its first pass."""
 
     def stash(self, device: torch.device) -> ChunkStash:
         if self._stash is None:
@@ -75,6 +83,8 @@ class BlockCheckpoints:
                 self._stash.prefetch(earlier)
 
     def set_recording(self, on: bool) -> None:
+        if self.recompute_attention:
+            return  # nothing recorded: the recompute runs the attention again
         for attention in self.attentions:
             attention.recording = on
 
@@ -290,17 +300,18 @@ def offloaded_blocks(blocks: Sequence[nn.Module]) -> Optional[BlockCheckpoints]:
 def apply_block_offload(
     blocks: Sequence[nn.Module], *, stashes: StashFactory, prefetch: int = 1, attentions: Sequence[Any] = (),
     unused_mlp_values: Optional[Mapping[nn.Module, nn.Module]] = None, reload_input: bool = False,
+    recompute_attention: bool = False,
 ) -> BlockCheckpoints:
     """Checkpoint each of ``blocks`` with its input in ``stashes`` (host memory when offloading); in place,
-    idempotent. ``attentions`` record their first pass; ``unused_mlp_values`` maps a block to its MLP whose output
-    only feeds the block's residual add; ``reload_input`` leaves a block's input on the host through its backward
-    (both: see the module docstring). Returns the blocks' owner."""
+    idempotent. ``attentions`` record their first pass unless ``recompute_attention``; ``unused_mlp_values`` maps a
+    block to its MLP whose output only feeds the block's residual add; ``reload_input`` leaves a block's input on the
+    host through its backward (both: see the module docstring). Returns the blocks' owner."""
     if not blocks:
         raise ValueError("apply_block_offload got no blocks")
     wrapped = offloaded_blocks(blocks)
     if wrapped is not None:
         return wrapped  # fit then validate must not wrap twice
-    owner = BlockCheckpoints(stashes, prefetch, attentions, reload_input)
+    owner = BlockCheckpoints(stashes, prefetch, attentions, reload_input, recompute_attention)
     unused = unused_mlp_values or {}
     for key, block in enumerate(blocks):
         block.forward = CheckpointedForward(block.forward, owner, key, unused.get(block))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner.geometry import PRECISIONS, attention_geometry, total_parameters
@@ -82,6 +84,51 @@ class PlanOptions:
             + (" reload_input" if self.activation_offload and self.reload_input else "")
             + (" prefetch=0" if self.activation_offload and not self.input_prefetch else "")
         )
+
+
+Switch = Union[Literal["auto"], bool]
+
+
+@dataclass(frozen=True)
+class MemoryFeatures:
+    """What the memory callbacks ask of a run, as the user gave it (``"auto"`` or a value): the callbacks contribute
+    it (``fpdt_memory_features``), and the strategy's host check, the ``"auto"`` search, the planner and the
+    benchmarks take it (:meth:`plan_kwargs`)."""
+
+    activation_checkpointing: bool = False
+    """Blocks checkpointed (``ActivationOffload``)."""
+    activation_offload: bool = False
+    """Their inputs in host memory (``ActivationOffload(offload=True)``, the default)."""
+    recompute_attention: Switch = False
+    """``ActivationOffload(recompute_attention=...)``."""
+    reload_input: Switch = False
+    """``ActivationOffload(reload_input=...)``."""
+    input_prefetch: Switch = True
+    """``ActivationOffload(prefetch=...)`` of one block or more (``False``: ``prefetch=0``)."""
+    tiled_mlp: bool = False
+    """``TiledMLP``."""
+    tiled_loss: bool = False
+    """``TiledLoss``."""
+
+    @classmethod
+    def declared(cls, callbacks: Iterable[Any]) -> "MemoryFeatures":
+        """The features the callbacks declare together (``fpdt_memory_features``); a switch is on when any callback
+        turns it on, an option another callback leaves at its default takes the one callback's value."""
+        merged: dict[str, Any] = {}
+        defaults = cls()
+        for callback in callbacks:
+            features = getattr(callback, "fpdt_memory_features", None)
+            if features is None:
+                continue
+            for field in dataclasses.fields(cls):
+                value = getattr(features, field.name)
+                if value != getattr(defaults, field.name):
+                    merged[field.name] = value if merged.get(field.name) in (None, value) else True
+        return cls(**merged)
+
+    def plan_kwargs(self) -> dict[str, Any]:
+        """The keywords of :func:`~lightning_fpdt.planner.plan_memory` for these features."""
+        return dataclasses.asdict(self)
 
 
 def free_for_auto(

@@ -159,6 +159,20 @@ class HostAllocator:
             self.mapped_bytes += page_rounded(nbytes)
         return tensor
 
+    def release(self, tensor: Tensor) -> None:
+        """Give back a buffer :meth:`empty` made (its registration ends now; its pages go with its last view)."""
+        address = tensor.untyped_storage().data_ptr()
+        nbytes = tensor.untyped_storage().nbytes()
+        with self._lock:
+            for index, (held, _) in enumerate(self._held):
+                if held == address:
+                    if self.pin:
+                        torch.cuda.cudart().cudaHostUnregister(address)
+                    del self._held[index]
+                    break
+            self.allocated_bytes -= nbytes
+            self.mapped_bytes -= page_rounded(nbytes)
+
     def register(self, tensor: Tensor) -> None:
         """Page-lock the memory of an existing host ``tensor`` (its whole storage, once however many tensors view it)
         and count it; counted only unless ``pin``. The allocator keeps the tensor alive until :meth:`close`."""

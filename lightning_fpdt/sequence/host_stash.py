@@ -110,6 +110,18 @@ class HostBufferPool:
     def give_back(self, buffer: Tensor, last_read: Optional[torch.cuda.Event]) -> None:
         self._idle.setdefault((buffer.dtype, buffer.numel()), []).append((buffer, last_read))
 
+    def trim(self) -> int:
+        """Free the idle buffers (a new sequence length needs other sizes); returns the bytes freed."""
+        freed = 0
+        for buffers in self._idle.values():
+            for buffer, last_read in buffers:
+                if last_read is not None:
+                    last_read.synchronize()  # a copy may still read it
+                freed += buffer.numel() * buffer.element_size()
+                self.allocator.release(buffer)
+        self._idle.clear()
+        return freed
+
 
 @dataclass
 class _HostChunk:
@@ -243,6 +255,10 @@ class StashFactory:
     def host_bytes(self) -> int:
         """Host memory allocated for stashed chunks so far."""
         return 0 if self._pool is None else self._pool.allocated_bytes
+
+    def trim(self) -> int:
+        """Free the host buffers no stash holds now (between steps: all of them); returns the bytes freed."""
+        return 0 if self._pool is None else self._pool.trim()
 
     def _host_stash(self, device: torch.device) -> HostStash:
         cuda = device.type == "cuda"

@@ -63,8 +63,9 @@ class FPDTOptions:
     offload_dq: Union[Auto, bool] = "auto"
     """Keep the backward's fp32 partial dQ sums in host memory too; ``"auto"``: when the chunks are offloaded and
     those sums would take more than an eighth of the free GPU memory."""
-    head_chunks: int = 1
-    """Head groups ``G``: projections and attention run on ``H/G`` query heads at a time."""
+    head_chunks: Union[Auto, int] = 1
+    """Head groups ``G``: projections and attention run on ``H/G`` query heads at a time; ``"auto"``: chosen with
+    the memory features by the strategy's search (``lightning_fpdt.planner.search``), 1 where nothing plans."""
     ring_size: Union[Auto, int] = "auto"
     """Ring ranks ``R`` of a Ulysses × ring sequence mesh; ``"auto"``: 1 unless the heads need a ring."""
     attention_backend: str = "auto"
@@ -74,7 +75,7 @@ class FPDTOptions:
         check_auto_or_positive_int("chunks", self.chunks)
         check_switch("offload", self.offload)
         check_switch("offload_dq", self.offload_dq)
-        check_positive_int("head_chunks", self.head_chunks)
+        check_auto_or_positive_int("head_chunks", self.head_chunks)
         check_auto_or_positive_int("ring_size", self.ring_size)
         check_backend_name(self.attention_backend)
         if isinstance(self.ring_size, int) and self.ring_size > 1:
@@ -94,6 +95,11 @@ class FPDTOptions:
                 f"offload_dq=True with ring_size={ring_size}: the ring has no partial dQ sums across chunks to "
                 f"offload (its dQ is one share, on the device); use offload_dq='auto' or False with a ring"
             )
+
+    @property
+    def fixed_head_chunks(self) -> int:
+        """``head_chunks`` where nothing plans it: the value given, 1 for ``"auto"``."""
+        return 1 if self.head_chunks == "auto" else self.head_chunks
 
     def resolve(
         self, geometry: Optional[AttentionGeometry], *, batch_size: int, seq_len: int, sp_size: int,

@@ -1,20 +1,29 @@
-"""The memory a run may use: the GPU memory this process may take (what ``"auto"`` options are planned with), and
-the pinned host memory a run needs, checked before any pinned buffer exists (pinned-memory exhaustion takes the
-machine down, not just the job)."""
+"""The memory a run may use and the configuration it runs in: the GPU memory this process may take, the host memory
+the processes of this host may hold, the fastest configuration of the ``"auto"`` options that fits both
+(``lightning_fpdt.planner``'s search, the one ``lightning-fpdt plan`` runs), and the refusal of a run that fits
+neither, before any pinned buffer exists (pinned-memory exhaustion takes the machine down, not just the job)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 
+from lightning_fpdt.integrations import supports_head_groups
 from lightning_fpdt.memory.surgery import find_model
-from lightning_fpdt.planner import available_host_memory, check_host_memory, plan_memory, resolve_geometry
+from lightning_fpdt.planner import plan_memory, resolve_geometry
+from lightning_fpdt.planner.arguments import python_arguments
+from lightning_fpdt.planner.components import MemoryPlan
+from lightning_fpdt.planner.host import gib
+from lightning_fpdt.planner.options import MemoryFeatures
+from lightning_fpdt.sequence.host_memory import HostAllocator, available_host_memory, resident_bytes
 
-PLAN_FLAGS = ("tiled_mlp", "tiled_loss", "activation_checkpointing", "activation_offload", "recompute_attention",
-              "reload_input", "input_prefetch")
-"""What the memory callbacks declare to the planner (``fpdt_plan_flags``); off unless a callback says so."""
+GPU_CONTEXT_BYTES = 2**30
+"""GPU memory the plan leaves to what it does not count: the CUDA context, cuBLAS and NCCL workspaces."""
+HOST_RESERVE_FRACTION = 0.03
+"""Share of the host's memory no plan may take (at least :data:`HOST_RESERVE_MIN_BYTES`): the kernel, page cache, other
+processes' growth."""
+HOST_RESERVE_MIN_BYTES = 2 * 2**30
 
 
 def usable_total_bytes(device: torch.device) -> int:
@@ -29,50 +38,124 @@ def usable_free_bytes(device: torch.device) -> int:
     return max(0, min(free, usable_total_bytes(device) - torch.cuda.memory_reserved(device)))
 
 
-def declared_plan_flags(callbacks: list[Any]) -> dict[str, bool]:
-    """The planner flags the callbacks declare, each on when any callback says so."""
-    flags = dict.fromkeys(PLAN_FLAGS, False)
-    for callback in callbacks:
-        declared: Mapping[str, bool] = getattr(callback, "fpdt_plan_flags", {})
-        for name, value in declared.items():
-            flags[name] = flags[name] or bool(value)
-    return flags
+def host_reserve_bytes() -> int:
+    """What a plan leaves free on the host: :data:`HOST_RESERVE_FRACTION` of its memory, at least 2 GiB."""
+    total = None
+    try:
+        with open("/proc/meminfo") as f:
+            total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration):
+        pass
+    return max(HOST_RESERVE_MIN_BYTES, int(HOST_RESERVE_FRACTION * total) if total else 0)
 
 
-def host_memory_refusal(strategy: Any, seq_len: int, batch_size: int) -> Optional[ValueError]:
-    """The error refusing a run of the fpdt ``strategy`` whose pinned host memory does not fit this host, or
-    ``None`` (also when nothing can be checked: no CUDA, no readable model config, no reading of the host's
-    memory). The plan is made for the strategy's sizes, its resolved options and the callbacks' declarations."""
+def host_state_bytes(optimizers: list[Any], model: torch.nn.Module) -> int:
+    """Bytes of optimizer states and gradients already in host memory (resident now, counted by the plan too)."""
+    seen: set[int] = set()
+    total = 0
+
+    def count(t: Any) -> None:
+        nonlocal total
+        if isinstance(t, torch.Tensor):
+            t = t.to_local() if hasattr(t, "to_local") else t
+            if t.device.type == "cpu" and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                count(value)
+    for parameter in model.parameters():
+        count(parameter.grad)
+    return total
+
+
+def known_length(trainer: Any) -> Optional[tuple[int, int]]:
+    """``(seq_len, batch_size)`` when the data module says it before the first batch, else ``None``."""
+    datamodule = getattr(trainer, "datamodule", None)
+    seq_len = getattr(datamodule, "seq_len", None)
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool):
+        return None
+    batch_size = getattr(datamodule, "batch_size", 1)
+    return seq_len, batch_size if isinstance(batch_size, int) else 1
+
+
+def register_host_states(model: torch.nn.Module, *, pin: bool) -> HostAllocator:
+    """Page-lock FSDP2's host-resident parameter shards, each exactly its size (FSDP2's own pinning goes through the
+    caching host allocator, which rounds every shard up to a power of two; ``parallelize.py`` turns it off)."""
+    allocator = HostAllocator(pin=pin)
+    for parameter in model.parameters():
+        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+        if local.device.type == "cpu":
+            allocator.register(local.detach())
+    return allocator
+
+
+def plan_for(strategy: Any, seq_len: int, batch_size: int) -> Optional[MemoryPlan]:
+    """The plan of a ``seq_len`` run of the fpdt ``strategy``: its sizes, its explicit options, the callbacks'
+    features, the ``"auto"`` options resolved by the search for this GPU's and this host's memory. ``None`` where
+    nothing can be planned (no CUDA, no readable model config)."""
     device = strategy.root_device
     config = getattr(find_model(strategy.model), "config", None)
-    available = available_host_memory()
-    if device.type != "cuda" or config is None or available is None:
-        return None  # pinned memory is a CUDA matter; without a config there is no geometry to plan
+    if device.type != "cuda" or config is None:
+        return None
     try:
         geometry = resolve_geometry(config)
     except ValueError:
         return None  # a config the planner cannot read: nothing to check against
-    options = strategy.resolved_options(seq_len, batch_size)
-    plan = plan_memory(
+    options = strategy.options
+    head_chunks = strategy.head_chunks_for_planning()
+    available = available_host_memory()
+    rss = resident_bytes() or 0
+    local = strategy.num_processes
+    host_limit = None
+    if available is not None:
+        # the processes of this host hold their resident memory already, outside what the host has available
+        host_limit = available + local * rss - host_reserve_bytes()
+    already = strategy.pinned_host_bytes + host_state_bytes(strategy.optimizers, strategy.model)
+    features = MemoryFeatures.declared(strategy.lightning_module.trainer.callbacks)
+    return plan_memory(
         geometry=geometry, seq_len=seq_len, batch_size=batch_size, chunks=options.chunks, offload=options.offload,
-        offload_dq=options.offload_dq, num_gpus=strategy.world_size, gpus_per_node=strategy.num_processes,
+        offload_dq=options.offload_dq, num_gpus=strategy.world_size, gpus_per_node=local,
         sequence_parallel_size=strategy.sequence_parallel_size, ring_size=strategy.ring_size,
         precision=strategy.precision_plugin.precision, cpu_offload_params=strategy.cpu_offload_params,
-        head_chunks=strategy.options.head_chunks, gpu_memory_gib=usable_total_bytes(device) / 2**30,
-        **declared_plan_flags(strategy.lightning_module.trainer.callbacks),
+        head_chunks=head_chunks, gpu_memory_gib=(usable_total_bytes(device) - GPU_CONTEXT_BYTES) / 2**30,
+        host_memory_gib=None if host_limit is None else max(host_limit, 1) / 2**30,
+        host_baseline_gib=max(0, rss - already) / 2**30, **features.plan_kwargs(),
     )
-    try:
-        check_host_memory(plan, available)
-    except ValueError as refusal:
-        return refusal
-    return None
 
 
-def check_memory_plan(strategy: Any, seq_len: int, batch_size: int, *, collective: bool) -> None:
-    """Raise :func:`host_memory_refusal`'s error; ``collective``: every rank agrees first and all raise together, so
-    none waits in a collective for a rank that raised."""
-    refusal = host_memory_refusal(strategy, seq_len, batch_size)
-    if collective and not strategy.reduce_boolean_decision(refusal is None, all=True):
-        raise refusal or ValueError("another rank refused the run: its host lacks the pinned memory (see its log)")
-    if refusal is not None:
-        raise refusal
+def refusal(plan: Optional[MemoryPlan]) -> Optional[ValueError]:
+    """The error refusing a run whose plan fits the GPU or the host not, naming what binds and the change that fits;
+    ``None`` when it fits or nothing was planned."""
+    if plan is None or plan.fits:
+        return None
+    limit = "GPU" if plan.binding_limit == "gpu memory" else "host"
+    fix = plan.recommendation
+    if plan.recommended is not None:
+        fix += "; that is\n" + python_arguments(plan.recommended)
+    return ValueError(
+        f"fpdt: this run does not fit the {limit} memory: S = {plan.seq_len:,} tokens needs "
+        f"{gib(plan.peak_gpu_bytes)} GiB per GPU (of {gib(plan.gpu_memory_bytes)}) and "
+        f"{gib(plan.host_resident_bytes_per_node)} GiB of host memory per host, {gib(plan.host_bytes_per_node)} of "
+        f"it pinned (of {gib(plan.host_memory_bytes)} GiB the host can give), with {plan.options.describe()}. "
+        f"Fix: {fix}. The plan: `lightning-fpdt plan` prints it; FPDTStrategy(check_memory=False) runs it anyway."
+    )
+
+
+def choice_message(plan: MemoryPlan) -> str:
+    """What the run was planned to, in a few lines: the options, the peaks against the limits, what binds."""
+    binding = "nothing binds" if plan.binding_limit == "fits" else plan.binding_limit
+    host = "unchecked" if plan.host_memory_bytes is None else f"of {gib(plan.host_memory_bytes)}"
+    return (
+        f"fpdt: S = {plan.seq_len:,} planned with {plan.options.describe()}\n"
+        f"  predicted peak {gib(plan.peak_gpu_bytes)} GiB per GPU of {gib(plan.gpu_memory_bytes)}; host "
+        f"{gib(plan.host_resident_bytes_per_node)} GiB per host ({gib(plan.host_bytes_per_node)} pinned) {host}; "
+        f"{binding}\n  as arguments:\n" + "\n".join("    " + line for line in python_arguments(plan).splitlines())
+    )
+
+
+def head_groups_possible(strategy: Any) -> bool:
+    """Whether ``head_chunks="auto"`` may choose head groups for the strategy's model."""
+    return supports_head_groups(find_model(strategy.model)) and strategy.ring_size == 1

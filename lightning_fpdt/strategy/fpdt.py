@@ -24,7 +24,10 @@ from lightning_fpdt.flops import attention_heads
 from lightning_fpdt.integrations import SequenceParallelContext, attention_geometry
 from lightning_fpdt.integrations.attributes import DEVICE_MESH
 from lightning_fpdt.memory.surgery import find_model
+from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.sequence.attention import FPDTAttention
+from lightning_fpdt.sequence.host_memory import HostAllocator, HostMemoryError, HostMemoryGuard
+from lightning_fpdt.sequence.host_stash import StashFactory
 from lightning_fpdt.sequence.layout import SequenceLayout
 from lightning_fpdt.sequence.loss import sequence_parallel_loss
 from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
@@ -49,20 +52,23 @@ class FPDTStrategy(ModelParallelStrategy):
         sequence_parallel_size: ranks that share one sequence; ``"auto"``: the devices of a node, capped by what
             the model's head counts allow.
         data_parallel_size: groups that see different samples; ``"auto"``: world size / sequence_parallel_size.
-        chunks: FPDT chunks per rank ``u``; ``"auto"``: the fewest whose working set fits a sixteenth of the free
-            GPU memory, with at most 65536 global tokens per chunk (``lightning_fpdt.sequence.options``).
-            ``1`` is plain Ulysses.
-        offload: keep the attention's q/k/v/out/lse chunks in pinned host memory between forward and backward;
-            ``"auto"``: when all layers' chunks would take more than a quarter of the free GPU memory (never on CPU).
-        offload_dq: keep the backward's partial dQ sums (fp32, twice q's size) in host memory too; ``"auto"``:
-            when the chunks are offloaded and those sums would take more than an eighth of the free GPU memory.
+        chunks: FPDT chunks per rank ``u``; ``1`` is plain Ulysses.
+        offload: keep the attention's q/k/v/out/lse chunks in pinned host memory between forward and backward.
+        offload_dq: keep the backward's partial dQ sums (fp32, twice q's size) in host memory too.
+            ``"auto"`` (these three, ``head_chunks`` and ``ActivationOffload``'s ``recompute_attention``,
+            ``reload_input``, ``prefetch``): on a GPU, for a model whose config the planner reads, the fastest
+            configuration that fits the GPU and the host memory, chosen per sequence length by the planner's search
+            (docs/planner.md) and logged with its predicted peaks; elsewhere at most 65,536 global tokens per chunk
+            and nothing offloaded.
         ring_size: ring ranks ``R`` of a Ulysses × ring sequence mesh (``sequence_parallel_size = U·R``,
             docs/ring.md), for more ranks than the heads allow; ``"auto"``: 1 when the heads allow
             ``sequence_parallel_size``, else the smallest ``R`` that works. With ``R > 1`` chunks are 1.
         attention_backend: block attention kernel: ``"auto"``, ``"cudnn"``, ``"flash"`` or ``"math"``.
         head_chunks: head groups ``G``: each attention layer runs ``H/G`` query heads (and their kv heads) at a
             time, so its full-width q/k/v/out never exist at once (docs/head_chunks.md); ``G`` must divide the kv
-            heads. ``1``: all heads at once.
+            heads. ``1``: all heads at once. ``"auto"``: chosen at setup with the other ``"auto"`` options when the
+            sequence length is known then (a data module's ``seq_len``) and the model's attention can be grouped,
+            else 1.
         layer_classes: class names of the transformer blocks (FSDP2 units); ``None``: the largest ``ModuleList``.
         cpu_offload_params: keep sharded parameters, gradients and optimizer state in host memory (FSDP2
             ``CPUOffloadPolicy``), for models whose states do not fit the GPUs.
@@ -80,6 +86,8 @@ class FPDTStrategy(ModelParallelStrategy):
         heartbeat_timeout: seconds a rank's heartbeat may stand still before the rank counts as dead or frozen; the
             others then name it and end the job (``strategy/watchdog.py``). A long step never stops a heartbeat.
             ``None``: no watch (a frozen rank then holds the others for the collective ``timeout``).
+        check_memory: refuse, at setup or at a new sequence length, a run whose plan does not fit the GPU or the
+            host, naming the change that fits; ``False`` warns instead and runs.
     """
 
     strategy_name = "fpdt"
@@ -96,7 +104,7 @@ class FPDTStrategy(ModelParallelStrategy):
         offload_dq: Union[Literal["auto"], bool] = "auto",
         ring_size: Union[Literal["auto"], int] = "auto",
         attention_backend: str = "auto",
-        head_chunks: int = 1,
+        head_chunks: Union[Literal["auto"], int] = "auto",
         layer_classes: Optional[list[str]] = None,
         cpu_offload_params: bool = False,
         host_step_in_backward: bool = True,
@@ -107,6 +115,7 @@ class FPDTStrategy(ModelParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         heartbeat_timeout: Optional[float] = DEFAULT_STALE_AFTER,
+        check_memory: bool = True,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -133,6 +142,13 @@ class FPDTStrategy(ModelParallelStrategy):
         self._geometry: Optional[AttentionGeometry] = None
         self._free_bytes: Optional[int] = None  # free GPU memory at the first batch, what "auto" plans with
         self._lengths_seen: set[tuple[int, ResolvedOptions]] = set()
+        self._check_memory = check_memory
+        self._plans: dict[tuple[int, int], Optional[MemoryPlan]] = {}  # (seq_len, batch) -> the plan it runs on
+        self.memory_plan: Optional[MemoryPlan] = None
+        """The plan the last sequence length runs on (options, predicted GPU and host peaks); ``None`` where nothing
+        plans (no GPU, no model config the planner reads)."""
+        self._host_guard = HostMemoryGuard(reserve_bytes=budget.host_reserve_bytes(), describe=self._host_advice)
+        self._states_allocator: Optional[HostAllocator] = None  # page-locks FSDP2's host-resident shards
         self._padding_logged = False
         self._targetless_warned = False
         self._context: Optional[SequenceParallelContext] = None
@@ -207,7 +223,7 @@ class FPDTStrategy(ModelParallelStrategy):
             attention = FPDTAttention(  # (ulysses_group, ring_group) with a ring: the hybrid
                 group=attention_group(self.device_mesh), backend=self.options.attention_backend,
                 offload=self.options.offload is True, offload_dq=self.options.offload_dq is True,
-                head_chunks=self.options.head_chunks,
+                head_chunks=self._setup_head_chunks(trainer),
             )
             # the loss is reduced over all P ranks
             self._context = SequenceParallelContext(group=self.sequence_parallel_group, attention=attention)
@@ -223,6 +239,10 @@ class FPDTStrategy(ModelParallelStrategy):
                         rank=self.global_rank)
         if not self.cpu_offload_params:
             self.model_to_device()
+        elif self._states_allocator is None:  # page-locked exactly, for the copies to the GPU (parallelize.py)
+            self._states_allocator = budget.register_host_states(self.model, pin=self.root_device.type == "cuda")
+        for factory in self._host_factories():
+            factory.guard = self._host_guard  # every host pool of the run asks before it grows
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -233,9 +253,41 @@ class FPDTStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload_params:
             _optimizers_to_device(self.optimizers, self.root_device)
-        datamodule = trainer.datamodule
-        if isinstance(getattr(datamodule, "seq_len", None), int):  # the length is known before the first batch
-            self.check_memory_plan(datamodule.seq_len, getattr(datamodule, "batch_size", 1), collective=True)
+        known = budget.known_length(trainer)
+        if known is not None:  # the length is known before the first batch
+            self.check_memory_plan(*known, collective=True)
+
+    def _setup_head_chunks(self, trainer: "pl.Trainer") -> int:
+        """``head_chunks`` for the attention about to be installed: the option, or for ``"auto"`` the search's choice
+        for the length known at setup (1 when none is known, or the model's attention cannot be grouped)."""
+        if self.options.head_chunks != "auto":
+            return self.options.head_chunks
+        known = budget.known_length(trainer)
+        if known is None or not budget.head_groups_possible(self):
+            return 1
+        plan = budget.plan_for(self, *known)
+        return 1 if plan is None else plan.options.head_chunks
+
+    def head_chunks_for_planning(self) -> Union[Literal["auto"], int]:
+        """Head groups as the planner may take them: those installed once the attention is, before that the option
+        (``"auto"`` only where the model's attention can be grouped)."""
+        if self._context is not None:
+            return self._context.attention.head_chunks
+        if self.options.head_chunks == "auto" and not budget.head_groups_possible(self):
+            return 1
+        return self.options.head_chunks
+
+    @property
+    def pinned_host_bytes(self) -> int:
+        """Host memory this process holds page-locked: the attention's and the callbacks' buffers, the states."""
+        total = 0 if self._states_allocator is None else self._states_allocator.allocated_bytes
+        return total + sum(factory.host_bytes for factory in self._host_factories())
+
+    def _host_factories(self) -> list[StashFactory]:
+        factories = [] if self._context is None else [self._context.attention.stashes]
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        callbacks = trainer.callbacks if trainer is not None else []
+        return factories + [c.stashes for c in callbacks if isinstance(getattr(c, "stashes", None), StashFactory)]
 
     def _parallelize_config(self, trainer: "pl.Trainer") -> ParallelizeConfig:
         """The callbacks' declared transforms in their slots (docs/design.md §6), the precision and the context."""
@@ -253,8 +305,13 @@ class FPDTStrategy(ModelParallelStrategy):
         return self._free_bytes
 
     def resolved_options(self, seq_len: int, batch_size: int = 1) -> ResolvedOptions:
-        """Chunks and offload for global sequences of ``seq_len`` tokens: the options, ``"auto"`` planned from the
-        free GPU memory at the first batch (:meth:`FPDTOptions.resolve`)."""
+        """Chunks and offload for global sequences of ``seq_len`` tokens: the plan's (the search's choice for
+        ``"auto"``), or where nothing plans the options, ``"auto"`` sized from the free GPU memory at the first batch
+        (:meth:`FPDTOptions.resolve`)."""
+        plan = self._plans.get((seq_len, batch_size))
+        if plan is not None:
+            o = plan.options
+            return ResolvedOptions(chunks=o.chunks, offload=o.offload, offload_dq=o.offload_dq)
         free = self._free_memory()
         planned = free is not None and self._geometry is not None
         fixed_ring = self.options.ring_size if isinstance(self.options.ring_size, int) else 1
@@ -277,6 +334,8 @@ class FPDTStrategy(ModelParallelStrategy):
             checkpointing.set_rng_states(self._pending_rng_states)
             self._pending_rng_states = None
         batch_size, seq_len = batch["input_ids"].shape
+        if (seq_len, batch_size) not in self._plans:
+            self.check_memory_plan(seq_len, batch_size)  # before the forward pins host memory for this length
         options = self.resolved_options(seq_len, batch_size)
         self._log_new_length(seq_len, batch_size, options)
         layout = SequenceLayout(self.sequence_parallel_size, self.sequence_parallel_rank, options.chunks,
@@ -294,7 +353,6 @@ class FPDTStrategy(ModelParallelStrategy):
     def _log_new_length(self, seq_len: int, batch_size: int, options: ResolvedOptions) -> None:
         if (seq_len, options) not in self._lengths_seen:
             self._lengths_seen.add((seq_len, options))
-            self.check_memory_plan(seq_len, batch_size)  # before the forward pins host memory for this length
             sp_size = self.sequence_parallel_size
             rank_zero_info(length_message(seq_len, options, self.options, sp_size, self._free_bytes))
 
@@ -358,20 +416,58 @@ class FPDTStrategy(ModelParallelStrategy):
 
     # ---- memory budget, failures, checkpoints ---------------------------------------------------------------------
     def check_memory_plan(self, seq_len: int, batch_size: int = 1, *, collective: bool = False) -> None:
-        """Refuse, before any pinned buffer exists, a run whose pinned host memory does not fit this host
-        (``strategy/budget.py``); at setup (``collective``) every rank refuses together, so none waits in a
-        collective for a rank that raised."""
-        budget.check_memory_plan(self, seq_len, batch_size, collective=collective)
+        """Plan ``seq_len`` (``strategy/budget.py``): resolve the ``"auto"`` options to the fastest configuration that
+        fits the GPU and the host, hand the memory callbacks their part, log the choice; refuse, before any pinned
+        buffer of this length exists, a run that fits neither (with ``check_memory``). At setup (``collective``)
+        every rank refuses together, so none waits in a collective for a rank that raised."""
+        for factory in self._host_factories():
+            factory.trim()  # the buffers of another length: freed, not kept beside this length's
+        plan = budget.plan_for(self, seq_len, batch_size)
+        refusal = budget.refusal(plan) if self._check_memory else None
+        if collective and not self.reduce_boolean_decision(refusal is None, all=True):
+            raise refusal or ValueError("fpdt: another rank refused the run: it does not fit its memory (see its log)")
+        if refusal is not None:
+            raise refusal
+        self._plans[(seq_len, batch_size)] = plan
+        if plan is None:
+            return
+        if not plan.fits:
+            rank_zero_warn(f"fpdt: S = {seq_len:,} does not fit as planned (check_memory=False runs it anyway): "
+                           f"{budget.refusal(plan)}")
+        self.memory_plan = plan
+        o = plan.options
+        for callback in self.lightning_module.trainer.callbacks:
+            if hasattr(callback, "apply_memory_choice"):
+                callback.apply_memory_choice(recompute_attention=o.recompute_attention, reload_input=o.reload_input,
+                                             prefetch=1 if o.input_prefetch else 0)
+        rank_zero_info(budget.choice_message(plan))
+
+    def _host_advice(self) -> str:
+        """What the error of a host that ran short says: the plan the run was accepted on and how to need less."""
+        plan = self.memory_plan
+        if plan is None:
+            return "No plan was made for this run (no GPU or no model config): plan it with `lightning-fpdt plan`."
+        return (f"The run was accepted on this plan: {budget.gib(plan.host_resident_bytes_per_node)} GiB per host "
+                f"({budget.gib(plan.host_bytes_per_node)} pinned), {plan.options.describe()}. The host had less than "
+                f"planned (another process took memory, or the plan is short for this model): free memory on the "
+                f"host, or need less: ActivationOffload(recompute_attention=True), fewer GPUs per host, a shorter "
+                f"sequence. `lightning-fpdt plan --host-memory-gib auto` shows what fits.")
 
     def on_exception(self, exception: BaseException) -> None:
-        """Name the rank that died or hung when a collective failed (``strategy/watchdog.py``)."""
+        """Name the rank that died or hung when a collective failed (``strategy/watchdog.py``); a host that ran short
+        of memory ends every rank with its message."""
         super().on_exception(exception)
         if self._watchdog is not None:
+            if isinstance(exception, HostMemoryError):
+                self._watchdog.post_abort(f"rank {self.global_rank}: {exception}")
             self._watchdog.report(exception)
 
     def teardown(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()
+        if self._states_allocator is not None:
+            self._states_allocator.close()  # unregistered before FSDP2 lets the memory go
+            self._states_allocator = None
         if self._in_backward is not None:
             self._in_backward.close()  # kept: what its last step did stays readable
         super().teardown()

@@ -93,8 +93,10 @@ def apply_fpdt(module: nn.Module, mesh: DeviceMesh, *, config: ParallelizeConfig
     #    (nanoGPT style), the LightningModule, whose steps then count as forwards (Lightning calls training_step,
     #    never forward, so FSDP2 would otherwise not gather the root's parameters)
     fsdp = dict(mesh=flat_mesh(mesh), mp_policy=config.mp_policy or MixedPrecisionPolicy())
-    if config.cpu_offload_params:  # pinned host memory for the copies to and from the GPU (none to pin on a CPU mesh)
-        fsdp["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+    if config.cpu_offload_params:
+        # page-locked by the strategy itself, each shard exactly its size (budget.register_host_states): FSDP2's own
+        # pinning rounds every shard up to a power of two
+        fsdp["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     for block in find_blocks(model, config.layer_classes):  # again: a transform may have wrapped the blocks
         fully_shard(block, **fsdp)
     #    with host-resident states, an output head that computes the tiled loss in its own forward is a unit too:

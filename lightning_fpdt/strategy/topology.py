@@ -74,7 +74,7 @@ def resolve_topology(
     for a model of ``heads = (query, kv)`` heads (``None``: not known), each head group's heads split over the ranks
     when the heads are chunked. Checks the ring against the options, warns when a sequence group would span hosts and
     logs the layout."""
-    head_chunks = options.head_chunks
+    head_chunks = options.fixed_head_chunks  # "auto" is chosen later, among the values this mesh allows
     dp, sp, ring = resolve_sequence_sizes(
         world_size=world_size, devices_per_node=devices_per_node, data_parallel_size=data_parallel_size,
         sequence_parallel_size=sequence_parallel_size, ring_size=options.ring_size, heads=heads,

@@ -127,6 +127,15 @@ class RankWatchdog:
                 + "; ".join(faults)
             )
 
+    def post_abort(self, message: str) -> None:
+        """Tell every rank to end now with ``message`` (this rank failed in a way the others must not wait out);
+        their watchdog threads read it within a second."""
+        if self._store is not None:
+            try:
+                self._store.set(ABORT_KEY, message)
+            except (RuntimeError, ValueError):
+                pass  # the store's host has gone: the others end on their own watch
+
     def diagnose(self, wait: float = 0.0) -> list[str]:
         """One line per rank at fault: stopped beating (waits up to ``wait`` s for a dead rank's beat to go stale),
         gone with the store it hosted, or busy outside any collective while other ranks wait in one. Empty when

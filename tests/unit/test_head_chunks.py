@@ -418,7 +418,7 @@ def test_planner_and_strategy_refuse_bad_head_chunks(capsys):
     assert "head_chunks (3) must divide num_kv_heads (8)" in capsys.readouterr().err
     assert main(["--seq-len", "65536", "--gpus", "4", "--head-chunks", "4", "--chunks", "2"]) in (0, 1)
     assert "head_chunks=4" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="head_chunks must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="head_chunks must be .auto. or a positive int, got 0"):
         FPDTStrategy(head_chunks=0)
     with pytest.raises(ValueError, match=r"head_chunks \(2\) is not composed with a ring \(ring_size 2\)"):
         _plan(num_gpus=2, sequence_parallel_size=2, ring_size=2, chunks=1, head_chunks=2)

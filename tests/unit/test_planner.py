@@ -482,16 +482,20 @@ def test_search_leaves_block_inputs_on_the_host_for_one_gpu_at_1_5m():
 
 
 def test_callbacks_declare_what_the_planner_takes():
-    """The strategy plans with what its memory callbacks declare (strategy/budget.py): every declared flag is a
-    plan_memory option, ActivationOffload's block-input options included."""
+    """The strategy plans with what its memory callbacks declare (MemoryFeatures.declared): every declared feature
+    is a plan_memory option, ActivationOffload's block-input options included, "auto" where left so."""
     from lightning_fpdt import ActivationOffload, TiledLoss, TiledMLP
-    from lightning_fpdt.strategy.budget import declared_plan_flags
+    from lightning_fpdt.planner.options import MemoryFeatures
 
-    flags = declared_plan_flags([ActivationOffload(reload_input=True, prefetch=0, recompute_attention=True),
-                                 TiledMLP(), TiledLoss()])
+    flags = MemoryFeatures.declared([ActivationOffload(reload_input=True, prefetch=0, recompute_attention=True),
+                                     TiledMLP(), TiledLoss()]).plan_kwargs()
     assert flags == {"tiled_mlp": True, "tiled_loss": True, "activation_checkpointing": True,
                      "activation_offload": True, "recompute_attention": True, "reload_input": True,
                      "input_prefetch": False}
+    assert MemoryFeatures.declared([ActivationOffload(), TiledMLP()]).plan_kwargs() == {
+        "tiled_mlp": True, "tiled_loss": False, "activation_checkpointing": True, "activation_offload": True,
+        "recompute_attention": "auto", "reload_input": "auto", "input_prefetch": "auto"}
+    assert MemoryFeatures.declared([]) == MemoryFeatures()  # no callback: nothing checkpointed or tiled
     plan = plan_memory(geometry="llama3-8b", seq_len=1_572_864, num_gpus=1, chunks=24, offload=True,
                        offload_dq=True, head_chunks=4, cpu_offload_params=True, gpu_memory_gib=79, **flags)
     assert plan.fits_gpu and plan.options.reload_input and not plan.options.input_prefetch

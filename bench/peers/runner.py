@@ -42,7 +42,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _prepare_device(args: argparse.Namespace, local_rank: int) -> torch.device:
+def prepare_device(args: argparse.Namespace, local_rank: int) -> torch.device:
     """This rank's device, capped to ``--gpu-memory-gib`` where given."""
     if args.accelerator != "cuda":
         return torch.device("cpu")
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     status on every rank). ``args`` as ``cli.validate`` accepts them. Initialises the process group under torchrun;
     reuses one that exists (the tests' pool)."""
     _rank, world_size, local_rank, gpus_per_node = dist_environment()
-    device = _prepare_device(args, local_rank)
+    device = prepare_device(args, local_rank)
     _init_process_group(args, device, world_size)
     key = f"bench_peers/{args.attempt_id or 'run'}/{next(_RUN_COUNTER)}"
     available_host = available_host_memory()  # before this run pins anything

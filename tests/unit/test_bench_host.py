@@ -105,3 +105,48 @@ def test_host_memory_errors_count_as_the_hosts_limit():
     assert records.out_of_memory(ValueError("another rank refused the run: its host lacks the pinned memory (see its "
                                             "log)")) == "host"
     assert records.out_of_memory(ValueError("host_memory_gib must be positive")) is None
+
+
+def _with_host(record: dict, *, rss: int, pinned: int, plan: tuple = None) -> dict:
+    record.update(peak_host_rss_bytes=rss, pinned_host_bytes=pinned)
+    if plan:
+        gpu, resident, planned_pinned = plan
+        record.update(planned_peak_gpu_bytes=gpu, planned_resident_host_bytes=resident,
+                      planned_pinned_host_bytes=planned_pinned, plan_options="sp=4 dp=1 chunks=8 offload=on")
+    return record
+
+
+def test_page_shows_host_peaks_and_plan_ratios_beside_gpu_peaks():
+    """Wherever a run's GPU peak is shown its host peak and pinned bytes are too (– for records without them); a run
+    carrying its plan gets plan / measured for GPU (its peak less the ballast), host and pinned; so does a traced
+    step, whose own page plan is left out where an option stayed unresolved."""
+    from bench.report import page
+    from tests.unit.test_bench_report import GIB, H100, run_record
+
+    rss, pinned, resident = (int(v) * GIB // 10 for v in torch.randint(10, 1000, (3,)))
+    new = _with_host(run_record("fpdt", gpus=4, layers=2, seq_len=262_144, peak_gib=60.0, ballast_gib=20.0),
+                     rss=rss, pinned=pinned, plan=(int(44 * GIB), resident, pinned))
+    old = run_record("ring", gpus=4, layers=2, seq_len=262_144, peak_gib=50.0)
+    trace = {"kind": "memory_trace", "card": H100, "gpus": 1, "model": "hf", "geometry": "llama3-3b", "layers": 28,
+             "seq_len": 65_536, "chunks": 2, "offload": True, "offload_dq": False, "head_chunks": None,
+             "recompute_attention": False, "cpu_offload_params": False, "peak_gpu_bytes_per_step": [int(40 * GIB)],
+             "peak_host_rss_bytes": rss, "pinned_host_bytes": pinned, "planned_peak_gpu_bytes": int(42 * GIB),
+             "planned_resident_host_bytes": resident,
+             "command": "python3 -m bench.memory_trace train --model hf --geometry llama3-3b", "commit": "abc1234"}
+    doc = page.render_markdown([new, old, trace])
+    lines = doc.splitlines()
+    host = f"| {rss / GIB:.1f} | {pinned / GIB:.1f} |"
+
+    def rows(*cells: str) -> list[str]:
+        return [line for line in lines if all(cell in line for cell in cells)]
+
+    assert len(rows("| fpdt |", "| 60.0 |", host)) == 3  # the throughput, host-check and every-run tables
+    assert len(rows("| ring |", "| 50.0 | – | – |")) == 3
+    plan_row = rows("| fpdt |", "sp=4 dp=1 chunks=8 offload=on")
+    assert len(plan_row) == 1
+    assert (f"| 40.0 | 44.0 | 1.100 | {rss / GIB:.1f} | {resident / GIB:.1f} | {resident / rss:.3f} | "
+            f"{pinned / GIB:.1f} | {pinned / GIB:.1f} | 1.000 |") in plan_row[0]
+    traced = rows("| llama3-3b (28 layers, hf) |")
+    assert len(traced) == 1 and "head_chunks unknown" in traced[0]
+    assert (f"| 40.00 | – | – | – | {rss / GIB:.2f} | {pinned / GIB:.2f} | {42 / 40:.3f} | {resident / rss:.3f} |"
+            in traced[0])

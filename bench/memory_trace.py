@@ -214,8 +214,8 @@ def resolved_options(args: argparse.Namespace, strategy: Any, offload: Any, plan
     options = getattr(strategy, "options", None)
     return dict(
         chunks=resolved.chunks, offload=resolved.offload, offload_dq=resolved.offload_dq,
-        head_chunks=_known(getattr(planned, "head_chunks", None), getattr(options, "head_chunks", None),
-                           args.head_chunks),
+        head_chunks=_known(getattr(resolved, "head_chunks", None), getattr(planned, "head_chunks", None),
+                           getattr(options, "head_chunks", None), args.head_chunks),
         recompute_attention=_known(getattr(planned, "recompute_attention", None),
                                    getattr(offload, "recompute_attention", None),
                                    offload_options(args)["recompute_attention"]),

@@ -10,15 +10,18 @@ An allocation's site is the innermost frame of this package, ``transformers``, F
 (``<autograd>`` when the stack has no Python frame: a built-in op's backward run by the autograd engine); its phase
 is the first entry of :data:`PHASES` whose function is on the stack. Recording costs host time, not GPU memory.
 
-``python3 -m bench.memory_trace train --seq-len S ...`` traces training steps of the Llama-3-8B geometry (the
-planner's calibration runs, docs/planner.md); ``python3 -m bench.memory_trace show snapshot.pickle`` prints the
-summary of a snapshot saved by :meth:`MemoryTrace.dump`.
+``python3 -m bench.memory_trace train --seq-len S ...`` traces training steps of a named geometry (Llama-3-8B by
+default; the planner's calibration runs, docs/planner.md) and reads, beside the GPU's, the host memory of each step:
+the process's peak resident memory in its forward, backward and optimizer phases, the pinned bytes it holds and the
+plan the run was accepted on (bench/host_readings.py). ``python3 -m bench.memory_trace show snapshot.pickle`` prints
+the summary of a snapshot saved by :meth:`MemoryTrace.dump`.
 """
 
 from __future__ import annotations
 
 import argparse
 import pickle
+import sys
 from collections import defaultdict
 from typing import Any, Optional
 
@@ -160,34 +163,140 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def train(args: argparse.Namespace) -> None:
-    """``--steps`` steps of the Llama-3-8B geometry under ``FPDTStrategy`` with all memory callbacks, AdamW's moments
-    primed (the first step's peak is the steady state's), the history traced from the start; rank 0 appends a JSON
-    record to ``--out`` and the summary of the last step to ``--out`` with ``.txt`` for ``.jsonl``."""
+OPTION_DEFAULTS = {"chunks": "auto", "offload": "auto", "offload_dq": "auto", "head_chunks": 1,
+                   "recompute_attention": "off", "reload_input": "off", "prefetch": 1}
+"""The memory options ``train`` takes and their defaults; ``--auto-options`` sets every one not given to ``"auto"``."""
+
+
+def _int_or_auto(value: str) -> Any:
+    return value if value == "auto" else int(value)
+
+
+def resolve_option_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the options left out: ``"auto"`` under ``--auto-options``, else :data:`OPTION_DEFAULTS`."""
+    for name, default in OPTION_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, "auto" if args.auto_options else default)
+    if args.layers is None:
+        from lightning_fpdt.models.llama import LlamaConfig
+
+        args.layers = LlamaConfig.from_name(args.geometry).num_layers
+    return args
+
+
+def strategy_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``FPDTStrategy``'s memory options of ``args``; ``"auto"`` is passed on as the string."""
+    from bench.peers.ballast import ON_OFF_AUTO
+
+    return dict(chunks=args.chunks, offload=ON_OFF_AUTO[args.offload], offload_dq=ON_OFF_AUTO[args.offload_dq],
+                head_chunks=args.head_chunks, cpu_offload_params=args.cpu_offload_params)
+
+
+def offload_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``ActivationOffload``'s options of ``args``; ``"auto"`` is passed on as the string."""
+    from bench.peers.ballast import ON_OFF_AUTO
+
+    return dict(recompute_attention=ON_OFF_AUTO[args.recompute_attention],
+                reload_input=ON_OFF_AUTO[args.reload_input], prefetch=args.prefetch)
+
+
+def _known(*values: Any) -> Any:
+    """The first of ``values`` that is neither ``None`` nor ``"auto"`` (what a run resolved), else ``None``."""
+    return next((v for v in values if v is not None and v != "auto"), None)
+
+
+def resolved_options(args: argparse.Namespace, strategy: Any, offload: Any, plan: Any) -> dict[str, Any]:
+    """The options the run trained with: the strategy's resolution of chunks and offload for the length, the rest
+    from the plan the run was accepted on (its ``options``), the callback or the strategy where they say, else
+    what was asked; ``None`` where an ``"auto"`` was resolved where nothing here can read it."""
+    resolved = strategy.resolved_options(args.seq_len)
+    planned = getattr(plan, "options", None)
+    options = getattr(strategy, "options", None)
+    return dict(
+        chunks=resolved.chunks, offload=resolved.offload, offload_dq=resolved.offload_dq,
+        head_chunks=_known(getattr(resolved, "head_chunks", None), getattr(planned, "head_chunks", None),
+                           getattr(options, "head_chunks", None), args.head_chunks),
+        recompute_attention=_known(getattr(planned, "recompute_attention", None),
+                                   getattr(offload, "recompute_attention", None),
+                                   offload_options(args)["recompute_attention"]),
+        reload_input=_known(getattr(planned, "reload_input", None), getattr(offload, "reload_input", None),
+                            offload_options(args)["reload_input"]),
+        prefetch=_known(getattr(offload, "prefetch", None), args.prefetch),
+    )
+
+
+def format_host(record: dict[str, Any]) -> str:
+    """The host lines of the text summary: the last traced step's peak resident memory in each phase and in the
+    step, the pinned bytes at its end, and the plan the run was accepted on."""
+    from bench.host_readings import PHASES
+
+    gib = 2**30
+
+    def shown(value: Optional[int]) -> str:
+        return "       -" if value is None else f"{value / gib:8.2f} GiB"
+
+    how = {"peak": "the kernel's high-water mark", "sampled": "read at the phase boundaries only, a lower bound"}
+    phases = record["host_phase_peak_rss_bytes_per_step"][-1] if record["host_phase_peak_rss_bytes_per_step"] else {}
+    lines = [f"host memory of the last step (rank 0's process; peak RSS: {how.get(record['host_rss_reading'], '-')}):"]
+    lines += [f"  {phase:32s} {shown(phases.get(phase))}" for phase in PHASES]
+    step = record["peak_host_rss_bytes_per_step"]
+    lines.append(f"  {'step':32s} {shown(step[-1] if step else None)}")
+    lines.append(f"  {'pinned at the step end':32s} {shown(record['pinned_host_bytes'])} (strategy "
+                 f"{shown(record['pinned_host_bytes_strategy']).strip()}, caching host allocator "
+                 f"{shown(record['pinned_host_bytes_caching_allocator']).strip()})")
+    if record.get("planned_peak_gpu_bytes") is None:
+        lines.append("  plan: none (the strategy carries no memory_plan)")
+    else:
+        lines.append(f"  {'planned resident (per GPU)':32s} {shown(record['planned_resident_host_bytes'])}")
+        lines.append(f"  {'planned pinned (per GPU)':32s} {shown(record['planned_pinned_host_bytes'])}")
+        lines.append(f"  {'planned peak GPU':32s} {shown(record['planned_peak_gpu_bytes'])}")
+        lines.append(f"  plan options: {record['plan_options']}")
+    return "\n".join(lines)
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """``--steps`` steps of ``--geometry`` (the reference Llama or, ``--model hf``, transformers') under
+    ``FPDTStrategy`` with all memory callbacks, AdamW's moments primed (the first step's peak is the steady state's),
+    the CUDA allocator's history traced from the start. Beside the GPU peaks each step records rank 0's peak resident
+    host memory in its forward, backward and optimizer phases (bench/host_readings.py), the pinned bytes at its end
+    and the plan the run was accepted on. Rank 0 appends a JSON record to ``--out`` and the summary of the last step
+    to ``--out`` with ``.txt`` for ``.jsonl``, and returns the record (the other ranks: an empty dict).
+    ``--accelerator cpu`` (the tests) trains on gloo processes without the trace: host figures only."""
     import os
     import time
 
-    trace = MemoryTrace()
-    trace.start()
+    from bench.host_readings import PHASES, ResidentPeaks, largest, pinned_bytes, plan_fields
+    from bench.peers.runner import dist_environment, prepare_device
+
+    resolve_option_defaults(args)
+    cuda = args.accelerator == "cuda"
+    if args.gpu_memory_gib is not None and (not cuda or args.gpu_memory_gib <= 0):
+        raise ValueError(f"--gpu-memory-gib ({args.gpu_memory_gib}) caps a GPU's memory: give a positive number of GiB "
+                         "on --accelerator cuda, or drop it")
+    rank, world, local_rank, gpus_per_node = dist_environment()
+    device = prepare_device(args, local_rank)
+    trace = MemoryTrace() if cuda else None
+    if trace is not None:
+        trace.start()
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from bench.peers.ballast import ON_OFF_AUTO
     from bench.peers.hf_llama import HFLlamaLM
     from bench.peers.systems import RandomTokens, prime_adam_states
-    from bench.provenance import append_record, stamp, this_command
+    from bench.provenance import append_record, card_name, launch_command, stamp
     from lightning_fpdt import ActivationOffload, FPDTStrategy, TiledLoss, TiledMLP
+    from lightning_fpdt.models.llama import LlamaConfig
     from lightning_fpdt.models.module import LlamaLM
 
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     if args.model == "reference":
-        module = LlamaLM("llama3-8b", lr=1e-4, num_layers=args.layers)
+        module = LlamaLM(args.geometry, lr=1e-4, num_layers=args.layers)
     else:
-        module = HFLlamaLM("llama3-8b", num_layers=args.layers, max_seq_len=args.seq_len, seed=0, lr=1e-4)
-    strategy = FPDTStrategy(chunks=args.chunks if args.chunks == "auto" else int(args.chunks),
-                            offload=ON_OFF_AUTO[args.offload], offload_dq=ON_OFF_AUTO[args.offload_dq],
-                            head_chunks=args.head_chunks, cpu_offload_params=args.cpu_offload_params)
-    peaks: list[int] = []
+        module = HFLlamaLM(args.geometry, num_layers=args.layers, max_seq_len=args.seq_len, seed=0, lr=1e-4)
+    strategy = FPDTStrategy(**strategy_options(args))
+    offload = ActivationOffload(**offload_options(args))
+    steps: dict[str, list[Any]] = {"gpu": [], "host": [], "phases": [], "pinned": []}
+    last: dict[str, Any] = {}
+    host = ResidentPeaks()
 
     class _Steps(L.Callback):
         primed = False
@@ -197,68 +306,130 @@ def train(args: argparse.Namespace) -> None:
                 self.primed = True
                 for optimizer in trainer.optimizers:
                     prime_adam_states(optimizer)
-            trace.mark(f"step{idx}")
-            torch.cuda.reset_peak_memory_stats()
+            if trace is not None:
+                trace.mark(f"step{idx}")
+                torch.cuda.reset_peak_memory_stats()
+            self.phases: dict[str, Optional[int]] = {}
+            host.start()  # last of the step's setup, so the marker and the priming are not in the forward
             self.start = time.perf_counter()
+
+        def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
+            self.phases["forward"] = host.split()
+
+        def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.phases["backward"] = host.split()
 
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                idx: int) -> None:
-            torch.cuda.synchronize()
-            peaks.append(torch.cuda.max_memory_allocated())
+            self.phases["optimizer"] = host.stop()
+            if trace is not None:
+                torch.cuda.synchronize()
+                steps["gpu"].append(torch.cuda.max_memory_allocated())
+            else:
+                steps["gpu"].append(None)
+            steps["phases"].append({phase: self.phases.get(phase) for phase in PHASES})
+            steps["host"].append(largest(self.phases.values()))
+            last.update(pinned_bytes(trainer.strategy, fpdt=True))
+            steps["pinned"].append(last["pinned_host_bytes"])
+            last["plan"] = getattr(trainer.strategy, "memory_plan", None)
+            last.update(plan_fields(trainer.strategy))
 
-    trainer = L.Trainer(strategy=strategy, accelerator="gpu", devices=world, precision="bf16-mixed",
-                        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False,
-                        callbacks=[ActivationOffload(recompute_attention=args.recompute_attention,
-                                                     reload_input=args.reload_input, prefetch=args.prefetch),
-                                   TiledMLP(), TiledLoss(), _Steps()])
-    trainer.fit(module, DataLoader(RandomTokens(128256, args.seq_len, args.steps * world), batch_size=1))
+    vocab = LlamaConfig.from_name(args.geometry).vocab_size
+    trainer = L.Trainer(strategy=strategy, accelerator="gpu" if cuda else "cpu", devices=gpus_per_node,
+                        num_nodes=world // gpus_per_node, precision=args.precision, max_steps=args.steps,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[offload, TiledMLP(), TiledLoss(), _Steps()])
+    # before fit: Lightning's teardown takes torchrun's variables out of the environment
+    command = launch_command("-m bench.memory_trace", args.argv, gpus_per_node=gpus_per_node, world_size=world,
+                             under_torchrun="LOCAL_WORLD_SIZE" in os.environ)
+    trainer.fit(module, DataLoader(RandomTokens(vocab, args.seq_len, args.steps * world), batch_size=1))
+    record: dict[str, Any] = {}
     if rank == 0:
-        resolved = strategy.resolved_options(args.seq_len)
-        summary = summarise(trace.snapshot(), since=f"step{args.steps - 1}")
-        record = stamp("memory_trace", card=torch.cuda.get_device_name(), gpus=world,
-                       command=this_command("-m bench.memory_trace"))
-        record.update(model=args.model, geometry="llama3-8b", layers=args.layers,
-                      seq_len=args.seq_len, gpus=world, chunks=resolved.chunks, offload=resolved.offload,
-                      offload_dq=resolved.offload_dq, head_chunks=args.head_chunks,
-                      recompute_attention=args.recompute_attention, cpu_offload_params=args.cpu_offload_params,
-                      reload_input=args.reload_input, prefetch=args.prefetch, peak_gpu_bytes_per_step=peaks,
-                      peak_phase=summary["peak_phase"])
+        summary = summarise(trace.snapshot(), since=f"step{args.steps - 1}") if trace is not None else None
+        record = stamp("memory_trace", card=card_name(device), gpus=world, command=command)
+        requested = {**strategy_options(args), **offload_options(args)}
+        record.update(model=args.model, geometry=args.geometry, layers=args.layers, seq_len=args.seq_len, gpus=world,
+                      precision=args.precision, gpu_memory_cap_bytes=_cap_bytes(device) if args.gpu_memory_gib
+                      else None,
+                      **resolved_options(args, strategy, offload, last.get("plan")),
+                      cpu_offload_params=args.cpu_offload_params,
+                      requested_options={k: v for k, v in requested.items() if k != "cpu_offload_params"},
+                      peak_gpu_bytes_per_step=steps["gpu"],
+                      peak_phase=summary["peak_phase"] if summary is not None else None,
+                      peak_host_rss_bytes_per_step=steps["host"],
+                      host_phase_peak_rss_bytes_per_step=steps["phases"], host_rss_reading=host.reading,
+                      peak_host_rss_bytes=largest(steps["host"]),
+                      pinned_host_bytes_per_step=steps["pinned"],
+                      **{k: last.get(k) for k in ("pinned_host_bytes", "pinned_host_bytes_strategy",
+                                                  "pinned_host_bytes_caching_allocator")},
+                      **{k: v for k, v in last.items() if k.startswith("plan") and k != "plan"})
         append_record(args.out, record)
+        text = format_host(record) if summary is None else f"{format_summary(summary)}\n{format_host(record)}"
         with open(args.out.removesuffix(".jsonl") + ".txt", "a") as f:
-            f.write(f"== {args.model} S={args.seq_len} gpus={world}\n{format_summary(summary)}\n")
-        print(format_summary(summary))
-    trace.stop()
+            f.write(f"== {args.model} {args.geometry} S={args.seq_len} gpus={world}\n{text}\n")
+        print(text)
+    if trace is not None:
+        trace.stop()
+    return record
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _cap_bytes(device: torch.device) -> Optional[int]:
+    """The GPU memory this process may use under ``--gpu-memory-gib``."""
+    from lightning_fpdt.strategy.budget import usable_total_bytes
+
+    return usable_total_bytes(device) if device.type == "cuda" else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python3 -m bench.memory_trace", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     show = commands.add_parser("show", help="summarise a snapshot written by MemoryTrace.dump")
     show.add_argument("snapshot")
     show.add_argument("--since", default=None, help="replay from this marker on")
     show.add_argument("--top", type=int, default=25)
     run = commands.add_parser("train", help="trace training steps (torchrun for several GPUs)")
-    run.add_argument("--model", choices=["reference", "hf"], default="reference")
-    run.add_argument("--layers", type=int, default=2)
+    run.add_argument("--model", choices=["reference", "hf"], default="reference",
+                     help="the reference Llama (lightning_fpdt.models) or transformers' LlamaForCausalLM")
+    run.add_argument("--geometry", default="llama3-8b", help="named size of lightning_fpdt.models.llama.NAMED_CONFIGS "
+                     "(llama3-8b, llama3-3b, ...)")
+    run.add_argument("--layers", type=lambda v: None if v == "full" else int(v), default=2,
+                     help="layers run; 'full': the geometry's depth")
     run.add_argument("--seq-len", type=int, required=True)
-    run.add_argument("--chunks", default="auto")
-    run.add_argument("--head-chunks", type=int, default=1)
-    run.add_argument("--offload", choices=["on", "off", "auto"], default="auto")
-    run.add_argument("--offload-dq", choices=["on", "off", "auto"], default="auto")
-    run.add_argument("--recompute-attention", action="store_true")
-    run.add_argument("--reload-input", action="store_true", help="ActivationOffload(reload_input=True)")
-    run.add_argument("--prefetch", type=int, default=1, help="ActivationOffload(prefetch=...)")
+    run.add_argument("--auto-options", "--callbacks-auto", action="store_true",
+                     help="every memory option below not given is 'auto' (the strategy's chunks, offload, offload_dq, "
+                          "head_chunks; ActivationOffload's recompute_attention, reload_input, prefetch)")
+    run.add_argument("--chunks", type=_int_or_auto, default=None, help="int or auto (default auto)")
+    run.add_argument("--head-chunks", type=_int_or_auto, default=None, help="int or auto (default 1)")
+    run.add_argument("--offload", choices=["on", "off", "auto"], default=None, help="default auto")
+    run.add_argument("--offload-dq", choices=["on", "off", "auto"], default=None, help="default auto")
+    run.add_argument("--recompute-attention", nargs="?", const="on", choices=["on", "off", "auto"], default=None,
+                     help="ActivationOffload(recompute_attention=...); alone: on (default off)")
+    run.add_argument("--reload-input", nargs="?", const="on", choices=["on", "off", "auto"], default=None,
+                     help="ActivationOffload(reload_input=...); alone: on (default off)")
+    run.add_argument("--prefetch", type=_int_or_auto, default=None, help="ActivationOffload(prefetch=...): int or auto "
+                     "(default 1)")
     run.add_argument("--cpu-offload-params", action="store_true")
+    run.add_argument("--gpu-memory-gib", type=float, default=None,
+                     help="cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction; the strategy "
+                          "plans with the cap)")
+    run.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
+    run.add_argument("--accelerator", choices=["cuda", "cpu"], default="cuda",
+                     help="cpu: gloo processes, no allocator trace (the tests)")
     run.add_argument("--steps", type=int, default=2)
     run.add_argument("--out", default="memory_trace.jsonl")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> Optional[dict[str, Any]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
     if args.command == "train":
-        train(args)
-        return
+        args.argv = argv
+        return train(args)
     with open(args.snapshot, "rb") as f:
         snapshot = pickle.load(f)
     print(format_summary(summarise(snapshot, since=args.since, top=args.top)))
+    return None
 
 
 if __name__ == "__main__":

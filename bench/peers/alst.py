@@ -301,7 +301,7 @@ def _train_steps(args: argparse.Namespace, engine: Any, *, device: torch.device,
     with backend(args.attention_backend):
         for step, batch in zip(range(args.steps), _batches(args, engine, world_size)):
             batch = {k: v.to(device) for k, v in batch.items()}
-            _reset_peaks(device)
+            _reset_peaks(device, info)
             profiler.start(step)
             start = time.perf_counter()
             with offload:  # backward must run inside the context that saw the forward

@@ -4,9 +4,11 @@
 Figures: step times are the median of the steps after the first (a warm-up); FLOPs in the causal convention
 (``lightning_fpdt.flops.flops_per_token`` of the layers run), MFU against ``lightning_fpdt.flops.peak_flops`` of the
 card (bf16). Peak GPU memory is ``torch.cuda.max_memory_allocated`` within a step, ballast included, the largest over
-steps and ranks. A CUDA out-of-memory error ends the run with a record of status ``"oom"``: the ranks agree on the
-status through the job's key-value store (not NCCL: a rank that ran out of memory has left the collective the others
-wait in).
+steps and ranks. Host memory (:func:`host_figures`): each process's peak resident memory within the timed steps and
+the pinned bytes it holds, the largest over the ranks, and per host the sum over its ranks; for the fpdt systems also
+the plan the strategy accepted the run on. A CUDA out-of-memory error, or a host that cannot give the memory a run
+needs, ends the run with a record of status ``"oom"``: the ranks agree on the status through the job's key-value
+store (not NCCL: a rank that ran out of memory has left the collective the others wait in).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from bench.host_readings import PLAN_FIELDS, largest
 from bench.provenance import launch_command, stamp
 from lightning_fpdt.flops import ModelGeometry, flops_per_token
+from lightning_fpdt.sequence.host_memory import HostMemoryError
 
 GIB = 2**30
 MODULE = "-m bench.peers"
@@ -33,13 +37,20 @@ MULTICAST_OFF = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHME
 
 
 # ---- out of memory: what it is, and agreeing on it ----------------------------------------------------------------
+HOST_REFUSALS = ("pinned host memory", "GiB of host memory per host", "its host lacks the pinned memory")
+"""Words of the fpdt strategy's refusal of a run whose host memory does not fit (``check_memory_plan``), old and
+new wording, and of a rank told that another rank refused."""
+
+
 def out_of_memory(error: BaseException) -> Optional[str]:
     """``"gpu"`` or ``"host"`` when ``error`` reports a memory limit, else ``None`` (the error is a bug: re-raise)."""
     text = str(error)
     if isinstance(error, torch.OutOfMemoryError):
         return "gpu"
-    if isinstance(error, ValueError) and "pinned host memory" in text:
-        return "host"  # FPDTStrategy.check_memory_plan refuses a run whose pinned memory exceeds the host's
+    if isinstance(error, HostMemoryError):
+        return "host"  # the library's host buffers: its guard refused one, or the host could not page-lock it
+    if isinstance(error, ValueError) and any(words in text for words in HOST_REFUSALS):
+        return "host"  # FPDTStrategy.check_memory_plan refuses a run whose host memory exceeds the host's
     if isinstance(error, RuntimeError) and ("out of memory" in text.lower() or "ALLOC_FAILED" in text):
         return "gpu"  # cuBLAS / cuDNN workspaces and NCCL buffers report it as a RuntimeError
     return None
@@ -89,6 +100,14 @@ def without_attempt_id(argv: list[str]) -> list[str]:
     return out
 
 
+def timed(per_step: list[Any], profile_step: Optional[int] = None) -> list[Any]:
+    """The entries of ``per_step`` (one per step) of the timed steps: those after the first (a warm-up) but the
+    profiled one (the profiler slows the step it records and holds memory of its own); where that leaves none, the
+    steps after the first, else all (a run of one step)."""
+    after_warm_up = [v for i, v in enumerate(per_step) if i > 0 and i != profile_step]
+    return after_warm_up or per_step[1:] or per_step
+
+
 def summarize(info: dict[str, Any], *, geometry_run: ModelGeometry, seq_len: int, world_size: int,
               peak: Optional[float], profile_step: Optional[int] = None) -> dict[str, Any]:
     """Median step time (of the steps after the first, when there are any, and not the profiled one: the profiler
@@ -96,14 +115,13 @@ def summarize(info: dict[str, Any], *, geometry_run: ModelGeometry, seq_len: int
     times = [t for t in info.get("step_times_s", []) if t is not None]
     if not times:
         return dict(step_time_s=None, timed_steps=0, tokens_per_s=None, tflops_per_gpu=None, mfu=None)
-    after_warm_up = [t for i, t in enumerate(times) if i > 0 and i != profile_step]
-    timed = after_warm_up or times[1:] or times
-    step_time = statistics.median(timed)
+    chosen = timed(times, profile_step)
+    step_time = statistics.median(chosen)
     tokens = info["tokens_per_step"]
     flops = tokens * flops_per_token(geometry_run, seq_len, "causal")
     tflops = flops / step_time / world_size / 1e12
     return dict(
-        step_time_s=step_time, timed_steps=len(timed) if len(times) > 1 else 0,
+        step_time_s=step_time, timed_steps=len(chosen) if len(times) > 1 else 0,
         tokens_per_s=tokens / step_time, tflops_per_gpu=tflops, mfu=None if peak is None else tflops * 1e12 / peak,
     )
 
@@ -144,20 +162,72 @@ def options(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
     return baseline
 
 
-def memory_figures(info: dict[str, Any], rank_figures: list[Any], ballast: tuple[int, int]) -> dict[str, Any]:
-    """Peak GPU memory over steps and ranks, the ballast in it, and the host's resident memory summed over ranks.
-    ``rank_figures``: each rank's ``(peak allocated, peak reserved, peak RSS)``."""
-    peak_per_rank = [f[0] for f in rank_figures]
+@dataclasses.dataclass
+class RankFigures:
+    """One rank's memory figures, gathered from every rank for the record (bytes; ``None`` where unknown)."""
+
+    peak_gpu: Optional[int]
+    """``torch.cuda.max_memory_allocated`` within a step, the largest over the steps."""
+    peak_reserved: Optional[int]
+    lifetime_rss: Optional[int]
+    """The process's peak resident memory since it started (model construction included)."""
+    step_rss: Optional[int]
+    """The process's peak resident memory within the timed steps (:func:`timed`)."""
+    rss_reading: Optional[str]
+    """How ``step_rss`` was read: ``"peak"`` or ``"sampled"`` (bench/host_readings.py)."""
+    pinned: Optional[int]
+    """Pinned host bytes at the end of the last step (``bench.host_readings.pinned_bytes``)."""
+    pinned_caching_allocator: Optional[int]
+    """The part of ``pinned`` in PyTorch's caching host allocator."""
+
+
+def _all_known(values: list[Any]) -> bool:
+    return bool(values) and all(v is not None for v in values)
+
+
+def host_figures(rank_figures: list[RankFigures], *, world_size: int, gpus_per_node: int) -> dict[str, Any]:
+    """The host memory of a run from every rank's figures.
+
+    Per process, as the planner's ``_per_gpu`` figures count it: ``peak_host_rss_bytes`` is the largest over the
+    ranks of each process's peak resident memory within the timed steps, and ``pinned_host_bytes`` the largest over
+    the ranks of the pinned bytes each held at the end of its last step (``None`` if a rank could not say), with
+    ``pinned_host_bytes_caching_allocator`` the largest share of them in PyTorch's caching host allocator. Per host,
+    as ``_per_node`` counts it: ``peak_host_rss_bytes_per_node`` is the largest over the hosts of the sum of their
+    ranks' peaks (ranks ``n·G ... n·G + G - 1`` on host ``n`` of ``G`` GPUs; the ranks' peaks need not coincide, so
+    an upper bound of what the host's processes held at once), ``None`` where not every rank answered. The per-rank
+    lists keep each rank's figure. ``host_peak_rss_bytes`` (records before these fields) sums over the ranks each
+    process's peak since it started, model construction included."""
+    step_rss = [f.step_rss for f in rank_figures]
+    lifetime = [f.lifetime_rss for f in rank_figures]
+    pinned = [f.pinned for f in rank_figures]
+    readings = {f.rss_reading for f in rank_figures if f.step_rss is not None}
+    per_node = None
+    if len(rank_figures) == world_size and _all_known(step_rss):
+        per_node = max(sum(step_rss[start:start + gpus_per_node]) for start in range(0, world_size, gpus_per_node))
+    return {
+        "peak_host_rss_bytes": largest(step_rss), "peak_host_rss_bytes_per_rank": step_rss,
+        "peak_host_rss_bytes_per_node": per_node,
+        "host_rss_reading": None if not readings else "peak" if readings == {"peak"} else "sampled",
+        "pinned_host_bytes": max(pinned) if _all_known(pinned) else None, "pinned_host_bytes_per_rank": pinned,
+        "pinned_host_bytes_caching_allocator": largest(f.pinned_caching_allocator for f in rank_figures),
+        "host_peak_rss_bytes": sum(lifetime) if _all_known(lifetime) else None,
+    }
+
+
+def memory_figures(info: dict[str, Any], rank_figures: list[RankFigures], ballast: tuple[int, int], *,
+                   world_size: int, gpus_per_node: int) -> dict[str, Any]:
+    """Peak GPU memory over steps and ranks and the ballast in it; the host's memory (:func:`host_figures`)."""
+    peak_per_rank = [f.peak_gpu for f in rank_figures]
     peak_gpu = max(peak_per_rank) if all(p is not None for p in peak_per_rank) else None
-    rss = [f[2] for f in rank_figures]
     nbytes, state_bytes = ballast
     return {
         "peak_gpu_bytes": peak_gpu, "peak_gpu_bytes_per_rank": peak_per_rank,
-        "peak_reserved_bytes": max((f[1] for f in rank_figures if f[1] is not None), default=None),
+        "peak_reserved_bytes": largest(f.peak_reserved for f in rank_figures),
         "peak_gpu_bytes_at_oom": info.get("peak_gpu_bytes_at_oom"),
         "ballast_bytes": nbytes, "ballast_state_bytes": state_bytes, "ballast_activation_bytes": nbytes - state_bytes,
         "peak_gpu_bytes_minus_ballast": None if peak_gpu is None else peak_gpu - nbytes,
-        "host_peak_rss_bytes": sum(rss) if all(r is not None for r in rss) else None,
+        **host_figures(rank_figures, world_size=world_size, gpus_per_node=gpus_per_node),
+        "peak_host_rss_bytes_at_oom": info.get("peak_host_rss_bytes_at_oom"),
     }
 
 
@@ -177,7 +247,7 @@ class RunContext:
 
 
 def run_record(args: argparse.Namespace, context: RunContext, info: dict[str, Any], *, status: str,
-               limit: Optional[str], error: Optional[str], answered: list[int], rank_figures: list[Any],
+               limit: Optional[str], error: Optional[str], answered: list[int], rank_figures: list[RankFigures],
                ballast: tuple[int, int]) -> dict[str, Any]:
     """The record of one run, the same on every rank that answered (the host check is added by the caller)."""
     command = command_line(args.argv, context.gpus_per_node, context.world_size)
@@ -200,7 +270,10 @@ def run_record(args: argparse.Namespace, context: RunContext, info: dict[str, An
         "peak_flops": context.peak,
         "losses": info.get("losses", []), "first_loss": (info.get("losses") or [None])[0],
         "profile": info.get("profile"),
-        **memory_figures(info, rank_figures, ballast),
+        **memory_figures(info, rank_figures, ballast, world_size=context.world_size,
+                         gpus_per_node=context.gpus_per_node),
+        # the plan the fpdt strategy accepted the run on, for the layers run (the ballast is not in it)
+        **{name: info.get(name) for name in PLAN_FIELDS},
         "host_check": None, "ranks_answered": answered, "attempt": args.attempt_id,
         "command": command, "commit": provenance["commit"],
         "env": {name: os.environ[name] for name in (*MULTICAST_OFF, "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF")
@@ -237,4 +310,5 @@ def print_record(record: dict[str, Any]) -> None:
           f"tokens_per_s={record['tokens_per_s'] and round(record['tokens_per_s'])} "
           f"tflops_per_gpu={record['tflops_per_gpu'] and round(record['tflops_per_gpu'], 1)} "
           f"mfu={'-' if mfu is None else f'{100 * mfu:.1f}%'} peak_gib={gib(record['peak_gpu_bytes'])} "
-          f"ballast_gib={gib(record['ballast_bytes'])} first_loss={record['first_loss']}", flush=True)
+          f"ballast_gib={gib(record['ballast_bytes'])} host_rss_gib={gib(record.get('peak_host_rss_bytes'))} "
+          f"pinned_gib={gib(record.get('pinned_host_bytes'))} first_loss={record['first_loss']}", flush=True)

@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 
 from bench.peers.ballast import GIB, host_check, layers_run, run_ballast
-from bench.peers.records import RunContext, agree_on_status, host_peak_rss, out_of_memory, run_record
-from bench.peers.systems import SYSTEM_FUNCTIONS, device_peaks
+from bench.host_readings import largest
+from bench.peers.records import (RankFigures, RunContext, agree_on_status, host_peak_rss, out_of_memory, run_record,
+                                 timed)
+from bench.peers.systems import SYSTEM_FUNCTIONS, device_peaks, host_peaks
 from bench.provenance import card_name
 from lightning_fpdt.flops import ModelGeometry, peak_flops
 from lightning_fpdt.models.llama import LlamaConfig
@@ -42,7 +44,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _prepare_device(args: argparse.Namespace, local_rank: int) -> torch.device:
+def prepare_device(args: argparse.Namespace, local_rank: int) -> torch.device:
     """This rank's device, capped to ``--gpu-memory-gib`` where given."""
     if args.accelerator != "cuda":
         return torch.device("cpu")
@@ -94,18 +96,26 @@ def _train(args: argparse.Namespace, context: RunContext, device: torch.device, 
         if limit is None:
             raise
         info["peak_gpu_bytes_at_oom"] = device_peaks(device)[0]
+        info["peak_host_rss_bytes_at_oom"] = host_peaks(info).stop()  # the failed step's span, where one was open
         return "oom", limit, f"{type(err).__name__}: {str(err)[:600]}"
     finally:
         del ballast
     return "ok", None, None
 
 
-def _rank_figures(status: str, info: dict[str, Any], world_size: int) -> list[Any]:
-    """Every rank's ``(peak allocated, peak reserved, peak RSS)``; only this rank's when a rank failed, as collectives
-    are then unsafe."""
+def _rank_figures(status: str, info: dict[str, Any], world_size: int, profile_step: Optional[int]) -> list[Any]:
+    """Every rank's :class:`RankFigures`; only this rank's when a rank failed, as collectives are then unsafe."""
     peaks = [p for p in info.get("peak_gpu_bytes_per_step", []) if p is not None]
     reserved = [p for p in info.get("peak_reserved_bytes_per_step", []) if p is not None]
-    mine = (max(peaks) if peaks else None, max(reserved) if reserved else None, host_peak_rss())
+    host = host_peaks(info)
+    mine = RankFigures(
+        peak_gpu=max(peaks) if peaks else None, peak_reserved=max(reserved) if reserved else None,
+        # since the process started: the larger of what the spans saw and the high-water mark since the last of them
+        lifetime_rss=largest([host.lifetime_peak, host_peak_rss()]),
+        step_rss=largest(timed(info.get("peak_host_rss_bytes_per_step", []), profile_step)),
+        rss_reading=host.reading, pinned=info.get("pinned_host_bytes"),
+        pinned_caching_allocator=info.get("pinned_host_bytes_caching_allocator"),
+    )
     if status != "ok" or world_size == 1:
         return [mine]
     figures: list[Any] = [None] * world_size
@@ -118,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     status on every rank). ``args`` as ``cli.validate`` accepts them. Initialises the process group under torchrun;
     reuses one that exists (the tests' pool)."""
     _rank, world_size, local_rank, gpus_per_node = dist_environment()
-    device = _prepare_device(args, local_rank)
+    device = prepare_device(args, local_rank)
     _init_process_group(args, device, world_size)
     key = f"bench_peers/{args.attempt_id or 'run'}/{next(_RUN_COUNTER)}"
     available_host = available_host_memory()  # before this run pins anything
@@ -128,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     status, limit, error = _train(args, context, device, info, ballast[0])
     status, answered = agree_on_status(status, key=key, timeout_s=args.agree_timeout_s)
     record = run_record(args, context, info, status=status, limit=limit, error=error, answered=answered,
-                        rank_figures=_rank_figures(status, info, world_size), ballast=ballast)
+                        rank_figures=_rank_figures(status, info, world_size, args.profile_step), ballast=ballast)
     if args.check_host:
         record["host_check"] = host_check(args, num_gpus=world_size, gpus_per_node=gpus_per_node, resolved=info,
                                           gpu_memory_bytes=context.usable_memory, available_bytes=available_host)

@@ -191,6 +191,7 @@ def _summary(args: argparse.Namespace, result: dict[str, Any], records: dict[int
         "ballast": args.ballast, "max_seq_len": overall, "max_seq_len_gpu": gpu_max,
         "first_failed_seq_len": result["min_fail"], "host_max_seq_len": host_max, "host_available_bytes": available,
         "limited_by": limited_by, "peak_gpu_bytes_at_max": fitted and fitted.get("peak_gpu_bytes"),
+        "peak_host_rss_bytes_at_max": fitted and fitted.get("peak_host_rss_bytes"),
         "tried": [{"seq_len": s, "fits": fits, "status": records[s]["status"]} for s, fits in result["tried"]],
         "attempts": [records[s].get("attempt") for s, _ in result["tried"]],
         "elapsed_s": elapsed_s,

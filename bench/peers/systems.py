@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from bench.host_readings import ResidentPeaks, pinned_bytes, plan_fields
 from bench.peers.ballast import ON_OFF_AUTO, layers_run
 from bench.step_profile import StepProfiler
 from lightning_fpdt import ActivationOffload, FPDTStrategy, MFUMonitor, TiledLoss, TiledMLP
@@ -34,6 +35,8 @@ from lightning_fpdt.sequence.layout import SequenceLayout
 SYSTEMS = ("fpdt", "fpdt-hf", "modelparallel", "ring", "alst")
 FPDT_SYSTEMS = ("fpdt", "fpdt-hf")
 """The systems trained by this project's strategy: the reference Llama and the Hugging Face Llama."""
+HOST_PEAKS = "host_peaks"
+"""``info``'s key for the run's :class:`bench.host_readings.ResidentPeaks`."""
 
 
 class RandomTokens(Dataset):
@@ -127,18 +130,32 @@ def device_peaks(device: torch.device) -> tuple[Optional[int], Optional[int]]:
     return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
 
 
-def _reset_peaks(device: torch.device) -> None:
+def host_peaks(info: dict[str, Any]) -> ResidentPeaks:
+    """The run's reader of this process's peak resident memory per step (kept in ``info``; not a record field)."""
+    if HOST_PEAKS not in info:
+        info[HOST_PEAKS] = ResidentPeaks()
+    return info[HOST_PEAKS]
+
+
+def _reset_peaks(device: torch.device, info: dict[str, Any]) -> None:
+    """A step starts: new GPU peaks, and a new span of the process's peak resident memory."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    host_peaks(info).start()
 
 
-def _append_step(info: dict[str, Any], device: torch.device, seconds: Optional[float], loss: float) -> None:
+def _append_step(info: dict[str, Any], device: torch.device, seconds: Optional[float], loss: float, *,
+                 strategy: Any = None) -> None:
+    """A step ended: its time, loss, GPU peaks and peak resident memory, and the pinned bytes held now (the fpdt
+    ``strategy``'s own buffers counted where it is one; the other systems pin through PyTorch's allocator only)."""
     allocated, reserved = device_peaks(device)
     info.setdefault("step_times_s", []).append(seconds)
     info.setdefault("losses", []).append(loss)
     info.setdefault("peak_gpu_bytes_per_step", []).append(allocated)
     info.setdefault("peak_reserved_bytes_per_step", []).append(reserved)
+    info.setdefault("peak_host_rss_bytes_per_step", []).append(host_peaks(info).stop())
+    info.update(pinned_bytes(strategy, fpdt=isinstance(strategy, FPDTStrategy)))
 
 
 def step_profiler(args: argparse.Namespace, device: torch.device, info: dict[str, Any]) -> StepProfiler:
@@ -190,7 +207,7 @@ class _StepLog(L.Callback):
             for optimizer in trainer.optimizers:
                 prime_adam_states(optimizer)
             self.info.update(_layout(trainer, self.seq_len))
-        _reset_peaks(trainer.strategy.root_device)
+        _reset_peaks(trainer.strategy.root_device, self.info)
         self.profiler.start(idx)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -199,8 +216,11 @@ class _StepLog(L.Callback):
         record = self.monitor.step_records[-1] if self.monitor.step_records else None
         # the strategy's loss (under fpdt the sequence group's token mean); callbacks run before the module's own hook
         loss = outputs["loss"].detach().float().item() * trainer.accumulate_grad_batches
-        _append_step(self.info, trainer.strategy.root_device, record and record.step_time_s, loss)
+        _append_step(self.info, trainer.strategy.root_device, record and record.step_time_s, loss,
+                     strategy=trainer.strategy)
         self.info["tokens_per_step"] = record.tokens if record else None
+        if isinstance(trainer.strategy, FPDTStrategy):
+            self.info.update(plan_fields(trainer.strategy))
 
 
 def _layout(trainer: L.Trainer, seq_len: int) -> dict[str, Any]:
@@ -306,7 +326,7 @@ def train_ring(args: argparse.Namespace, *, device: torch.device, world_size: in
             position_ids = torch.arange(args.seq_len, device=device)[None]  # (1, S)
             targets = SequenceLayout.shift_labels(input_ids)  # (1, S): shifted on the whole sequence, then sharded
             buffers = [input_ids, position_ids, targets]
-            _reset_peaks(device)
+            _reset_peaks(device, info)
             profiler.start(step)
             start = time.perf_counter()
             with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):

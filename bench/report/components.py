@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Optional
 
-from bench.report.markdown import NONE, Record, Section, length, number, percent
+from bench.report.markdown import (HOST_COLUMNS, NONE, Record, Section, gib, host_cells, length, number, percent,
+                                   plan_ratio)
 from bench.report.records import of_kind
 
 Row = tuple[Record, list[str]]
@@ -146,25 +147,47 @@ SMOKE_TRAIN = Section(
     rows=_smoke_train_rows, empty="No training-step records.",
 )
 
-def _memory_trace_rows(records: list[Record]) -> Iterator[Row]:
+PLANNED_FIELDS = ("chunks", "offload", "offload_dq", "head_chunks", "recompute_attention", "cpu_offload_params")
+"""What the page's own plan of a traced run needs from its record (resolved values; ``None`` where a run left an
+option at "auto" and its record could not say what it became)."""
+
+
+def _page_plan(r: Record) -> Any:
+    """``plan_memory`` of a traced run with the options it resolved, or ``None`` where one is unknown."""
     from lightning_fpdt.planner import plan_memory, resolve_geometry
 
+    if any(r.get(name) is None for name in PLANNED_FIELDS):
+        return None
+    return plan_memory(
+        geometry=resolve_geometry(r["geometry"], num_layers=r["layers"]), seq_len=r["seq_len"],
+        num_gpus=r["gpus"], chunks=r["chunks"], offload=r["offload"], offload_dq=r["offload_dq"],
+        head_chunks=r["head_chunks"], recompute_attention=r["recompute_attention"],
+        cpu_offload_params=r["cpu_offload_params"], activation_offload=True, tiled_mlp=True, tiled_loss=True,
+        precision=r.get("precision", "bf16-mixed"),
+    )
+
+
+def _trace_options(r: Record) -> str:
+    unknown = [name for name in PLANNED_FIELDS if r.get(name) is None]
+    options = [f"chunks {r['chunks']}", f"offload {_on_off(r['offload'])}"]
+    options += ["offload_dq"] if r["offload_dq"] else []
+    options += [f"head_chunks {r['head_chunks']}"] if (r["head_chunks"] or 1) > 1 else []
+    options += ["recompute_attention"] if r["recompute_attention"] else []
+    options += ["states on the host"] if r["cpu_offload_params"] else []
+    options += [f"{', '.join(unknown)} unknown"] if unknown else []
+    return ", ".join(options)
+
+
+def _memory_trace_rows(records: list[Record]) -> Iterator[Row]:
     for r in of_kind(records, "memory_trace"):
-        plan = plan_memory(
-            geometry=resolve_geometry(r["geometry"], num_layers=r["layers"]), seq_len=r["seq_len"],
-            num_gpus=r["gpus"], chunks=r["chunks"], offload=r["offload"], offload_dq=r["offload_dq"],
-            head_chunks=r["head_chunks"], recompute_attention=r["recompute_attention"],
-            cpu_offload_params=r["cpu_offload_params"], activation_offload=True, tiled_mlp=True, tiled_loss=True,
-        )
-        measured = max(r["peak_gpu_bytes_per_step"])
-        options = [f"chunks {r['chunks']}", f"offload {_on_off(r['offload'])}"]
-        options += ["offload_dq"] if r["offload_dq"] else []
-        options += [f"head_chunks {r['head_chunks']}"] if r["head_chunks"] > 1 else []
-        options += ["recompute_attention"] if r["recompute_attention"] else []
-        options += ["states on the host"] if r["cpu_offload_params"] else []
+        plan = _page_plan(r)
+        measured = max((p for p in r["peak_gpu_bytes_per_step"] if p is not None), default=None)  # none on CPU
+        planned = None if plan is None else plan.peak_gpu_bytes
         yield r, [r["card"], str(r["gpus"]), f"{r['geometry']} ({r['layers']} layers, {r['model']})",
-                  length(r["seq_len"]), ", ".join(options), _gib(measured / 2**30), _gib(plan.peak_gpu_bytes / 2**30),
-                  f"{plan.peak_gpu_bytes / measured:.3f}", plan.peak_phase]
+                  length(r["seq_len"]), _trace_options(r), gib(measured, 2), gib(planned, 2),
+                  plan_ratio(planned, measured), NONE if plan is None else plan.peak_phase, *host_cells(r, 2),
+                  plan_ratio(r.get("planned_peak_gpu_bytes"), measured),
+                  plan_ratio(r.get("planned_resident_host_bytes"), r.get("peak_host_rss_bytes"))]
 
 
 MEMORY_TRACE = Section(
@@ -172,9 +195,12 @@ MEMORY_TRACE = Section(
     intro="python3 -m bench.memory_trace train: training steps under FPDTStrategy with ActivationOffload, TiledMLP "
           "and TiledLoss, bf16-mixed, AdamW (moments primed), the CUDA allocator's history traced. \"measured\": "
           "`torch.cuda.max_memory_allocated` of the last step, rank 0; \"planned\": `plan_memory` with the options "
-          "the run resolved, computed by this page's code; its phase is where the plan puts the peak.",
+          "the run resolved, computed by this page's code; its phase is where the plan puts the peak. \"host peak\" "
+          "and \"pinned\": rank 0's process in the traced steps. \"run's plan / measured\": the plan the strategy "
+          "accepted the run on, as the record carries it, over the measured GPU peak and over the host peak (the "
+          "plan's resident bytes per GPU: pinned, pageable and the process baseline).",
     columns=("card", "GPUs", "model", "S", "options", "measured GiB", "planned GiB", "planned / measured",
-             "phase"),
+             "phase", *HOST_COLUMNS, "run's plan / measured GPU", "run's plan / measured host"),
     rows=_memory_trace_rows, empty="No traced steps.",
 )
 

@@ -14,9 +14,9 @@ def length(value: Optional[int]) -> str:
     return NONE if value is None else f"{value:,}"
 
 
-def gib(value: Optional[float]) -> str:
-    """Bytes in GiB, one decimal."""
-    return NONE if value is None else f"{value / GIB:.1f}"
+def gib(value: Optional[float], digits: int = 1) -> str:
+    """Bytes in GiB, one decimal (or ``digits``)."""
+    return NONE if value is None else f"{value / GIB:.{digits}f}"
 
 
 def number(value: Optional[float], digits: int = 1) -> str:
@@ -29,6 +29,27 @@ def percent(value: Optional[float]) -> str:
 
 def ratio(a: Optional[float], b: Optional[float]) -> str:
     return NONE if not a or not b else f"{a / b:.2f}×"
+
+
+def plan_ratio(planned: Optional[float], measured: Optional[float]) -> str:
+    """A planned figure over the measured one, three decimals (above 1: the plan is the larger)."""
+    return NONE if not planned or not measured else f"{planned / measured:.3f}"
+
+
+def host_cells(record: dict[str, Any], digits: int = 1) -> list[str]:
+    """A run's measured host memory beside its GPU peak: the largest process's peak resident memory (RSS) within the
+    timed steps and the pinned bytes at the end of its last step, in GiB; ``NONE`` where the record has no such
+    figure (records from before these readings, a strategy that cannot count its pinned buffers)."""
+    return [gib(record.get("peak_host_rss_bytes"), digits), gib(record.get("pinned_host_bytes"), digits)]
+
+
+HOST_COLUMNS = ("host peak GiB", "pinned GiB")
+"""The columns of :func:`host_cells`."""
+HOST_NOTE = ("\"host peak GiB\" is the peak resident memory (RSS: pinned and pageable pages) of a training process "
+             "within the timed steps, the largest over the ranks; \"pinned GiB\" the page-locked host bytes a process "
+             "held at the end of its last step (the fpdt strategy's own buffers and PyTorch's caching host "
+             "allocator's blocks); – where the record has none (records from before these readings).")
+"""What the page says of :data:`HOST_COLUMNS`."""
 
 
 def table(header: list[str], rows: list[list[str]], empty: str) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from bench.provenance import REPO_ROOT
 from bench.report import components, lengths, training
-from bench.report.markdown import Commands, commits
+from bench.report.markdown import HOST_NOTE, Commands, commits
 from bench.report.plots import Plot, write_plots
 from bench.report.records import load_records, of_kind
 
@@ -43,6 +43,7 @@ def _header(records: list[dict[str, Any]]) -> list[str]:
         "FLOPs in the causal convention (6·N + 6·L·S·d_attn per token, `lightning_fpdt.flops`) of the layers run; "
         "MFU against the card's dense bf16 peak. Peak GPU memory: `torch.cuda.max_memory_allocated` within a step, "
         "the largest over steps and ranks, ballast included.",
+        "- Host memory beside it: " + HOST_NOTE,
         "- Ballast protocol: \"2 of 32 layers + ballast\" ran 2 layers and held on each GPU a tensor the size of what "
         "the 30 layers not run would hold there (their sharded fp32 states and AdamW moments, and what each keeps "
         "between forward and backward), so the peak is the full depth's. Runs of one length at two depths check it.",
@@ -58,7 +59,7 @@ def _peers(records: list[dict[str, Any]], commands: Commands, plots: Optional[li
     lines += [f"- **{system}**: {name}." for system, name in SYSTEM_NAMES.items()]
     lines += ["", "The example configurations run through `lightning_fpdt.cli` are fpdt runs too.", ""]
     lines += [*lengths.section(records, commands), ""]
-    for section in (training.DEPTH, training.THROUGHPUT, training.PROFILES, training.HOST):
+    for section in (training.DEPTH, training.THROUGHPUT, training.PROFILES, training.HOST, training.PLAN):
         lines += [*section.render(records, commands), ""]
     lines += _plots(plots, commands, doc_dir, plot_note)
     return lines + training.RUNS.render(records, commands)

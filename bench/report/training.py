@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterator
 
-from bench.report.markdown import NONE, Record, Section, gib, length, number, percent, ratio
+from bench.report.markdown import (HOST_COLUMNS, NONE, Record, Section, gib, host_cells, length, number,
+                                   percent, plan_ratio, ratio)
 from bench.report.records import card_name, latest, model_name, of_kind, timed
 
 SYSTEMS = ("fpdt", "fpdt-hf", "modelparallel", "ring", "alst")
@@ -29,14 +30,16 @@ def _depth_rows(records: list[Record]) -> Iterator[Row]:
         spread = max(r["peak_gpu_bytes"] for r in group) - min(r["peak_gpu_bytes"] for r in group)
         for r in sorted(group, key=lambda r: r["layers"]):
             yield r, [system, card, str(gpus), model_name(r), length(seq_len), gib(r["ballast_bytes"]),
-                      gib(r["peak_gpu_bytes"]), gib(r["peak_gpu_bytes_minus_ballast"]), gib(spread)]
+                      gib(r["peak_gpu_bytes"]), gib(r["peak_gpu_bytes_minus_ballast"]), gib(spread), *host_cells(r)]
 
 
 DEPTH = Section(
     title="### Peak GPU memory at two depths (ballast protocol)",
     intro="Runs of the same system, card, GPU count and length at different depths, each with the ballast of the "
-          "layers it does not run: equal peaks mean the few-layer runs stand for the full model.",
-    columns=("system", "card", "GPUs", "model", "S", "ballast GiB", "peak GiB", "peak − ballast GiB", "spread GiB"),
+          "layers it does not run: equal peaks mean the few-layer runs stand for the full model (the host's memory "
+          "is that of the layers run: the ballast stands for GPU memory only).",
+    columns=("system", "card", "GPUs", "model", "S", "ballast GiB", "peak GiB", "peak − ballast GiB", "spread GiB",
+             *HOST_COLUMNS),
     rows=_depth_rows, empty="No length was run at two depths.",
 )
 
@@ -86,7 +89,7 @@ def _throughput_rows(records: list[Record]) -> Iterator[Row]:
             yield r, [card, str(gpus), model_name(r), length(seq_len), system, states,
                       number(r.get("step_time_s"), 3),
                       number(r.get("tokens_per_s"), 0), number(r.get("tflops_per_gpu")), percent(r.get("mfu")),
-                      gib(r.get("peak_gpu_bytes")), *against]
+                      gib(r.get("peak_gpu_bytes")), *host_cells(r), *against]
 
 
 THROUGHPUT = Section(
@@ -98,7 +101,7 @@ THROUGHPUT = Section(
           "modelparallel's tokens/s counts every GPU's own sequence. Runs of one step (the searches) are left out: "
           "their only step includes the warm-up.",
     columns=("card", "GPUs", "model", "S", "system", "states", "step s", "tokens/s", "TFLOP/s per GPU", "MFU",
-             "peak GiB", *(f"× {peer}" for peer in PEERS)),
+             "peak GiB", *HOST_COLUMNS, *(f"× {peer}" for peer in PEERS)),
     rows=_throughput_rows, empty="No completed runs.",
 )
 
@@ -130,16 +133,17 @@ def _host_rows(records: list[Record]) -> Iterator[Row]:
         yield r, [r["system"], card_name(r), str(r["gpus"]), model_name(r), length(r["seq_len"]),
                   gib(check["needed_bytes"]), gib(check["available_bytes"]),
                   {True: "yes", False: "**no**", None: "unknown"}[check["fits"]],
-                  gib(check.get("planned_peak_gpu_bytes")), gib(r.get("peak_gpu_bytes"))]
+                  gib(check.get("planned_peak_gpu_bytes")), gib(r.get("peak_gpu_bytes")), *host_cells(r)]
 
 
 HOST = Section(
     title="### Host memory of the full depth",
     intro="`lightning_fpdt.planner.plan_memory` of the full depth (pinned host memory per host: offloaded attention "
           "chunks and block inputs, CPU-offloaded states), beside the memory the host had available when the run "
-          "began; for fpdt also the planner's GPU peak of the full depth beside the measured one.",
+          "began; for fpdt also the planner's GPU peak of the full depth beside the measured one, and the host "
+          "memory measured in the layers run.",
     columns=("system", "card", "GPUs", "model", "S", "needed GiB", "available GiB", "fits", "planned GPU peak GiB",
-             "measured peak GiB"),
+             "measured peak GiB", *HOST_COLUMNS),
     rows=_host_rows, empty="No host checks.",
 )
 
@@ -155,13 +159,42 @@ def _run_rows(records: list[Record]) -> Iterator[Row]:
         yield r, [str(i), r["system"], status, card_name(r), str(r.get("gpus")), model_name(r),
                   length(r.get("seq_len")), str(r.get("chunks") or NONE), _step_time(r),
                   number(r.get("tokens_per_s"), 0), number(r.get("tflops_per_gpu")), percent(r.get("mfu")),
-                  gib(r.get("peak_gpu_bytes")), gib(r.get("ballast_bytes")), number(r.get("first_loss"), 4)]
+                  gib(r.get("peak_gpu_bytes")), *host_cells(r), gib(r.get("ballast_bytes")),
+                  number(r.get("first_loss"), 4)]
 
 
 RUNS = Section(
     title="### Every run",
     intro="Every training run of the records; a run that ran out of memory says where (gpu or host).",
     columns=("#", "system", "status", "card", "GPUs", "model", "S", "chunks", "step s", "tokens/s", "TFLOP/s per GPU",
-             "MFU", "peak GiB", "ballast GiB", "first loss"),
+             "MFU", "peak GiB", *HOST_COLUMNS, "ballast GiB", "first loss"),
     rows=_run_rows, empty="No runs.",
+)
+
+
+def _plan_rows(records: list[Record]) -> Iterator[Row]:
+    for r in [r for r in of_kind(records, "run") if r.get("planned_peak_gpu_bytes") is not None]:
+        measured_gpu = r.get("peak_gpu_bytes_minus_ballast")
+        yield r, [r["system"], card_name(r), str(r["gpus"]), model_name(r), length(r["seq_len"]),
+                  r.get("plan_options") or NONE,
+                  gib(measured_gpu), gib(r["planned_peak_gpu_bytes"]),
+                  plan_ratio(r["planned_peak_gpu_bytes"], measured_gpu),
+                  gib(r.get("peak_host_rss_bytes")), gib(r.get("planned_resident_host_bytes")),
+                  plan_ratio(r.get("planned_resident_host_bytes"), r.get("peak_host_rss_bytes")),
+                  gib(r.get("pinned_host_bytes")), gib(r.get("planned_pinned_host_bytes")),
+                  plan_ratio(r.get("planned_pinned_host_bytes"), r.get("pinned_host_bytes"))]
+
+
+PLAN = Section(
+    title="### The run's memory plan against its measurements",
+    intro="fpdt runs whose record carries the plan the strategy accepted the run on (`FPDTStrategy.memory_plan`, "
+          "for the layers run and the options it resolved), per GPU and its process, beside what the run measured. "
+          "GPU: the peak of the step less the ballast (the plan does not know the ballast), the largest over the "
+          "ranks; host: the largest process's peak resident memory within the timed steps against the plan's "
+          "resident bytes (pinned, pageable and the process baseline); pinned: the page-locked bytes at the end of "
+          "the last step against the plan's. \"plan / measured\" above 1: the plan is the larger.",
+    columns=("system", "card", "GPUs", "model", "S", "plan options", "GPU GiB", "planned GPU GiB",
+             "GPU plan / measured", "host peak GiB", "planned host GiB", "host plan / measured", "pinned GiB",
+             "planned pinned GiB", "pinned plan / measured"),
+    rows=_plan_rows, empty="No run carries its memory plan yet.",
 )

@@ -54,6 +54,20 @@ def test_fpdt_and_modelparallel_records(dist_pool):
                                                 f"{system} --model tiny")
             assert record["commit"] == current_commit() and record["card"] == "cpu"
             assert record["host_peak_rss_bytes"] > 0  # both ranks, summed
+            # the host: each process's peak over the timed steps, the largest rank, the host's ranks summed (one
+            # host here); nothing pinned on CPU (modelparallel pins through PyTorch only; fpdt's own count is 0 or
+            # unknown); the fpdt strategy's plan where it carries one, none for the baseline
+            per_rank = record["peak_host_rss_bytes_per_rank"]
+            assert len(per_rank) == 2 and all(rss > 0 for rss in per_rank), system
+            assert record["peak_host_rss_bytes"] == max(per_rank)
+            assert record["peak_host_rss_bytes_per_node"] == sum(per_rank) <= record["host_peak_rss_bytes"]
+            assert record["host_rss_reading"] in ("peak", "sampled")
+            assert record["pinned_host_bytes_caching_allocator"] == 0
+            if system == "modelparallel":
+                assert record["pinned_host_bytes_per_rank"] == [0, 0] and record["planned_peak_gpu_bytes"] is None
+            else:
+                assert record["pinned_host_bytes"] in (None, 0)
+                assert (record["plan_options"] is None) == (record["planned_resident_host_bytes"] is None)
     fpdt, modelparallel = ranks[0]["fpdt"], ranks[0]["modelparallel"]
     # fpdt: the 2 ranks share one sequence (sp 2); modelparallel: each rank trains its own sequence (dp 2)
     assert (fpdt["sequence_parallel_size"], fpdt["chunks"], fpdt["tokens_per_step"]) == (2, 2, SEQ_LEN)

@@ -105,14 +105,17 @@ class HostMemoryGuard:
         available = self.available()
         if available is None or available - nbytes >= self.reserve_bytes:
             return
-        gib = 2**30
         said = self.describe()
         raise HostMemoryError(
-            f"host memory ran short: {what} needs {nbytes / gib:.2f} GiB more, the host has {available / gib:.2f} GiB "
-            f"available and {self.reserve_bytes / gib:.2f} GiB stay in reserve (pinned pages cannot be swapped; "
+            f"host memory ran short: {what} needs {_size(nbytes)} more, the host has {_size(available)} "
+            f"available and {_size(self.reserve_bytes)} stay in reserve (pinned pages cannot be swapped; "
             f"going on would end with the kernel killing the process without a message)."
             + (f" {said}" if said else " Plan the run with `lightning-fpdt plan --host-memory-gib auto`.")
         )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**27 else f"{nbytes / 2**20:.2f} MiB"
 
 
 def _unregister(held: list[tuple[int, Tensor]], pinned: bool) -> None:

@@ -256,6 +256,11 @@ class StashFactory:
         """Host memory allocated for stashed chunks so far."""
         return 0 if self._pool is None else self._pool.allocated_bytes
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Of :attr:`host_bytes`, what is page-locked (the buffers of a CUDA run)."""
+        return 0 if self._pool is None or not self._pool.pin_memory else self._pool.allocated_bytes
+
     def trim(self) -> int:
         """Free the host buffers no stash holds now (between steps: all of them); returns the bytes freed."""
         return 0 if self._pool is None else self._pool.trim()

@@ -280,8 +280,9 @@ class FPDTStrategy(ModelParallelStrategy):
     @property
     def pinned_host_bytes(self) -> int:
         """Host memory this process holds page-locked: the attention's and the callbacks' buffers, the states."""
-        total = 0 if self._states_allocator is None else self._states_allocator.allocated_bytes
-        return total + sum(factory.host_bytes for factory in self._host_factories())
+        states = self._states_allocator
+        total = states.allocated_bytes if states is not None and states.pin else 0
+        return total + sum(factory.pinned_bytes for factory in self._host_factories())
 
     def _host_factories(self) -> list[StashFactory]:
         factories = [] if self._context is None else [self._context.attention.stashes]

@@ -84,6 +84,7 @@ class RankWatchdog:
         self._count = 0
         self._seen: dict[int, tuple[int, float]] = {}  # watched rank -> (last count seen, monotonic time it changed)
         self._store_silent_since: Optional[float] = None
+        self._posted: Optional[str] = None  # the abort this rank posted itself
 
     # ---- life cycle --------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -131,6 +132,7 @@ class RankWatchdog:
         """Tell every rank to end now with ``message`` (this rank failed in a way the others must not wait out);
         their watchdog threads read it within a second."""
         if self._store is not None:
+            self._posted = message  # this rank ends by its own error, not by its watch
             try:
                 self._store.set(ABORT_KEY, message)
             except (RuntimeError, ValueError):
@@ -196,7 +198,8 @@ class RankWatchdog:
     def _abort_posted(self) -> Optional[str]:
         if not self._store.check([ABORT_KEY]):
             return None
-        return self._store.get(ABORT_KEY).decode()
+        message = self._store.get(ABORT_KEY).decode()
+        return None if message == self._posted else message
 
     def _store_silent(self) -> Optional[str]:
         """After ``stale_after`` seconds without an answer from the store, the message saying its host is gone."""

@@ -294,7 +294,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         module = HFLlamaLM(args.geometry, num_layers=args.layers, max_seq_len=args.seq_len, seed=0, lr=1e-4)
     strategy = FPDTStrategy(**strategy_options(args))
     offload = ActivationOffload(**offload_options(args))
-    steps: dict[str, list[Any]] = {"gpu": [], "host": [], "phases": [], "pinned": []}
+    steps: dict[str, list[Any]] = {"gpu": [], "host": [], "phases": [], "pinned": [], "seconds": []}
     last: dict[str, Any] = {}
     host = ResidentPeaks()
 
@@ -328,6 +328,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 steps["gpu"].append(None)
             steps["phases"].append({phase: self.phases.get(phase) for phase in PHASES})
+            steps["seconds"].append(time.perf_counter() - self.start)  # under the allocator trace: a bit slower
             steps["host"].append(largest(self.phases.values()))
             last.update(pinned_bytes(trainer.strategy, fpdt=True))
             steps["pinned"].append(last["pinned_host_bytes"])
@@ -354,7 +355,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                       **resolved_options(args, strategy, offload, last.get("plan")),
                       cpu_offload_params=args.cpu_offload_params,
                       requested_options={k: v for k, v in requested.items() if k != "cpu_offload_params"},
-                      peak_gpu_bytes_per_step=steps["gpu"],
+                      peak_gpu_bytes_per_step=steps["gpu"], step_seconds=steps["seconds"],
                       peak_phase=summary["peak_phase"] if summary is not None else None,
                       peak_host_rss_bytes_per_step=steps["host"],
                       host_phase_peak_rss_bytes_per_step=steps["phases"], host_rss_reading=host.reading,

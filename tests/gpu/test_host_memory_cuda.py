@@ -20,6 +20,7 @@ def test_registered_buffers_are_pinned_exactly_and_copy_back():
     caching host allocator would take 4), are pinned as far as CUDA is concerned, and a non-blocking round trip
     through them returns the same values."""
     allocator = HostAllocator(pin=True)
+    torch.empty(1, device="cuda")  # the CUDA context first: its own host memory is not the buffers'
     before = resident_bytes()
     buffers = [allocator.empty(3 * GIB // 8, torch.bfloat16) for _ in range(4)]
     grown = resident_bytes() - before

@@ -163,7 +163,8 @@ def _page_plan(r: Record) -> Any:
         num_gpus=r["gpus"], chunks=r["chunks"], offload=r["offload"], offload_dq=r["offload_dq"],
         head_chunks=r["head_chunks"], recompute_attention=r["recompute_attention"],
         cpu_offload_params=r["cpu_offload_params"], activation_offload=True, tiled_mlp=True, tiled_loss=True,
-        precision=r.get("precision", "bf16-mixed"),
+        precision=r.get("precision", "bf16-mixed"), reload_input=bool(r.get("reload_input")),
+        input_prefetch=r.get("prefetch") != 0,
     )
 
 

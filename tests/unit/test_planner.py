@@ -212,6 +212,31 @@ def test_prediction_of_traced_steps(run):
     assert 1.0 <= plan.peak_gpu_bytes / measured <= 1.10, (plan.peak_gpu_bytes / GIB, measured / GIB)
 
 
+FULL_DEPTH_TRACES = [json.loads(line) for line in
+                     (REPO_ROOT / "bench/results/memory_trace-full-depth-h100.jsonl").open()]
+
+
+@pytest.mark.parametrize("run", FULL_DEPTH_TRACES,
+                         ids=lambda r: f"{r['seq_len']}-{'host' if r['cpu_offload_params'] else 'gpu'}-states")
+def test_prediction_of_full_depth_traced_steps(run):
+    """Every traced full-depth step (bench/results/memory_trace-full-depth-h100.jsonl: H100 80GB, Hugging Face
+    Llama-3.2-3B geometry, 28 layers, 128K and 256K tokens, states on the GPU or the host): the GPU peak, the pinned
+    host bytes and the process's peak resident memory are predicted at or above the measured ones, within 10% (the
+    pinned bytes within 0.1%: the buffers are exactly their size), with the planner's own estimate of the process's
+    baseline."""
+    plan = plan_memory(
+        geometry=resolve_geometry(run["geometry"]), seq_len=run["seq_len"], num_gpus=run["gpus"],
+        chunks=run["chunks"], offload=run["offload"], offload_dq=run["offload_dq"], head_chunks=run["head_chunks"],
+        recompute_attention=run["recompute_attention"], reload_input=run["reload_input"],
+        input_prefetch=run["prefetch"] != 0, cpu_offload_params=run["cpu_offload_params"], activation_offload=True,
+        tiled_mlp=True, tiled_loss=True, gpu_memory_gib=79,
+    )
+    gpu = plan.peak_gpu_bytes / max(run["peak_gpu_bytes_per_step"])
+    pinned = plan.host_bytes_per_gpu / run["pinned_host_bytes_strategy"]
+    resident = plan.host_resident_bytes_per_gpu / run["peak_host_rss_bytes"]
+    assert 1.0 <= gpu <= 1.10 and 1.0 <= pinned <= 1.001 and 1.0 <= resident <= 1.10, (gpu, pinned, resident)
+
+
 @pytest.mark.parametrize(
     ("gpus", "seq_len", "chunks", "offload", "measured_extra_gib"),
     [

@@ -5,8 +5,8 @@ A callback that changes the model declares it; it never imports the strategy:
 - ``fpdt_transform(model, blocks)`` changes the network in place (idempotent), and ``fpdt_transform_slot`` names the
   slot of ``apply_fpdt`` it fills (``"tiled_mlp"``, ``"tiled_loss"``, ``"activation_checkpointing"``: the order of
   the slots is ``apply_fpdt``'s);
-- ``fpdt_plan_flags`` names what the memory planner counts for it (``tiled_mlp``, ``tiled_loss``,
-  ``activation_checkpointing``, ``activation_offload``, ``recompute_attention``).
+- ``fpdt_memory_features`` says what the memory planner counts for it (a ``MemoryFeatures`` value; an option left
+  ``"auto"`` is the strategy's to choose, which it hands back through ``apply_memory_choice``).
 
 A strategy whose ``applies_memory_transforms`` is true (the fpdt strategy) collects the declarations and applies the
 transforms in their order before FSDP2; under any other strategy each callback applies its own at ``setup``.

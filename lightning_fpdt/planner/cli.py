@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 from lightning_fpdt.models.llama import NAMED_CONFIGS
 from lightning_fpdt.planner.arguments import python_arguments, yaml_arguments
-from lightning_fpdt.planner.components import GIB, MemoryPlan
+from lightning_fpdt.planner.components import GIB, MemoryPlan, expandable_segments, plannable_gpu_bytes
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, resolve_geometry
 from lightning_fpdt.planner.host import available_host_memory, gib
 from lightning_fpdt.planner.plan import plan_memory
@@ -68,7 +68,8 @@ def format_plan(plan: MemoryPlan) -> str:
     if chosen.fits:
         lines += ["", "as arguments:", *("  " + line for line in python_arguments(chosen).splitlines()),
                   "as YAML:", *("  " + line for line in yaml_arguments(chosen).splitlines())]
-    lines.append("(a model, not a measurement: keep a few GiB of headroom; see docs/planner.md)")
+    lines.append("(a model, not a measurement; the GPU it fills is the card less the CUDA context and the allocator's "
+                 "fragmentation: see docs/planner.md)")
     return "\n".join(lines)
 
 
@@ -136,7 +137,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--prefetch", type=_auto_or_int, default="auto",
                         help="ActivationOffload(prefetch=...): block inputs brought back ahead (0: none), or auto")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
-                        help="GiB of one GPU (an H100 80GB reports ~79, an H200 ~139)")
+                        help="GiB of one GPU (an H100 80GB reports ~79, an H200 ~139); the plan fills it less the CUDA "
+                             "context and the allocator's fragmentation, as the strategy does")
+    parser.add_argument("--expandable-segments", action="store_true",
+                        help="plan as with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation; also "
+                             "read from the environment)")
     parser.add_argument("--host-memory-gib", type=_host_memory, default=None,
                         help="memory the processes of one host may hold (pinned and pageable), or 'auto' for this "
                              "machine's available memory")
@@ -156,7 +161,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             offload_dq=args.offload_dq,
             activation_offload="offload" in args.callbacks, activation_checkpointing="checkpoint" in args.callbacks,
             tiled_mlp="mlp" in args.callbacks, tiled_loss="loss" in args.callbacks, precision=args.precision,
-            optimizer=args.optimizer, cpu_offload_params=args.cpu_offload_params, gpu_memory_gib=args.gpu_memory_gib,
+            optimizer=args.optimizer, cpu_offload_params=args.cpu_offload_params,
+            gpu_memory_gib=plannable_gpu_bytes(int(args.gpu_memory_gib * GIB), expandable_segments=(
+                args.expandable_segments or expandable_segments())) / GIB,
             host_memory_gib=host, recompute_attention=args.recompute_attention, head_chunks=args.head_chunks,
             reload_input=args.reload_input,
             input_prefetch=args.prefetch if args.prefetch == "auto" else args.prefetch > 0,

@@ -59,6 +59,7 @@ the CUDA context, NCCL buffers or cuBLAS workspaces: keep a few GiB of headroom.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -68,6 +69,25 @@ from lightning_fpdt.planner.options import PlanOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry, stash_bytes
 
 GIB = 2**30
+GPU_CONTEXT_BYTES = 2**30
+"""GPU memory a plan leaves to what it does not count: the CUDA context, cuBLAS and NCCL workspaces."""
+FRAGMENTATION_FRACTION = 0.05
+"""Share of the GPU a plan leaves to the caching allocator's fragmentation: blocks reserved but too small for the next
+multi-GiB tensor (4.65 GiB of an H100's 79 at 524,288 tokens of a full-depth 3B model, where the plan had counted
+within 1 GiB of the card); 1% with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which maps memory as it
+grows instead."""
+
+
+def plannable_gpu_bytes(usable_bytes: int, *, expandable_segments: bool = False) -> int:
+    """The GPU memory a plan may fill on a GPU of ``usable_bytes``: less the CUDA context and the fragmentation."""
+    fragmentation = 0.01 if expandable_segments else FRAGMENTATION_FRACTION
+    return int(usable_bytes * (1 - fragmentation)) - GPU_CONTEXT_BYTES
+
+
+def expandable_segments() -> bool:
+    """Whether this process's CUDA allocator grows its segments (``expandable_segments:True``)."""
+    config = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" in config.replace(" ", "").lower()
 
 MLP_BACKWARD_BUFFERS = 6
 """``intermediate``-wide buffers per token at the peak of a gated MLP's backward: gate, up, act(gate) (saved), the

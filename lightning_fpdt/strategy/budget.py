@@ -5,27 +5,22 @@ neither, before any pinned buffer exists (pinned-memory exhaustion takes the mac
 
 from __future__ import annotations
 
-import os
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_fpdt.integrations import supports_head_groups
 from lightning_fpdt.memory.surgery import find_model
 from lightning_fpdt.planner import plan_memory, resolve_geometry
 from lightning_fpdt.planner.arguments import python_arguments
-from lightning_fpdt.planner.components import MemoryPlan
+from lightning_fpdt.planner.components import MemoryPlan, expandable_segments, plannable_gpu_bytes
 from lightning_fpdt.planner.host import gib
 from lightning_fpdt.planner.options import MemoryFeatures
-from lightning_fpdt.sequence.host_memory import HostAllocator, available_host_memory, resident_bytes
+from lightning_fpdt.sequence.host_memory import HostAllocator, HostMemoryGuard, available_host_memory, resident_bytes
+from lightning_fpdt.sequence.host_stash import StashFactory
+from lightning_fpdt.sequence.options import ResolvedOptions
 
-GPU_CONTEXT_BYTES = 2**30
-"""GPU memory the plan leaves to what it does not count: the CUDA context, cuBLAS and NCCL workspaces."""
-FRAGMENTATION_FRACTION = 0.05
-"""Share of the GPU the plan leaves to the caching allocator's fragmentation: blocks reserved but too small for the
-next multi-GiB tensor (4.65 GiB of an H100's 79 at 524,288 tokens of a full-depth 3B model, where the plan had counted
-within 1 GiB of the card); 1% with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which maps memory as it
-grows instead."""
 HOST_RESERVE_FRACTION = 0.03
 """Share of the host's memory no plan may take (at least :data:`HOST_RESERVE_MIN_BYTES`): the kernel, page cache, other
 processes' growth."""
@@ -44,10 +39,7 @@ def usable_total_bytes(device: torch.device) -> int:
 
 def plannable_bytes(device: torch.device) -> int:
     """The GPU memory a plan may fill: the usable memory less the CUDA context and the allocator's fragmentation."""
-    usable = usable_total_bytes(device)
-    config = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    fragmentation = 0.01 if "expandable_segments:true" in config.replace(" ", "").lower() else FRAGMENTATION_FRACTION
-    return int(usable * (1 - fragmentation)) - GPU_CONTEXT_BYTES
+    return plannable_gpu_bytes(usable_total_bytes(device), expandable_segments=expandable_segments())
 
 
 def usable_free_bytes(device: torch.device) -> int:
@@ -123,7 +115,7 @@ def plan_for(strategy: Any, seq_len: int, batch_size: int) -> Optional[MemoryPla
     except ValueError:
         return None  # a config the planner cannot read: nothing to check against
     options = strategy.options
-    head_chunks = strategy.head_chunks_for_planning()
+    head_chunks = strategy.memory.head_chunks_for_planning(strategy)
     available = available_host_memory()
     rss = resident_bytes() or 0
     local = strategy.num_processes
@@ -177,3 +169,120 @@ def choice_message(plan: MemoryPlan) -> str:
 def head_groups_possible(strategy: Any) -> bool:
     """Whether ``head_chunks="auto"`` may choose head groups for the strategy's model."""
     return supports_head_groups(find_model(strategy.model)) and strategy.ring_size == 1
+
+
+class MemoryBudget:
+    """The memory side of one fpdt strategy: the plan of each sequence length it trains (the ``"auto"`` options
+    resolved, the callbacks told their part), the guard every host buffer pool asks before it grows, and the
+    page-locked host-resident states.
+
+    Args:
+        check: refuse a length whose plan fits neither memory (else warn and run it).
+    """
+
+    def __init__(self, *, check: bool) -> None:
+        self.check = check
+        self.plans: dict[tuple[int, int], Optional[MemoryPlan]] = {}  # (seq_len, batch) -> the plan it runs on
+        self.plan: Optional[MemoryPlan] = None
+        """The plan of the last length planned; ``None`` where nothing plans (no GPU, no config the planner reads)."""
+        self.guard = HostMemoryGuard(reserve_bytes=host_reserve_bytes(), describe=self.advice)
+        self._states: Optional[HostAllocator] = None  # page-locks FSDP2's host-resident shards
+
+    # ---- setup --------------------------------------------------------------------------------------------------
+    def head_chunks_at_setup(self, strategy: Any, trainer: Any) -> int:
+        """``head_chunks`` for the attention about to be installed: the option, or for ``"auto"`` the search's
+        choice for the length known at setup (1 when none is known, or the model's attention cannot be grouped)."""
+        if strategy.options.head_chunks != "auto":
+            return strategy.options.head_chunks
+        known = known_length(trainer)
+        if known is None or not head_groups_possible(strategy):
+            return 1
+        plan = plan_for(strategy, *known)
+        return 1 if plan is None else plan.options.head_chunks
+
+    def head_chunks_for_planning(self, strategy: Any) -> Union[Literal["auto"], int]:
+        """Head groups as the planner may take them: those installed once the attention is, before that the option
+        (``"auto"`` only where the model's attention can be grouped)."""
+        context = getattr(strategy, "_context", None)
+        if context is not None:
+            return context.attention.head_chunks
+        if strategy.options.head_chunks == "auto" and not head_groups_possible(strategy):
+            return 1
+        return strategy.options.head_chunks
+
+    def guard_host_memory(self, strategy: Any) -> None:
+        """Once the model is sharded: page-lock its host-resident shards exactly (with ``cpu_offload_params``), and
+        make every host buffer pool of the run ask the guard before it grows."""
+        if strategy.cpu_offload_params and self._states is None:
+            self._states = register_host_states(strategy.model, pin=strategy.root_device.type == "cuda")
+        for factory in self.factories(strategy):
+            factory.guard = self.guard
+
+    @staticmethod
+    def factories(strategy: Any) -> list[StashFactory]:
+        """The host buffer pools of the run: the attention's and the memory callbacks'."""
+        context = getattr(strategy, "_context", None)
+        found = [] if context is None else [context.attention.stashes]
+        trainer = getattr(strategy.lightning_module, "_trainer", None)
+        callbacks = trainer.callbacks if trainer is not None else []
+        return found + [c.stashes for c in callbacks if isinstance(getattr(c, "stashes", None), StashFactory)]
+
+    def pinned_bytes(self, strategy: Any) -> int:
+        """Host memory the process holds page-locked: the pools' buffers of a CUDA run and the states."""
+        states = self._states.allocated_bytes if self._states is not None and self._states.pin else 0
+        return states + sum(factory.pinned_bytes for factory in self.factories(strategy))
+
+    # ---- per sequence length ------------------------------------------------------------------------------------
+    def plan_length(self, strategy: Any, seq_len: int, batch_size: int, *, collective: bool) -> None:
+        """Plan ``seq_len``: free the buffers of other lengths, resolve the ``"auto"`` options (:func:`plan_for`),
+        refuse a plan that fits neither memory (every rank together when ``collective``), hand the memory callbacks
+        their part and log the choice."""
+        for factory in self.factories(strategy):
+            factory.trim()  # the buffers of another length: freed, not kept beside this length's
+        plan = plan_for(strategy, seq_len, batch_size)
+        error = refusal(plan) if self.check else None
+        if collective and not strategy.reduce_boolean_decision(error is None, all=True):
+            raise error or ValueError("fpdt: another rank refused the run: it does not fit its memory (see its log)")
+        if error is not None:
+            raise error
+        self.plans[(seq_len, batch_size)] = plan
+        if plan is None:
+            return
+        if not plan.fits:
+            rank_zero_warn(f"fpdt: S = {seq_len:,} does not fit as planned (check_memory=False runs it anyway): "
+                           f"{refusal(plan)}")
+        self.plan = plan
+        o = plan.options
+        for callback in strategy.lightning_module.trainer.callbacks:
+            if hasattr(callback, "apply_memory_choice"):
+                callback.apply_memory_choice(recompute_attention=o.recompute_attention, reload_input=o.reload_input,
+                                             prefetch=1 if o.input_prefetch else 0)
+        rank_zero_info(choice_message(plan))
+
+    def planned(self, seq_len: int, batch_size: int) -> bool:
+        return (seq_len, batch_size) in self.plans
+
+    def resolved(self, seq_len: int, batch_size: int) -> Optional[ResolvedOptions]:
+        """The attention options the plan of this length chose, or ``None`` where nothing planned it."""
+        plan = self.plans.get((seq_len, batch_size))
+        if plan is None:
+            return None
+        o = plan.options
+        return ResolvedOptions(chunks=o.chunks, offload=o.offload, offload_dq=o.offload_dq)
+
+    def advice(self) -> str:
+        """What the error of a host that ran short says: the plan the run was accepted on and how to need less."""
+        plan = self.plan
+        if plan is None:
+            return "No plan was made for this run (no GPU or no model config): plan it with `lightning-fpdt plan`."
+        return (f"The run was accepted on this plan: {gib(plan.host_resident_bytes_per_node)} GiB per host "
+                f"({gib(plan.host_bytes_per_node)} pinned), {plan.options.describe()}. The host had less than "
+                f"planned (another process took memory, or the plan is short for this model): free memory on the "
+                f"host, or need less: ActivationOffload(recompute_attention=True), fewer GPUs per host, a shorter "
+                f"sequence. `lightning-fpdt plan --host-memory-gib auto` shows what fits.")
+
+    def close(self) -> None:
+        """End the states' registration (the end of a fit; the memory stays FSDP2's)."""
+        if self._states is not None:
+            self._states.close()
+            self._states = None

@@ -26,8 +26,7 @@ from lightning_fpdt.integrations.attributes import DEVICE_MESH
 from lightning_fpdt.memory.surgery import find_model
 from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.sequence.attention import FPDTAttention
-from lightning_fpdt.sequence.host_memory import HostAllocator, HostMemoryError, HostMemoryGuard
-from lightning_fpdt.sequence.host_stash import StashFactory
+from lightning_fpdt.sequence.host_memory import HostMemoryError
 from lightning_fpdt.sequence.layout import SequenceLayout
 from lightning_fpdt.sequence.loss import sequence_parallel_loss
 from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
@@ -142,13 +141,8 @@ class FPDTStrategy(ModelParallelStrategy):
         self._geometry: Optional[AttentionGeometry] = None
         self._free_bytes: Optional[int] = None  # free GPU memory at the first batch, what "auto" plans with
         self._lengths_seen: set[tuple[int, ResolvedOptions]] = set()
-        self._check_memory = check_memory
-        self._plans: dict[tuple[int, int], Optional[MemoryPlan]] = {}  # (seq_len, batch) -> the plan it runs on
-        self.memory_plan: Optional[MemoryPlan] = None
-        """The plan the last sequence length runs on (options, predicted GPU and host peaks); ``None`` where nothing
-        plans (no GPU, no model config the planner reads)."""
-        self._host_guard = HostMemoryGuard(reserve_bytes=budget.host_reserve_bytes(), describe=self._host_advice)
-        self._states_allocator: Optional[HostAllocator] = None  # page-locks FSDP2's host-resident shards
+        self.memory = budget.MemoryBudget(check=check_memory)
+        """The plans of the lengths trained, the host memory guard, the page-locked states (``strategy/budget.py``)."""
         self._padding_logged = False
         self._targetless_warned = False
         self._context: Optional[SequenceParallelContext] = None
@@ -223,7 +217,7 @@ class FPDTStrategy(ModelParallelStrategy):
             attention = FPDTAttention(  # (ulysses_group, ring_group) with a ring: the hybrid
                 group=attention_group(self.device_mesh), backend=self.options.attention_backend,
                 offload=self.options.offload is True, offload_dq=self.options.offload_dq is True,
-                head_chunks=self._setup_head_chunks(trainer),
+                head_chunks=self.memory.head_chunks_at_setup(self, trainer),
             )
             # the loss is reduced over all P ranks
             self._context = SequenceParallelContext(group=self.sequence_parallel_group, attention=attention)
@@ -239,10 +233,7 @@ class FPDTStrategy(ModelParallelStrategy):
                         rank=self.global_rank)
         if not self.cpu_offload_params:
             self.model_to_device()
-        elif self._states_allocator is None:  # page-locked exactly, for the copies to the GPU (parallelize.py)
-            self._states_allocator = budget.register_host_states(self.model, pin=self.root_device.type == "cuda")
-        for factory in self._host_factories():
-            factory.guard = self._host_guard  # every host pool of the run asks before it grows
+        self.memory.guard_host_memory(self)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -257,38 +248,16 @@ class FPDTStrategy(ModelParallelStrategy):
         if known is not None:  # the length is known before the first batch
             self.check_memory_plan(*known, collective=True)
 
-    def _setup_head_chunks(self, trainer: "pl.Trainer") -> int:
-        """``head_chunks`` for the attention about to be installed: the option, or for ``"auto"`` the search's choice
-        for the length known at setup (1 when none is known, or the model's attention cannot be grouped)."""
-        if self.options.head_chunks != "auto":
-            return self.options.head_chunks
-        known = budget.known_length(trainer)
-        if known is None or not budget.head_groups_possible(self):
-            return 1
-        plan = budget.plan_for(self, *known)
-        return 1 if plan is None else plan.options.head_chunks
-
-    def head_chunks_for_planning(self) -> Union[Literal["auto"], int]:
-        """Head groups as the planner may take them: those installed once the attention is, before that the option
-        (``"auto"`` only where the model's attention can be grouped)."""
-        if self._context is not None:
-            return self._context.attention.head_chunks
-        if self.options.head_chunks == "auto" and not budget.head_groups_possible(self):
-            return 1
-        return self.options.head_chunks
+    @property
+    def memory_plan(self) -> Optional[MemoryPlan]:
+        """The plan the last sequence length runs on (options, predicted GPU and host peaks); ``None`` where nothing
+        plans (no GPU, no model config the planner reads)."""
+        return self.memory.plan
 
     @property
     def pinned_host_bytes(self) -> int:
         """Host memory this process holds page-locked: the attention's and the callbacks' buffers, the states."""
-        states = self._states_allocator
-        total = states.allocated_bytes if states is not None and states.pin else 0
-        return total + sum(factory.pinned_bytes for factory in self._host_factories())
-
-    def _host_factories(self) -> list[StashFactory]:
-        factories = [] if self._context is None else [self._context.attention.stashes]
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        callbacks = trainer.callbacks if trainer is not None else []
-        return factories + [c.stashes for c in callbacks if isinstance(getattr(c, "stashes", None), StashFactory)]
+        return self.memory.pinned_bytes(self)
 
     def _parallelize_config(self, trainer: "pl.Trainer") -> ParallelizeConfig:
         """The callbacks' declared transforms in their slots (docs/design.md §6), the precision and the context."""
@@ -309,10 +278,9 @@ class FPDTStrategy(ModelParallelStrategy):
         """Chunks and offload for global sequences of ``seq_len`` tokens: the plan's (the search's choice for
         ``"auto"``), or where nothing plans the options, ``"auto"`` sized from the free GPU memory at the first batch
         (:meth:`FPDTOptions.resolve`)."""
-        plan = self._plans.get((seq_len, batch_size))
-        if plan is not None:
-            o = plan.options
-            return ResolvedOptions(chunks=o.chunks, offload=o.offload, offload_dq=o.offload_dq)
+        planned = self.memory.resolved(seq_len, batch_size)
+        if planned is not None:
+            return planned
         free = self._free_memory()
         planned = free is not None and self._geometry is not None
         fixed_ring = self.options.ring_size if isinstance(self.options.ring_size, int) else 1
@@ -335,7 +303,7 @@ class FPDTStrategy(ModelParallelStrategy):
             checkpointing.set_rng_states(self._pending_rng_states)
             self._pending_rng_states = None
         batch_size, seq_len = batch["input_ids"].shape
-        if (seq_len, batch_size) not in self._plans:
+        if not self.memory.planned(seq_len, batch_size):
             self.check_memory_plan(seq_len, batch_size)  # before the forward pins host memory for this length
         options = self.resolved_options(seq_len, batch_size)
         self._log_new_length(seq_len, batch_size, options)
@@ -421,38 +389,7 @@ class FPDTStrategy(ModelParallelStrategy):
         fits the GPU and the host, hand the memory callbacks their part, log the choice; refuse, before any pinned
         buffer of this length exists, a run that fits neither (with ``check_memory``). At setup (``collective``)
         every rank refuses together, so none waits in a collective for a rank that raised."""
-        for factory in self._host_factories():
-            factory.trim()  # the buffers of another length: freed, not kept beside this length's
-        plan = budget.plan_for(self, seq_len, batch_size)
-        refusal = budget.refusal(plan) if self._check_memory else None
-        if collective and not self.reduce_boolean_decision(refusal is None, all=True):
-            raise refusal or ValueError("fpdt: another rank refused the run: it does not fit its memory (see its log)")
-        if refusal is not None:
-            raise refusal
-        self._plans[(seq_len, batch_size)] = plan
-        if plan is None:
-            return
-        if not plan.fits:
-            rank_zero_warn(f"fpdt: S = {seq_len:,} does not fit as planned (check_memory=False runs it anyway): "
-                           f"{budget.refusal(plan)}")
-        self.memory_plan = plan
-        o = plan.options
-        for callback in self.lightning_module.trainer.callbacks:
-            if hasattr(callback, "apply_memory_choice"):
-                callback.apply_memory_choice(recompute_attention=o.recompute_attention, reload_input=o.reload_input,
-                                             prefetch=1 if o.input_prefetch else 0)
-        rank_zero_info(budget.choice_message(plan))
-
-    def _host_advice(self) -> str:
-        """What the error of a host that ran short says: the plan the run was accepted on and how to need less."""
-        plan = self.memory_plan
-        if plan is None:
-            return "No plan was made for this run (no GPU or no model config): plan it with `lightning-fpdt plan`."
-        return (f"The run was accepted on this plan: {budget.gib(plan.host_resident_bytes_per_node)} GiB per host "
-                f"({budget.gib(plan.host_bytes_per_node)} pinned), {plan.options.describe()}. The host had less than "
-                f"planned (another process took memory, or the plan is short for this model): free memory on the "
-                f"host, or need less: ActivationOffload(recompute_attention=True), fewer GPUs per host, a shorter "
-                f"sequence. `lightning-fpdt plan --host-memory-gib auto` shows what fits.")
+        self.memory.plan_length(self, seq_len, batch_size, collective=collective)
 
     def on_exception(self, exception: BaseException) -> None:
         """Name the rank that died or hung when a collective failed (``strategy/watchdog.py``); a host that ran short
@@ -466,9 +403,7 @@ class FPDTStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()
-        if self._states_allocator is not None:
-            self._states_allocator.close()  # unregistered before FSDP2 lets the memory go
-            self._states_allocator = None
+        self.memory.close()  # the states' registration ended before FSDP2 lets the memory go
         if self._in_backward is not None:
             self._in_backward.close()  # kept: what its last step did stays readable
         super().teardown()

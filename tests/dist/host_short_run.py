@@ -16,7 +16,7 @@ from tests.dist.training import LitLM, TokenDataset, trainer_kwargs
 class ShortHost(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_rank == 1:
-            trainer.strategy._host_guard.available = lambda: 2**30  # 1 GiB left, under the reserve
+            trainer.strategy.memory.guard.available = lambda: 2**30  # 1 GiB left, under the reserve
 
 
 def main() -> None:

@@ -3,6 +3,8 @@ modules beside this one (batch sharding, checkpoint state, meta init, the memory
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -37,6 +39,7 @@ from lightning_fpdt.strategy.loss import check_training_loss, no_target_message,
 from lightning_fpdt.strategy.materialize import has_meta_parameters, materialize
 from lightning_fpdt.strategy.mesh import attention_group, build_mesh, ring_size_of, sequence_mesh
 from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt, declared_transforms, no_gradient_sync
+from lightning_fpdt.strategy.preemption import DEFAULT_TIMEOUT, Preemption, PreemptionCheckpoint, watch_with
 from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
 from lightning_fpdt.strategy.topology import resolve_topology
 from lightning_fpdt.strategy.watchdog import DEFAULT_STALE_AFTER, RankWatchdog
@@ -80,6 +83,11 @@ class FPDTStrategy(ModelParallelStrategy):
         heartbeat_timeout: seconds a rank's heartbeat may stand still before the rank counts as dead or frozen; the
             others then name it and end the job (``strategy/watchdog.py``). A long step never stops a heartbeat.
             ``None``: no watch (a frozen rank then holds the others for the collective ``timeout``).
+        preemption: on SIGTERM (and SLURM's requeue signal under ``SLURMEnvironment(auto_requeue=True)``) every rank
+            stops after the same optimizer step, saves ``hpc_ckpt_<N>.ckpt`` in ``default_root_dir`` and exits with
+            status ``128 + signal`` (``strategy/preemption.py``); ``False``: Lightning's own handling.
+        preemption_timeout: seconds a rank may make no progress after a stop signal, beyond its longest step and
+            checkpoint save so far, before it exits without a checkpoint (a peer hangs outside the collective).
     """
 
     strategy_name = "fpdt"
@@ -107,6 +115,8 @@ class FPDTStrategy(ModelParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         heartbeat_timeout: Optional[float] = DEFAULT_STALE_AFTER,
+        preemption: bool = True,
+        preemption_timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -138,6 +148,7 @@ class FPDTStrategy(ModelParallelStrategy):
         self._context: Optional[SequenceParallelContext] = None
         self._pending_rng_states: Optional[dict[str, Any]] = None
         self._watchdog: Optional[RankWatchdog] = None
+        self._preemption = Preemption(timeout=preemption_timeout) if preemption else None
         self.batch_plan: Optional[BatchPlan] = None
         """What the sharding of the last batch decided (its layout, documents, valid tokens)."""
 
@@ -185,8 +196,12 @@ class FPDTStrategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         self._setup_distributed()
-        self._watchdog = RankWatchdog(self.global_rank, self.world_size, stale_after=self._heartbeat_timeout)
+        run = self.broadcast(uuid.uuid4().hex[:12])  # this run's keys in a store that may outlive it
+        self._watchdog = RankWatchdog(self.global_rank, self.world_size, stale_after=self._heartbeat_timeout,
+                                      namespace=f"fpdt/{run}")
         self._watchdog.start()
+        if self._preemption is not None:
+            watch_with(self._preemption, self._watchdog)
         dp, sp, ring = resolve_topology(
             world_size=self.world_size, devices_per_node=self.num_processes, options=self.options,
             data_parallel_size=self._data_parallel_size, sequence_parallel_size=self._sequence_parallel_size,
@@ -236,6 +251,8 @@ class FPDTStrategy(ModelParallelStrategy):
         datamodule = trainer.datamodule
         if isinstance(getattr(datamodule, "seq_len", None), int):  # the length is known before the first batch
             self.check_memory_plan(datamodule.seq_len, getattr(datamodule, "batch_size", 1), collective=True)
+        if self._preemption is not None and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+            trainer.callbacks.append(PreemptionCheckpoint(self._preemption))
 
     def _parallelize_config(self, trainer: "pl.Trainer") -> ParallelizeConfig:
         """The callbacks' declared transforms in their slots (docs/design.md §6), the precision and the context."""
@@ -372,15 +389,20 @@ class FPDTStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()
+        if self._preemption is not None:
+            self._preemption.uninstall()
         if self._in_backward is not None:
             self._in_backward.close()  # kept: what its last step did stays readable
         super().teardown()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        started = time.monotonic()
         checkpointing.gather_rng_states(checkpoint, self.world_size)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if self._save_distributed_checkpoint:
             checkpointing.save_checksums(Path(self.broadcast(filepath)), self.global_rank, self.world_size)
+        if self._preemption is not None:
+            self._preemption.progress(save_seconds=time.monotonic() - started)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))

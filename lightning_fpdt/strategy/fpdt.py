@@ -33,14 +33,15 @@ from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.strategy import budget
 from lightning_fpdt.strategy import checkpoint as checkpointing
+from lightning_fpdt.strategy import tokens
 from lightning_fpdt.strategy.batch import BatchPlan, check_batch, length_message, padding_message, shard_batch
 from lightning_fpdt.strategy.host_optimizer import InBackwardStep, host_step, host_threads, prepare_host_step
 from lightning_fpdt.strategy.loss import check_training_loss, no_target_message, unwrap_loss, with_loss
 from lightning_fpdt.strategy.materialize import has_meta_parameters, materialize
 from lightning_fpdt.strategy.mesh import attention_group, build_mesh, ring_size_of, sequence_mesh
 from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt, declared_transforms, no_gradient_sync
-from lightning_fpdt.strategy.preemption import DEFAULT_TIMEOUT, Preemption, PreemptionCheckpoint, watch_with
 from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
+from lightning_fpdt.strategy.preemption import DEFAULT_TIMEOUT, Preemption, PreemptionCheckpoint, watch_with
 from lightning_fpdt.strategy.topology import resolve_topology
 from lightning_fpdt.strategy.watchdog import DEFAULT_STALE_AFTER, RankWatchdog
 
@@ -141,6 +142,7 @@ class FPDTStrategy(ModelParallelStrategy):
         self._pad_token_id = pad_token_id
         self._nonfinite_loss = nonfinite_loss
         self._geometry: Optional[AttentionGeometry] = None
+        self._vocabulary: Optional[tokens.Vocabulary] = None  # read once at setup; every batch's ids are checked
         self._free_bytes: Optional[int] = None  # free GPU memory at the first batch, what "auto" plans with
         self._lengths_seen: set[tuple[int, ResolvedOptions]] = set()
         self._padding_logged = False
@@ -232,6 +234,9 @@ class FPDTStrategy(ModelParallelStrategy):
             self.model_to_device()  # FSDP2 shards what is on the mesh's device
         apply_fpdt(self.model, self.device_mesh, config=self._parallelize_config(trainer))
         self._geometry = attention_geometry(find_model(self.model), self.precision_plugin.precision)
+        self._vocabulary = tokens.model_vocabulary(self.model)
+        tokens.check_pad_token(self._pad_token_id, self._vocabulary)
+        tokens.check_data_vocabulary(trainer.datamodule, self._vocabulary)
         if on_meta:
             # FSDP2 offloading keeps the sharded parameters in host memory and refuses them anywhere else
             materialize(self.model, torch.device("cpu") if self.cpu_offload_params else self.root_device,
@@ -288,6 +293,7 @@ class FPDTStrategy(ModelParallelStrategy):
         """Move the batch, then shard its sequence (:func:`~lightning_fpdt.strategy.batch.shard_batch`): this rank's
         tokens, ``position_ids`` and the globally shifted ``labels``/``shift_labels``. A packed batch
         (``document_ids``, or ``position_ids`` restarting at 0) turns on per-document masking (docs/packing.md)."""
+        tokens.check_token_ids(batch, self._vocabulary)  # before the move: one min/max on the host, no device sync
         batch = super().batch_to_device(batch, device, dataloader_idx)
         check_batch(batch)
         if self._pending_rng_states is not None:

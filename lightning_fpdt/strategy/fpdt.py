@@ -33,7 +33,7 @@ from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.strategy import budget
 from lightning_fpdt.strategy import checkpoint as checkpointing
-from lightning_fpdt.strategy import tokens
+from lightning_fpdt.strategy import storage, tokens
 from lightning_fpdt.strategy.batch import BatchPlan, check_batch, length_message, padding_message, shard_batch
 from lightning_fpdt.strategy.host_optimizer import InBackwardStep, host_step, host_threads, prepare_host_step
 from lightning_fpdt.strategy.loss import check_training_loss, no_target_message, unwrap_loss, with_loss
@@ -143,6 +143,7 @@ class FPDTStrategy(ModelParallelStrategy):
         self._nonfinite_loss = nonfinite_loss
         self._geometry: Optional[AttentionGeometry] = None
         self._vocabulary: Optional[tokens.Vocabulary] = None  # read once at setup; every batch's ids are checked
+        self._checkpoint_size: Optional[storage.CheckpointSize] = None  # counted at setup, named when a save fails
         self._free_bytes: Optional[int] = None  # free GPU memory at the first batch, what "auto" plans with
         self._lengths_seen: set[tuple[int, ResolvedOptions]] = set()
         self._padding_logged = False
@@ -253,6 +254,8 @@ class FPDTStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload_params:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if trainer.state.fn == TrainerFn.FITTING:  # a folder that cannot take a checkpoint fails now, not hours in
+            self._checkpoint_size = storage.check_at_setup(self, trainer, preemption=self._preemption is not None)
         datamodule = trainer.datamodule
         if isinstance(getattr(datamodule, "seq_len", None), int):  # the length is known before the first batch
             self.check_memory_plan(datamodule.seq_len, getattr(datamodule, "batch_size", 1), collective=True)
@@ -404,9 +407,10 @@ class FPDTStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         started = time.monotonic()
         checkpointing.gather_rng_states(checkpoint, self.world_size)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if self._save_distributed_checkpoint:
-            checkpointing.save_checksums(Path(self.broadcast(filepath)), self.global_rank, self.world_size)
+        with storage.space_named(Path(filepath), self._checkpoint_size):
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            if self._save_distributed_checkpoint:
+                checkpointing.save_checksums(Path(self.broadcast(filepath)), self.global_rank, self.world_size)
         if self._preemption is not None:
             self._preemption.progress(save_seconds=time.monotonic() - started)
 

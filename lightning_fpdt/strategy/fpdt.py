@@ -33,7 +33,7 @@ from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.strategy import budget
 from lightning_fpdt.strategy import checkpoint as checkpointing
-from lightning_fpdt.strategy import storage, tokens
+from lightning_fpdt.strategy import noise, storage, tokens
 from lightning_fpdt.strategy.batch import BatchPlan, check_batch, length_message, padding_message, shard_batch
 from lightning_fpdt.strategy.host_optimizer import InBackwardStep, host_step, host_threads, prepare_host_step
 from lightning_fpdt.strategy.loss import check_training_loss, no_target_message, unwrap_loss, with_loss
@@ -261,6 +261,7 @@ class FPDTStrategy(ModelParallelStrategy):
             self.check_memory_plan(datamodule.seq_len, getattr(datamodule, "batch_size", 1), collective=True)
         if self._preemption is not None and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
             trainer.callbacks.append(PreemptionCheckpoint(self._preemption))
+        noise.steps_only_epochs(trainer)
 
     def _parallelize_config(self, trainer: "pl.Trainer") -> ParallelizeConfig:
         """The callbacks' declared transforms in their slots (docs/design.md §6), the precision and the context."""

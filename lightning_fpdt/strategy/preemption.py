@@ -259,7 +259,7 @@ class Preemption:
             folder.mkdir(parents=True, exist_ok=True)
             _remove(partial)  # a save an earlier stop could not finish
         strategy.barrier("fpdt-preemption-save")
-        trainer.save_checkpoint(partial)
+        trainer.save_checkpoint(partial, weights_only=False)
         if strategy.is_global_zero:
             os.replace(partial, final)
         strategy.barrier("fpdt-preemption-saved")

@@ -147,3 +147,38 @@ def test_plan_subcommand(capsys):
         main(["plan", "--model", "tiny", "--seq-len", "4096", "--gpus", "2"])
     assert exit_info.value.code == 0
     assert "predicted peak per GPU" in capsys.readouterr().out
+
+
+def test_help_lists_plan(capsys):
+    """`lightning-fpdt --help` lists plan beside Lightning's subcommands."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "{fit,validate,test,predict,plan}" in out and "plan                Predict a run's GPU peak" in out
+
+
+def test_lightning_noise_is_silenced(caplog):
+    """With the package imported, a Trainer logs no Lightning tip, Lightning's loaders raise no LeafSpec deprecation,
+    and the rich progress bar of a run bounded by max_steps says "Epoch 0", not "Epoch 0/-2"."""
+    import logging
+    import warnings
+    from types import SimpleNamespace
+
+    import lightning as L
+    from lightning.pytorch.callbacks import RichProgressBar
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    from lightning_fpdt.strategy.noise import quiet_lightning, steps_only_epochs
+
+    # importing the package did this; pytest resets warning filters around each test, so it is done here again
+    quiet_lightning()
+    with caplog.at_level(logging.INFO):
+        L.Trainer(accelerator="cpu", devices=1, logger=True, enable_checkpointing=True, max_steps=2)
+    assert caplog.records and not [r for r in caplog.records if "Tip" in r.getMessage()]
+    with warnings.catch_warnings(record=True) as caught:
+        CombinedLoader([torch.randn(3, 2), torch.randn(5, 2)])
+    assert not [w for w in caught if "LeafSpec" in str(w.message)]
+    bar = RichProgressBar()
+    steps_only_epochs(SimpleNamespace(max_epochs=-1, callbacks=[bar]))
+    assert bar._get_train_description(0).rstrip() == "Epoch 0"

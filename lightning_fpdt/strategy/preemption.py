@@ -12,10 +12,10 @@ docs/multi_node.md).
   rank stops all of them together.
 - **The store carries the news and bounds the exit.** The watchdog's thread (``strategy/watchdog.py``) reads the
   signals the C-level handler wrote to a wake-up pipe (so it learns of a signal even while the main thread waits in
-  a collective) and posts them in the rendezvous store, where every rank's thread reads them. From then on a guard
-  thread watches the main thread's progress: a rank that makes none (no step, no validation batch, no save) for
-  ``timeout`` seconds plus the longest step so far, because a peer hangs outside the collective, ends at once without
-  a checkpoint, saying where the ranks are.
+  a collective) and posts them in the rendezvous store, where every rank's thread reads them. From then on, until the
+  strategy's teardown, a guard thread watches the main thread's progress: a rank that makes none (no step, no
+  validation batch, no save) for ``timeout`` seconds beyond its longest step and checkpoint save so far, because a
+  peer hangs outside the collective, ends at once without a checkpoint, saying where the ranks are.
 - **The checkpoint.** ``hpc_ckpt_<N>.ckpt`` in the Trainer's ``default_root_dir`` (Lightning's convention: under SLURM
   a job that restarts without a ``ckpt_path`` resumes from the highest ``N``; elsewhere ``ckpt_path="hpc"`` does). It
   is written under a temporary name and renamed once complete, so an interrupted save never looks like a checkpoint.
@@ -89,7 +89,8 @@ class Preemption:
 
     def __init__(self, *, timeout: float = DEFAULT_TIMEOUT, exit_process: Callable[[int], None] = os._exit) -> None:
         if timeout <= 0:
-            raise ValueError(f"preemption_timeout must be positive seconds, got {timeout!r}")
+            raise ValueError(f"preemption_timeout must be positive seconds, got {timeout!r}: the time a rank may make "
+                             f"no progress after a stop signal; FPDTStrategy(preemption=False) turns preemption off")
         self.timeout = timeout
         self._exit = exit_process  # os._exit: the main thread may wait in a collective that never returns
         self.signum: Optional[int] = None
@@ -109,6 +110,7 @@ class Preemption:
         self._describe: Callable[[], list[str]] = list
         self._lock = threading.Lock()
         self._guard: Optional[threading.Thread] = None
+        self._done = threading.Event()  # set at teardown: the guard of this fit stops watching
         self.stop: Optional[Stop] = None
         """The stop the ranks agreed on, once they did."""
         self.saved: Optional[Path] = None
@@ -128,6 +130,7 @@ class Preemption:
         Lightning's handlers (the main thread only; a second call does nothing)."""
         if self._signals or threading.current_thread() is not threading.main_thread():
             return
+        self._reset()
         wanted = [signal.SIGTERM]
         environment = getattr(trainer.strategy, "cluster_environment", None)
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and environment.requeue_signal:
@@ -150,7 +153,9 @@ class Preemption:
             self._wakeup = (read, write)
 
     def uninstall(self) -> None:
-        """Give the signals back to the handlers they had (Lightning's, which restores its own originals after)."""
+        """Give the signals back to the handlers they had (Lightning's, which restores its own originals after), and
+        stop the deadline guard: the strategy's teardown is the end of the fit it watched."""
+        self._done.set()
         if threading.current_thread() is not threading.main_thread():
             return
         for signum, handler in self._signals.items():
@@ -161,6 +166,14 @@ class Preemption:
             for fd in self._wakeup:
                 os.close(fd)
             self._wakeup = None
+
+    def _reset(self) -> None:
+        """A new fit: nothing received, nothing agreed, no guard."""
+        self.signum, self.stop, self.saved = None, None, None
+        self._posted, self._news, self._known_since = False, None, None
+        self._last_progress, self._longest_step, self._longest_save = time.monotonic(), 0.0, 0.0
+        self._done = threading.Event()
+        self._guard = None
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is None:  # nothing else here: a handler must not block or enter a collective
@@ -199,8 +212,8 @@ class Preemption:
                 self._guard.start()
 
     def _watch_progress(self) -> None:
-        while True:
-            time.sleep(0.5)
+        done = self._done
+        while not done.wait(0.5):
             allowed = self.timeout + self._longest_step + self._longest_save
             idle = time.monotonic() - max(self._last_progress, self._known_since or 0.0)
             if idle > allowed:

@@ -53,7 +53,8 @@ def checkpoint_size(model: nn.Module, precision: str, optimizers: list[Any]) -> 
         states += count
         names.append(f"{count} {name} state{'s' * (count != 1)}")
     kept = " + ".join(["1 weight", *names])
-    return CheckpointSize(parameters * master * (1 + states), f"{parameters:,} parameters × {master} bytes × ({kept})")
+    reason = f"{parameters:,} parameters × {master} bytes × ({kept})"
+    return CheckpointSize(parameters * master * (1 + states), reason)
 
 
 def checkpoint_folders(trainer: Any, *, preemption: bool) -> list[Path]:
@@ -85,7 +86,7 @@ def folder_problem(folder: Path, size: CheckpointSize) -> Optional[str]:
         return f"{folder} is not writable ({error.strerror or error})"
     free = shutil.disk_usage(folder).free
     if free < size.bytes:
-        return (f"{folder} has {_gib(free)} free and one checkpoint needs about {_gib(size.bytes)} ({size.reason})")
+        return f"{folder} has {_gib(free)} free and one checkpoint needs about {_gib(size.bytes)} ({size.reason})"
     return None
 
 

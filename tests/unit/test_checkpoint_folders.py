@@ -44,7 +44,8 @@ def test_folders_that_cannot_take_a_checkpoint_are_named(tmp_path):
     huge = CheckpointSize(shutil.disk_usage(tmp_path).free + 2**40, "many parameters × 4 bytes × (1 weight)")
     assert folder_problem(tmp_path, huge).startswith(f"{tmp_path} has ")
     assert "free and one checkpoint needs about" in folder_problem(tmp_path, huge)
-    assert folder_problem(tmp_path / "new" / "checkpoints", size) is None and (tmp_path / "new" / "checkpoints").is_dir()
+    assert folder_problem(tmp_path / "new" / "checkpoints", size) is None
+    assert (tmp_path / "new" / "checkpoints").is_dir()
 
 
 @pytest.mark.skipif(not DEV_FULL.exists(), reason="needs /dev/full")

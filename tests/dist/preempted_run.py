@@ -50,13 +50,13 @@ def dataset() -> TokenDataset:
 
 
 def fit(root_dir: str, max_steps: int, *, ckpt_path: str | None = None, strategy_kwargs: dict | None = None,
-        callbacks: list | None = None) -> tuple[DrawingLM, L.Trainer]:
+        callbacks: list | None = None, accumulate: int = 1) -> tuple[DrawingLM, L.Trainer]:
     """The run the test interrupts, and (in the test's process pool) its uninterrupted and resumed twins."""
     torch.manual_seed(0)
     module = DrawingLM()
     strategy = FPDTStrategy(sequence_parallel_size=2, chunks=2, **(strategy_kwargs or {}))
     trainer = L.Trainer(strategy=strategy, devices=2, max_steps=max_steps, default_root_dir=root_dir,
-                        callbacks=callbacks or [], **trainer_kwargs())
+                        callbacks=callbacks or [], accumulate_grad_batches=accumulate, **trainer_kwargs())
     trainer.fit(module, DataLoader(dataset(), batch_size=2), ckpt_path=ckpt_path)
     return module, trainer
 
@@ -82,7 +82,7 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def train_until_stopped(root_dir: str) -> dict:
+def train_until_stopped(root_dir: str, accumulate: int = 1) -> dict:
     """:func:`main`'s ``train`` run in a process of the test's pool: the status it stopped with (``None`` when it
     trained to the end), when it stopped, and the lines the strategy logged."""
     torch.set_num_threads(1)
@@ -91,7 +91,7 @@ def train_until_stopped(root_dir: str) -> dict:
     logger.addHandler(lines)
     code = None
     try:
-        fit(root_dir, MAX_STEPS, callbacks=[Progress(root_dir, stuck=False)])
+        fit(root_dir, MAX_STEPS, callbacks=[Progress(root_dir, stuck=False)], accumulate=accumulate)
     except SystemExit as stop:
         code = stop.code
     finally:

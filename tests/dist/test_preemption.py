@@ -163,10 +163,11 @@ def _check_sigterm_stop(outputs: dict[int, str], signalled: tuple[int, ...], fol
     return checkpoint, step
 
 
-def resume_matches_uninterrupted(folder: str, checkpoint: str, saved_step: int, slurm: bool) -> None:
+def resume_matches_uninterrupted(folder: str, checkpoint: str, saved_step: int, slurm: bool,
+                                 accumulate: int = 1) -> None:
     torch.set_num_threads(1)
     steps = saved_step + 3
-    full, _ = fit(os.path.join(folder, "uninterrupted"), steps)
+    full, _ = fit(os.path.join(folder, "uninterrupted"), steps, accumulate=accumulate)
     if slurm:  # a restarted SLURM job: no ckpt_path, Lightning finds hpc_ckpt_1.ckpt in default_root_dir
         rank = torch.distributed.get_rank()
         slurm_env = dict(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
@@ -179,10 +180,12 @@ def resume_matches_uninterrupted(folder: str, checkpoint: str, saved_step: int, 
                 os.environ.pop(name)
         assert os.path.samefile(trainer.ckpt_path, checkpoint)
     else:
-        resumed, trainer = fit(os.path.join(folder, "resumed"), steps, ckpt_path=checkpoint)
-    # fp32 and the same batches in the same order: the resumed run repeats the uninterrupted one exactly
-    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses[saved_step:]), rtol=0, atol=0)
-    assert resumed.draws == full.draws[saved_step:]
+        resumed, trainer = fit(os.path.join(folder, "resumed"), steps, ckpt_path=checkpoint, accumulate=accumulate)
+    # fp32 and the same batches in the same order: the resumed run repeats the uninterrupted one exactly (one loss and
+    # one draw per micro-batch)
+    saved_batches = saved_step * accumulate
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses[saved_batches:]), rtol=0, atol=0)
+    assert resumed.draws == full.draws[saved_batches:]
     resumed_params = full_state(resumed)
     for name, value in full_state(full).items():
         torch.testing.assert_close(resumed_params[name], value, rtol=0, atol=0, msg=name)
@@ -199,16 +202,18 @@ def test_sigterm_to_rank_one_saves_a_checkpoint_that_resumes_exactly(stopped, di
                      saved_step=step, slurm=False)
 
 
-@pytest.mark.parametrize("signalled", [(0, 1), (0,)], ids=["all-ranks", "rank-0"])
-def test_sigterm_to_training_pool_processes_stops_them_together(dist_pool, tmp_path, signalled):
-    """SIGTERM sent from outside to both training processes, or to rank 0 only: fit ends on both ranks with status
-    143 after one shared step and a checkpoint, which resumes exactly."""
+@pytest.mark.parametrize("signalled,accumulate", [((0, 1), 1), ((0,), 1), ((1,), 2)],
+                         ids=["all-ranks", "rank-0", "rank-1-accumulating"])
+def test_sigterm_to_training_pool_processes_stops_them_together(dist_pool, tmp_path, signalled, accumulate):
+    """SIGTERM sent from outside to both training processes, to rank 0 only, or to rank 1 only while gradients
+    accumulate over 2 batches: fit ends on both ranks with status 143 after one shared optimizer step (never between
+    the micro-batches of one) and a checkpoint, which resumes exactly."""
     pool = dist_pool(2)
     outcome: dict = {}
 
     def train() -> None:
         try:
-            outcome["ranks"] = pool.run(train_until_stopped, root_dir=str(tmp_path))
+            outcome["ranks"] = pool.run(train_until_stopped, root_dir=str(tmp_path), accumulate=accumulate)
         except BaseException as error:  # noqa: BLE001 - reported by the test below
             outcome["error"] = error
 
@@ -228,8 +233,10 @@ def test_sigterm_to_training_pool_processes_stops_them_together(dist_pool, tmp_p
           + ", ".join(f"rank {r} {ranks[r]['stopped_at'] - sent:.2f} s" for r in (0, 1)))
     assert [r["code"] for r in ranks] == [128 + signal.SIGTERM] * 2, ranks
     checkpoint, step = _check_sigterm_stop({r: ranks[r]["log"] for r in (0, 1)}, signalled, tmp_path)
+    assert torch.load(checkpoint / "meta.pt", weights_only=False)["loops"]["fit_loop"]["epoch_loop.batch_progress"][
+        "current"]["processed"] == step * accumulate  # the checkpoint ends an optimizer step
     pool.run(resume_matches_uninterrupted, folder=str(tmp_path), checkpoint=str(checkpoint), saved_step=step,
-             slurm=False)
+             slurm=False, accumulate=accumulate)
 
 
 def test_slurm_requeue_signal_saves_requeues_and_resumes(stopped, dist_pool):

@@ -3,8 +3,9 @@
     python -m tests.dist.preempted_run MODE ROOT_DIR
 
 ``train``: trains until a signal stops it (the ranks come from RANK/WORLD_SIZE, or from SLURM's variables when the
-test sets those instead); ``stuck``: rank 1 hangs outside any collective from global step 3. Each rank writes its
-global step to ``ROOT_DIR/step.<rank>`` after every step, so the test knows training is under way.
+test sets those instead); ``stuck``: rank 1 hangs outside any collective from global step 3, after writing
+``ROOT_DIR/stuck``. Each rank writes its global step to ``ROOT_DIR/step.<rank>`` after every step, so the test knows
+training is under way.
 :func:`train_until_stopped` is the same run inside the test's pool of processes.
 """
 
@@ -70,6 +71,7 @@ class Progress(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.stuck and trainer.global_rank == 1 and trainer.global_step >= 3:
+            (self.root_dir / "stuck").write_text(str(trainer.global_step))  # past the last step end rank 0 can agree at
             time.sleep(600)  # alive, outside any collective: rank 0 waits in one
 
 

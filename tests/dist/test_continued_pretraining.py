@@ -105,7 +105,7 @@ class StopAt(Callback):
 def fit_from_the_command_line(cwd: str, args: list[str], stop_at: int | None = None) -> dict:
     """``lightning-fpdt fit ...`` on this rank, in ``cwd`` (``stop_at``: cut after that step): the losses, the last
     step and what the sampler drew."""
-    here = os.getcwd()
+    here, seed_env = os.getcwd(), {k: v for k, v in os.environ.items() if k.startswith("PL_")}
     os.chdir(cwd)
     try:
         if stop_at is None:
@@ -117,6 +117,10 @@ def fit_from_the_command_line(cwd: str, args: list[str], stop_at: int | None = N
             cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     finally:
         os.chdir(here)
+        # seed_everything leaves PL_GLOBAL_SEED in the environment, where it would reseed the pool's later Trainers
+        for name in [k for k in os.environ if k.startswith("PL_") and k not in seed_env]:
+            del os.environ[name]
+        os.environ.update(seed_env)
     sampler = cli.trainer.train_dataloader.sampler
     return {"losses": cli.model.losses, "step": cli.trainer.global_step, "order": list(sampler)[:16],
             "shuffle": sampler.shuffle, "seed": sampler.seed, "ckpt_path": cli.trainer.ckpt_path}

@@ -72,6 +72,8 @@ class Stop:
     world_size: int
     requeue: bool
     """Requeue the SLURM job after the save."""
+    here: bool
+    """This rank was one of those that had received a stop signal when the ranks agreed."""
 
     @property
     def name(self) -> str:
@@ -99,7 +101,6 @@ class Preemption:
         self._signals: dict[int, Any] = {}  # handled signal -> the handler it replaced
         self._requeue_signal: Optional[int] = None
         self._wakeup: Optional[tuple[int, int]] = None  # (read, write) ends of the wake-up pipe
-        self._previous_wakeup = -1
         self._key: Optional[str] = None
         self._posted = False
         self._news: Optional[str] = None  # "SIGTERM on rank 1": the first stop any rank posted
@@ -256,7 +257,8 @@ class Preemption:
             self._learn(f"{signal.Signals(self.signum).name} on rank {self.rank}")
         else:
             self._learn(f"{signal.Signals(signum).name} on another rank")
-        return Stop(signum=signum, ranks=terminated + requeued, world_size=self.world_size, requeue=requeue)
+        return Stop(signum=signum, ranks=terminated + requeued, world_size=self.world_size, requeue=requeue,
+                    here=local is not None)
 
     def save(self, trainer: Any, stop: Stop) -> Path:
         """Save the checkpoint of the agreed ``stop`` (collective), requeue the SLURM job when asked to, and log one
@@ -279,7 +281,7 @@ class Preemption:
         self.saved = Path(final)
         self.progress()
         requeued = requeue_slurm_job() if stop.requeue and strategy.is_global_zero else ""
-        received = "this one among them" if self.signum is not None else "not this one"
+        received = "this one among them" if stop.here else "not this one"
         resume = ("a restarted SLURM job resumes from it by itself" if SLURMEnvironment.detect()
                   else "resume with ckpt_path='hpc' (--ckpt_path hpc) or that path")
         log.warning(
@@ -292,8 +294,8 @@ class Preemption:
 
 def next_checkpoint_path(folder: Path) -> Path:
     """``hpc_ckpt_<N+1>.ckpt`` for the highest ``N`` in ``folder`` (Lightning's numbering of SLURM checkpoints)."""
-    numbers = [int(m.group(1)) for p in folder.iterdir() if (m := CHECKPOINT_PATTERN.fullmatch(p.name))] \
-        if folder.is_dir() else []
+    names = [p.name for p in folder.iterdir()] if folder.is_dir() else []
+    numbers = [int(m.group(1)) for name in names if (m := CHECKPOINT_PATTERN.fullmatch(name))]
     return folder / f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt"
 
 

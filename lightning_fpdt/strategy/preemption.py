@@ -117,6 +117,18 @@ class Preemption:
         self.saved: Optional[Path] = None
         """The checkpoint saved on the way out."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a strategy is copied or pickled before its fit (Lightning's launchers, the CLI): locks and threads are not
+        state = dict(self.__dict__)
+        for name in ("_lock", "_guard", "_done", "_wakeup", "_signals"):
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock, self._guard, self._done = threading.Lock(), None, threading.Event()
+        self._wakeup, self._signals = None, {}
+
     # ---- wiring ---------------------------------------------------------------------------------------------------
     def attach(self, *, rank: int, world_size: int, key: Optional[str] = None,
                describe: Optional[Callable[[], list[str]]] = None) -> None:

@@ -1,7 +1,9 @@
-"""``lightning-fpdt``: the LightningCLI of the project (``fit``, ``validate``, ``test``, ``--print_config``).
+"""``lightning-fpdt``: the LightningCLI of the project (``fit``, ``validate``, ``test``, ``--print_config``) and the
+memory planner (``plan``).
 
     lightning-fpdt fit --config examples/configs/demo_cpu.yaml
     python -m lightning_fpdt.cli fit --config examples/configs/demo_cpu.yaml --trainer.max_steps 100
+    lightning-fpdt plan --model llama3-8b --seq-len 1048576 --gpus 8 --callbacks all
 
 It imports the package (so ``trainer.strategy: fpdt`` works) and the project's models, data modules and callbacks,
 so YAML can name them by their short class name (``model: LlamaLM``, ``data: RetrievalDataModule``,
@@ -14,7 +16,8 @@ import statistics
 import sys
 from typing import Any, Optional
 
-from lightning.pytorch.cli import ArgsType, LightningCLI
+from jsonargparse import ArgumentParser
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 import lightning_fpdt  # noqa: F401  (registers the "fpdt" strategy)
 from lightning_fpdt.callbacks import (  # noqa: F401  (short names for YAML)
@@ -29,6 +32,9 @@ from lightning_fpdt.models.module import HFCausalLM, LlamaLM  # noqa: F401  (sho
 from lightning_fpdt.planner import main as plan_main
 
 
+PLAN_HELP = "Predict a run's GPU peak and pinned host memory, and what to change when it does not fit."
+
+
 class FPDTCLI(LightningCLI):
     """LightningCLI with any LightningModule / LightningDataModule as ``model`` / ``data`` (subclass mode), the
     project's classes importable by short name, the config saved next to the logs (overwritten on a rerun), and a
@@ -39,6 +45,14 @@ class FPDTCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         super().__init__(args=args, **kwargs)
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        """Lightning's subcommands, and ``plan`` listed beside them (:func:`main` runs it before any parsing)."""
+        super()._add_subcommands(parser, **kwargs)
+        subcommands = getattr(parser, "_subcommands_action", None)
+        if subcommands is not None:
+            plan = ArgumentParser(description=PLAN_HELP)
+            subcommands.add_subcommand("plan", plan, help=f"{PLAN_HELP} (its options: lightning-fpdt plan --help)")
 
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:

@@ -1,12 +1,16 @@
-"""Consolidate a training checkpoint into one file a plain model loads, and export the reference Llama to Hugging
-Face format.
+"""Consolidate a training checkpoint into one file a plain model loads, and export it as a Hugging Face model folder.
 
-    python -m lightning_fpdt.export CHECKPOINT OUT.pt [--hf-dir DIR] [--model llama3-8b --set num_layers=8]
+    python -m lightning_fpdt.export CHECKPOINT OUT.pt [--hf-dir DIR] [--model NAME_OR_PATH --set FIELD=VALUE]
 
 ``CHECKPOINT`` is what the fpdt strategy saved: a distributed-checkpoint folder (one shard per rank, any data ×
 sequence split) or a single file. ``OUT.pt`` holds ``{"state_dict": {name: tensor}, "hyper_parameters": ...}`` with
 the names of the network inside the LightningModule (its attribute prefix, e.g. ``model.``, removed), so
 ``LlamaForCausalLM(config).load_state_dict(torch.load(OUT.pt)["state_dict"])`` works on one process.
+
+``--hf-dir`` writes a folder ``from_pretrained`` loads: for an ``HFCausalLM`` checkpoint, the model it was trained
+from (its ``model_name_or_path`` and ``config_overrides`` hyperparameters) with the trained weights, and that
+model's tokenizer and generation config when it has them; for a ``LlamaLM`` checkpoint, the reference Llama as a
+``LlamaForCausalLM``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import Tensor
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from lightning_fpdt.models.llama import LlamaConfig
+from lightning_fpdt.models.llama import NAMED_CONFIGS, LlamaConfig
 from lightning_fpdt.strategy.checkpoint import check_checkpoint_complete, verify_checksums
 
 
@@ -60,7 +64,10 @@ def llama_config_from(hyper_parameters: dict[str, Any], name: Optional[str] = No
     fields = set(LlamaConfig.__dataclass_fields__)
     name = name or hyper_parameters.get("name")
     if name is None:
-        raise ValueError("the checkpoint names no model size: pass --model (e.g. llama3-8b) and --set overrides")
+        raise ValueError(
+            "the checkpoint names no model: pass --model, either a named size of the reference Llama (e.g. llama3-8b, "
+            "with --set overrides) or the Hugging Face model it was trained from (its folder or Hub name)"
+        )
     saved = dict(hyper_parameters.get("config_overrides") or {})
     saved.update({k: v for k, v in hyper_parameters.items() if k in fields})
     return LlamaConfig.from_name(name, **{**saved, **overrides})
@@ -89,13 +96,64 @@ def export_llama_to_hf(weights: dict[str, Tensor], config: LlamaConfig, out_dir:
     model.save_pretrained(out_dir)
 
 
+def hf_source(hyper_parameters: dict[str, Any], model: Optional[str] = None) -> Optional[str]:
+    """The Hugging Face model (Hub name or folder) an ``HFCausalLM`` checkpoint was trained from: ``model`` when given
+    and not a named size of the reference Llama, else the checkpoint's ``model_name_or_path``; ``None`` for a
+    reference Llama checkpoint."""
+    if model is not None:
+        return None if model in NAMED_CONFIGS else model
+    source = hyper_parameters.get("model_name_or_path")
+    return str(source) if source else None
+
+
+def export_hf_model(weights: dict[str, Tensor], out_dir: Union[str, Path], *, source: str,
+                    config_overrides: Optional[dict[str, Any]] = None, trust_remote_code: bool = False) -> list[str]:
+    """Write ``weights`` (an ``HFCausalLM``'s network) as a Hugging Face model folder of the model ``source`` (with
+    ``config_overrides``), with ``source``'s tokenizer and generation config when it has them. Returns what was
+    written besides the weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, **(config_overrides or {}))
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"the checkpoint was trained from the Hugging Face model {source!r}, whose config cannot be read now "
+            f"({str(error).splitlines()[0]}): pass --model with the folder (or Hub name) of that model"
+        ) from error
+    with torch.device("meta"):  # no random init of a model whose every weight is replaced
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    model.tie_weights()
+    tied = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.is_meta}
+    missing = [name for name in missing if name not in tied]
+    if missing or unexpected:
+        raise ValueError(
+            f"the checkpoint's weights do not match {type(model).__name__} of {source}: missing {missing[:8]}, "
+            f"unexpected {unexpected[:8]}; pass --model with the model the checkpoint was trained from"
+        )
+    model.save_pretrained(out_dir)  # RoPE's buffers stay on the meta device: not saved, from_pretrained computes them
+    written = [f"{type(model).__name__} of {source}"]
+    try:
+        AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
+        written.append("its tokenizer")
+    except (OSError, ValueError, TypeError):
+        written.append("no tokenizer (the source has none)")
+    try:
+        GenerationConfig.from_pretrained(source).save_pretrained(out_dir)
+        written.append("its generation config")
+    except (OSError, ValueError):
+        pass  # a model without one generates with the defaults
+    return written
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_fpdt.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a checkpoint folder (distributed) or file saved by the fpdt strategy")
     parser.add_argument("out", help="the single file to write")
     parser.add_argument("--prefix", default=None, help="the LightningModule attribute of the network, e.g. 'model.'")
-    parser.add_argument("--hf-dir", default=None, help="also export the reference Llama in Hugging Face format here")
-    parser.add_argument("--model", default=None, help="named size when the checkpoint has no hyperparameters")
+    parser.add_argument("--hf-dir", default=None, help="also write a Hugging Face model folder (from_pretrained) here")
+    parser.add_argument("--model", default=None, help="the model when the checkpoint does not name it: a named size of "
+                        "the reference Llama (llama3-8b) or the Hugging Face model trained (folder or Hub name)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="config override")
     args = parser.parse_args(argv)
     weights = consolidate(args.checkpoint, args.out, prefix=args.prefix)
@@ -106,8 +164,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             key, _, value = item.partition("=")
             overrides[key] = ast.literal_eval(value)
         hyper_parameters = torch.load(args.out, weights_only=False)["hyper_parameters"]
-        export_llama_to_hf(weights, llama_config_from(hyper_parameters, args.model, **overrides), args.hf_dir)
-        print(f"exported a Hugging Face LlamaForCausalLM to {args.hf_dir}")
+        source = hf_source(hyper_parameters, args.model)
+        if source is not None:
+            overrides = {**(hyper_parameters.get("config_overrides") or {}), **overrides}
+            written = export_hf_model(weights, args.hf_dir, source=source, config_overrides=overrides,
+                                      trust_remote_code=bool(hyper_parameters.get("trust_remote_code")))
+            print(f"exported {', '.join(written)} to {args.hf_dir}")
+        else:
+            export_llama_to_hf(weights, llama_config_from(hyper_parameters, args.model, **overrides), args.hf_dir)
+            print(f"exported a Hugging Face LlamaForCausalLM to {args.hf_dir}")
     return 0
 
 

@@ -6,7 +6,7 @@ On disk, for ``--out corpus.bin``:
   ``uint32``, read with ``numpy.memmap`` (nothing is loaded until a sample is read);
 - ``corpus.idx.npy``: ``int64`` document offsets, ``num_documents + 1`` of them (document ``d`` is
   ``tokens[offsets[d]:offsets[d + 1]]``);
-- ``corpus.json``: dtype, counts, vocabulary size, EOS id and the tokenizer's name.
+- ``corpus.json``: dtype, counts, vocabulary size, the largest id written, EOS id and the tokenizer's name.
 
 ``python -m lightning_fpdt.data.tokenize_files`` writes them from text files; :func:`write_token_file` from any
 iterable of token-id lists.
@@ -65,6 +65,7 @@ def write_token_file(
     tokens_path, index_path, meta_path = _paths(path)
     dtype = token_dtype(vocab_size)
     offsets = [0]
+    largest = -1
     tokens_path.parent.mkdir(parents=True, exist_ok=True)
     with open(tokens_path, "wb") as out:
         for document in documents:
@@ -75,6 +76,7 @@ def write_token_file(
                 )
             out.write(ids.astype(dtype).tobytes())
             offsets.append(offsets[-1] + int(ids.size))
+            largest = max(largest, int(ids.max())) if ids.size else largest
     np.save(index_path, np.asarray(offsets, dtype=np.int64))
     meta = {
         "format": "lightning_fpdt.token_file/1",
@@ -82,6 +84,7 @@ def write_token_file(
         "num_tokens": offsets[-1],
         "num_documents": len(offsets) - 1,
         "vocab_size": vocab_size,
+        "max_token_id": largest if largest >= 0 else None,
         "eos_token_id": eos_token_id,
         "tokenizer": tokenizer,
     }
@@ -123,6 +126,12 @@ class TokenFile:
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
+
+    @property
+    def max_token_id(self) -> Optional[int]:
+        """The largest id the file holds (``None``: an empty file, or one written before this was recorded)."""
+        largest = self.meta.get("max_token_id")
+        return None if largest is None else int(largest)
 
     def document(self, index: int) -> np.ndarray:
         return np.asarray(self.tokens[self.offsets[index] : self.offsets[index + 1]])
@@ -239,6 +248,13 @@ class TokenFileDataModule(LongContextDataModule):
             self.val_set = PackedTokenDataset(self.val_path, self.seq_len, **self._options)
         elif held_out:
             self.val_set = PackedTokenDataset(train_file, self.seq_len, first_sample=total - held_out, **self._options)
+
+    def token_files(self) -> list[tuple[str, Optional[int], int, Optional[str]]]:
+        """``(path, largest id, recorded vocabulary, tokenizer)`` of each token file read: what the fpdt strategy
+        compares with the model's vocabulary at setup."""
+        paths = [self.train_path] + ([self.val_path] if self.val_path else [])
+        files = [TokenFile(path) for path in paths]
+        return [(str(f.path), f.max_token_id, f.vocab_size, f.meta.get("tokenizer")) for f in files]
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "setup() first"

@@ -12,13 +12,17 @@ counts that torchmetrics adds up over all ranks (see :mod:`lightning_fpdt.data.m
 
 from __future__ import annotations
 
+import difflib
 import math
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_fpdt.data.metrics import TokenAccuracy, TokenPerplexity
@@ -223,9 +227,12 @@ class HFCausalLM(CausalLM):
 
     Args:
         model_name_or_path: a Hub model name (``"Qwen/Qwen2.5-0.5B"``) or a local directory with a ``config.json``.
+            A local path that does not exist is refused at once (no Hub look-ups), naming what its nearest existing
+            folder holds.
         from_pretrained: ``True``: load the weights (downloading them if needed); ``False``: random init from the
             config; ``"auto"``: load the weights if they are on this machine (the directory or the Hub cache),
-            else random init from the config.
+            else random init from the config. A local directory without weights is refused unless ``False``: a
+            model folder whose weights were not copied would otherwise train from random weights unnoticed.
         config_overrides: config fields to change, e.g. ``{"num_hidden_layers": 2}`` (random init only uses
             them all; with weights, only fields that keep the shapes make sense).
         dtype: dtype of the weights when built (``"bfloat16"``, ``"float32"``); ``None``: float32, which
@@ -277,10 +284,14 @@ def build_hf_model(
     torch_dtype = getattr(torch, dtype) if dtype else torch.float32
     common = dict(trust_remote_code=trust_remote_code, attn_implementation="sdpa")  # the strategy swaps in "fpdt"
     overrides = dict(config_overrides or {})
+    check_model_source(model_name_or_path, weights_needed=from_pretrained is not False)
     if from_pretrained is True or (from_pretrained == "auto" and _weights_available(model_name_or_path)):
-        model = AutoModelForCausalLM.from_pretrained(
-            model_name_or_path, dtype=torch_dtype, local_files_only=from_pretrained == "auto", **overrides, **common
-        )
+        with _progress_bars(rank_zero_only.rank == 0):  # one loading bar per job, not one per rank
+            model = AutoModelForCausalLM.from_pretrained(
+                model_name_or_path, dtype=torch_dtype, local_files_only=from_pretrained == "auto", **overrides,
+                **common,
+            )
+        model.train()  # from_pretrained returns the model in eval mode; this one is built to be trained
         rank_zero_info(f"HFCausalLM: loaded the pretrained weights of {model_name_or_path}")
         return model, True
     config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code, **overrides)
@@ -294,6 +305,62 @@ def build_hf_model(
 _WEIGHT_FILES = (
     "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
 )
+_HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+"""A Hub model name: ``name`` or ``owner/name``."""
+
+
+def check_model_source(model_name_or_path: str, *, weights_needed: bool) -> None:
+    """Refuse, before any Hub look-up, a ``model_name_or_path`` that is meant as a local path but is not a model
+    folder: a path that does not exist (absolute, relative to ``.``/``~``, or under a local folder, as
+    ``models/qwen3`` is when ``models/`` exists), a file, a folder without ``config.json``, or (``weights_needed``)
+    a folder without weights. Each ``ValueError`` says what is there instead."""
+    path = Path(model_name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{model_name_or_path} is not a model folder: it has no config.json ({_listing(path)})")
+        if weights_needed and not any((path / name).exists() for name in _WEIGHT_FILES):
+            raise ValueError(
+                f"{model_name_or_path} holds a config.json but no weights (none of {', '.join(_WEIGHT_FILES)}; "
+                f"{_listing(path)}): copy the weights there, or pass from_pretrained=False (YAML: from_pretrained: "
+                f"false) to start from random weights with this config"
+            )
+        return
+    if path.exists():
+        raise ValueError(f"{model_name_or_path} is a file; pass the folder that holds config.json and the weights")
+    first = Path(model_name_or_path.split("/", 1)[0]).expanduser()
+    meant_local = (not _HUB_NAME.fullmatch(model_name_or_path) or model_name_or_path.startswith((".", "~"))
+                   or ("/" in model_name_or_path and first.is_dir()))
+    if not meant_local:
+        return  # a Hub name: transformers looks it up
+    parent = next((p for p in path.absolute().parents if p.is_dir()), None)
+    near = ""
+    if parent is not None:
+        missing = path.absolute().relative_to(parent).parts[0]
+        close = difflib.get_close_matches(missing, [p.name for p in parent.iterdir()], n=1)
+        near = f"; {parent} holds {_listing(parent)}" + (f" (did you mean {parent / close[0]}?)" if close else "")
+    raise ValueError(f"model folder {model_name_or_path} does not exist{near}")
+
+
+def _listing(folder: Path, limit: int = 12) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    if not names:
+        return "it is empty"
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+@contextmanager
+def _progress_bars(show: bool) -> Iterator[None]:
+    """transformers' progress bars on or off for the duration (on where they were, and ``show``)."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    if enabled and not show:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled and not show:
+            hf_logging.enable_progress_bar()
 
 
 def _weights_available(model_name_or_path: str) -> bool:

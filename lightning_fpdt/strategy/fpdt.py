@@ -3,6 +3,8 @@ modules beside this one (batch sharding, checkpoint state, meta init, the memory
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -33,6 +35,7 @@ from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.strategy import budget
 from lightning_fpdt.strategy import checkpoint as checkpointing
+from lightning_fpdt.strategy import noise, storage, tokens
 from lightning_fpdt.strategy.batch import BatchPlan, check_batch, length_message, padding_message, shard_batch
 from lightning_fpdt.strategy.host_optimizer import InBackwardStep, host_step, host_threads, prepare_host_step
 from lightning_fpdt.strategy.loss import check_training_loss, no_target_message, unwrap_loss, with_loss
@@ -40,6 +43,7 @@ from lightning_fpdt.strategy.materialize import has_meta_parameters, materialize
 from lightning_fpdt.strategy.mesh import attention_group, build_mesh, ring_size_of, sequence_mesh
 from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt, declared_transforms, no_gradient_sync
 from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
+from lightning_fpdt.strategy.preemption import DEFAULT_TIMEOUT, Preemption, PreemptionCheckpoint, watch_with
 from lightning_fpdt.strategy.topology import resolve_topology
 from lightning_fpdt.strategy.watchdog import DEFAULT_STALE_AFTER, RankWatchdog
 
@@ -87,6 +91,11 @@ class FPDTStrategy(ModelParallelStrategy):
             ``None``: no watch (a frozen rank then holds the others for the collective ``timeout``).
         check_memory: refuse, at setup or at a new sequence length, a run whose plan does not fit the GPU or the
             host, naming the change that fits; ``False`` warns instead and runs.
+        preemption: on SIGTERM (and SLURM's requeue signal under ``SLURMEnvironment(auto_requeue=True)``) every rank
+            stops after the same optimizer step, saves ``hpc_ckpt_<N>.ckpt`` in ``default_root_dir`` and exits with
+            status ``128 + signal`` (``strategy/preemption.py``); ``False``: Lightning's own handling.
+        preemption_timeout: seconds a rank may make no progress after a stop signal, beyond its longest step and
+            checkpoint save so far, before it exits without a checkpoint (a peer hangs outside the collective).
     """
 
     strategy_name = "fpdt"
@@ -115,6 +124,8 @@ class FPDTStrategy(ModelParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         heartbeat_timeout: Optional[float] = DEFAULT_STALE_AFTER,
         check_memory: bool = True,
+        preemption: bool = True,
+        preemption_timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -139,6 +150,8 @@ class FPDTStrategy(ModelParallelStrategy):
         self._pad_token_id = pad_token_id
         self._nonfinite_loss = nonfinite_loss
         self._geometry: Optional[AttentionGeometry] = None
+        self._vocabulary: Optional[tokens.Vocabulary] = None  # read once at setup; every batch's ids are checked
+        self._checkpoint_size: Optional[storage.CheckpointSize] = None  # counted at setup, named when a save fails
         self._free_bytes: Optional[int] = None  # free GPU memory at the first batch, what "auto" plans with
         self._lengths_seen: set[tuple[int, ResolvedOptions]] = set()
         self.memory = budget.MemoryBudget(check=check_memory)
@@ -148,6 +161,7 @@ class FPDTStrategy(ModelParallelStrategy):
         self._context: Optional[SequenceParallelContext] = None
         self._pending_rng_states: Optional[dict[str, Any]] = None
         self._watchdog: Optional[RankWatchdog] = None
+        self._preemption = Preemption(timeout=preemption_timeout) if preemption else None
         self.batch_plan: Optional[BatchPlan] = None
         """What the sharding of the last batch decided (its layout, documents, valid tokens)."""
 
@@ -195,8 +209,12 @@ class FPDTStrategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         self._setup_distributed()
-        self._watchdog = RankWatchdog(self.global_rank, self.world_size, stale_after=self._heartbeat_timeout)
+        run = self.broadcast(uuid.uuid4().hex[:12])  # this run's keys in a store that may outlive it
+        self._watchdog = RankWatchdog(self.global_rank, self.world_size, stale_after=self._heartbeat_timeout,
+                                      namespace=f"fpdt/{run}")
         self._watchdog.start()
+        if self._preemption is not None:
+            watch_with(self._preemption, self._watchdog)
         dp, sp, ring = resolve_topology(
             world_size=self.world_size, devices_per_node=self.num_processes, options=self.options,
             data_parallel_size=self._data_parallel_size, sequence_parallel_size=self._sequence_parallel_size,
@@ -227,6 +245,9 @@ class FPDTStrategy(ModelParallelStrategy):
             self.model_to_device()  # FSDP2 shards what is on the mesh's device
         apply_fpdt(self.model, self.device_mesh, config=self._parallelize_config(trainer))
         self._geometry = attention_geometry(find_model(self.model), self.precision_plugin.precision)
+        self._vocabulary = tokens.model_vocabulary(self.model)
+        tokens.check_pad_token(self._pad_token_id, self._vocabulary)
+        tokens.check_data_vocabulary(trainer.datamodule, self._vocabulary)
         if on_meta:
             # FSDP2 offloading keeps the sharded parameters in host memory and refuses them anywhere else
             materialize(self.model, torch.device("cpu") if self.cpu_offload_params else self.root_device,
@@ -244,9 +265,14 @@ class FPDTStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload_params:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if trainer.state.fn == TrainerFn.FITTING:  # a folder that cannot take a checkpoint fails now, not hours in
+            self._checkpoint_size = storage.check_at_setup(self, trainer, preemption=self._preemption is not None)
         known = budget.known_length(trainer)
         if known is not None:  # the length is known before the first batch
             self.check_memory_plan(*known, collective=True)
+        if self._preemption is not None and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+            trainer.callbacks.append(PreemptionCheckpoint(self._preemption))
+        noise.steps_only_epochs(trainer)
 
     @property
     def memory_plan(self) -> Optional[MemoryPlan]:
@@ -297,6 +323,7 @@ class FPDTStrategy(ModelParallelStrategy):
         """Move the batch, then shard its sequence (:func:`~lightning_fpdt.strategy.batch.shard_batch`): this rank's
         tokens, ``position_ids`` and the globally shifted ``labels``/``shift_labels``. A packed batch
         (``document_ids``, or ``position_ids`` restarting at 0) turns on per-document masking (docs/packing.md)."""
+        tokens.check_token_ids(batch, self._vocabulary)  # before the move: one min/max on the host, no device sync
         batch = super().batch_to_device(batch, device, dataloader_idx)
         check_batch(batch)
         if self._pending_rng_states is not None:
@@ -404,15 +431,21 @@ class FPDTStrategy(ModelParallelStrategy):
         if self._watchdog is not None:
             self._watchdog.stop()
         self.memory.close()  # the states' registration ended before FSDP2 lets the memory go
+        if self._preemption is not None:
+            self._preemption.uninstall()
         if self._in_backward is not None:
             self._in_backward.close()  # kept: what its last step did stays readable
         super().teardown()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        started = time.monotonic()
         checkpointing.gather_rng_states(checkpoint, self.world_size)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if self._save_distributed_checkpoint:
-            checkpointing.save_checksums(Path(self.broadcast(filepath)), self.global_rank, self.world_size)
+        with storage.space_named(Path(filepath), self._checkpoint_size):
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            if self._save_distributed_checkpoint:
+                checkpointing.save_checksums(Path(self.broadcast(filepath)), self.global_rank, self.world_size)
+        if self._preemption is not None:
+            self._preemption.progress(save_seconds=time.monotonic() - started)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))

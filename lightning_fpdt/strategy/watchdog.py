@@ -10,12 +10,20 @@ when it runs on its own host, and exits; every other rank reads the news within 
 that stops answering means its host process died (rank 0's under Lightning's launcher): after ``stale_after`` seconds
 of silence the rank names it and exits. When a collective fails first (a dead peer closes its connections), the
 strategy's exception path asks :meth:`RankWatchdog.diagnose` which ranks are at fault before the error ends the rank.
+A rank whose training raised posts its error in the store first: ranks that failed are not taken for ranks that hang,
+and when every rank failed with the same error, rank 0 says so in one line.
+
+The keys of one run live under a namespace of their own (``fpdt/<run>``), so a store that outlives a run (a pool of
+test processes, an elastic agent restarting its workers) never shows one run's news to the next. Other per-rank work
+that needs the store on a thread of its own (the preemption watch, ``strategy/preemption.py``) runs as one of the
+watchdog's :attr:`~RankWatchdog.duties`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -33,7 +41,10 @@ DEFAULT_STALE_AFTER = 60.0
 WATCHED = 2
 """How many following ranks each rank watches (rank ``r`` watches ``r + 1`` and ``r + 2``): every rank has watchers,
 and the store serves a few reads per rank and interval whatever the world size."""
-ABORT_KEY = "fpdt/abort"
+ABORT_KEY = "abort"
+"""Under the run's namespace: the news that a rank found another dead, read by every rank's watchdog."""
+FAILED_KEY = "failed"
+"""Under the run's namespace, ``failed/<rank>``: the error that ended that rank's training."""
 
 
 class Heartbeat(NamedTuple):
@@ -68,7 +79,7 @@ class RankWatchdog:
 
     def __init__(self, rank: int, world_size: int, interval: float = 1.0,
                  stale_after: Optional[float] = DEFAULT_STALE_AFTER,
-                 exit_process: Callable[[int], None] = os._exit) -> None:
+                 exit_process: Callable[[int], None] = os._exit, namespace: str = "fpdt") -> None:
         if stale_after is not None and stale_after < 2 * interval:
             raise ValueError(f"heartbeat_timeout ({stale_after} s) must be at least twice the heartbeat interval "
                              f"({interval} s), or None to watch no heartbeat")
@@ -85,6 +96,19 @@ class RankWatchdog:
         self._seen: dict[int, tuple[int, float]] = {}  # watched rank -> (last count seen, monotonic time it changed)
         self._store_silent_since: Optional[float] = None
         self._posted: Optional[str] = None  # the abort this rank posted itself
+        self.namespace = namespace
+        """Prefix of this run's keys in the store (the same on every rank of the run)."""
+        self.duties: list[Callable[[dist.Store], None]] = []
+        """Called with the store on the watchdog's thread after every beat (they must not block)."""
+
+    def key(self, name: str) -> str:
+        """The store key ``name`` of this run."""
+        return f"{self.namespace}/{name}"
+
+    @property
+    def store(self) -> Optional[dist.Store]:
+        """The watchdog's own client of the rendezvous store (``None`` when it has none)."""
+        return self._store
 
     # ---- life cycle --------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -118,14 +142,28 @@ class RankWatchdog:
     # ---- after a failed collective -----------------------------------------------------------------------------------
     def report(self, exception: BaseException) -> None:
         """Log which ranks are at fault after ``exception`` ended this rank's training (nothing for the errors that
-        are no rank's fault: a user's ValueError, a non-finite loss, an interrupt)."""
-        if isinstance(exception, (ValueError, FloatingPointError, KeyboardInterrupt)):
+        are no rank's fault: a user's ValueError, a non-finite loss, an interrupt, an exit such as a preemption's).
+        When every rank failed with the same error, rank 0 logs one line saying so and the others nothing."""
+        no_fault = (ValueError, FloatingPointError, KeyboardInterrupt, SystemExit)
+        if isinstance(exception, no_fault) or self._store is None:
             return
+        error = f"{type(exception).__name__}: {str(exception)[:200]}"
+        self._post_failure(error)
         faults = self.diagnose(wait=6 * self.interval)
+        try:
+            failed = self._failures()
+        except (RuntimeError, ValueError):
+            failed = {}  # the store has gone: diagnose named it
+        if len(failed) == self.world_size and len({_alike(text) for text in failed.values()}) == 1:
+            if self.rank == 0:
+                logging.getLogger("lightning.pytorch").error(
+                    f"fpdt: every rank ({self.world_size} of {self.world_size}) failed alike ({error}): the error "
+                    f"itself is the cause, no rank died or hangs"
+                )
+            return
         if faults:
             logging.getLogger("lightning.pytorch").error(
-                f"fpdt: rank {self.rank} failed ({type(exception).__name__}: {str(exception)[:200]}); "
-                + "; ".join(faults)
+                f"fpdt: rank {self.rank} failed ({error}); " + "; ".join(faults)
             )
 
     def post_abort(self, message: str) -> None:
@@ -134,14 +172,14 @@ class RankWatchdog:
         if self._store is not None:
             self._posted = message  # this rank ends by its own error, not by its watch
             try:
-                self._store.set(ABORT_KEY, message)
+                self._store.set(self.key(ABORT_KEY), message)
             except (RuntimeError, ValueError):
                 pass  # the store's host has gone: the others end on their own watch
 
     def diagnose(self, wait: float = 0.0) -> list[str]:
         """One line per rank at fault: stopped beating (waits up to ``wait`` s for a dead rank's beat to go stale),
-        gone with the store it hosted, or busy outside any collective while other ranks wait in one. Empty when
-        nothing is known."""
+        gone with the store it hosted, failed with an error of its own, or busy outside any collective while other
+        ranks wait in one. Empty when nothing is known; the wait ends early once every rank has failed."""
         if self._store is None:
             return []
         deadline = time.time() + wait
@@ -149,24 +187,31 @@ class RankWatchdog:
             now = time.time()
             try:
                 reports = {r: self._read(r) for r in range(self.world_size) if r != self.rank}
+                failed = self._failures()
             except (RuntimeError, ValueError):
                 return [self._store_gone_message()]
             dead = [self._dead_message(r, beat, now - beat.time) for r, beat in reports.items()
-                    if beat is not None and not beat.done and now - beat.time > 5 * self.interval]
+                    if beat is not None and not beat.done and now - beat.time > 5 * self.interval and r not in failed]
             if dead:
                 return dead
-            if now >= deadline:
+            if now >= deadline or len(failed) == self.world_size:
                 break
-            time.sleep(self.interval)  # a rank that just died still has a fresh beat
+            time.sleep(self.interval)  # a rank that just died still has a fresh beat; one that just failed may post
+        others_failed = [f"rank {r} failed too ({text})" for r, text in sorted(failed.items()) if r != self.rank]
         # alive everywhere: a rank whose main thread is outside torch.distributed holds up the ones waiting inside
-        return [f"rank {r} is not in the collective the others wait in; it is at {beat.where}"
-                for r, beat in reports.items() if beat is not None and beat.where and not beat.in_collective]
+        return others_failed + [
+            f"rank {r} is not in the collective the others wait in; it is at {beat.where}"
+            for r, beat in reports.items()
+            if beat is not None and beat.where and not beat.in_collective and r not in failed
+        ]
 
     # ---- the thread --------------------------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
                 self._beat()
+                for duty in self.duties:
+                    duty(self._store)
                 fault = self._abort_posted() or self._watch()
                 self._store_silent_since = None
             except (RuntimeError, ValueError):
@@ -191,14 +236,14 @@ class RankWatchdog:
             elif now - since > self.stale_after:
                 self._kill_if_local(beat)
                 message = self._dead_message(rank, beat, now - since)
-                self._store.set(ABORT_KEY, f"{message} (seen by rank {self.rank})")
+                self._store.set(self.key(ABORT_KEY), f"{message} (seen by rank {self.rank})")
                 return message
         return None
 
     def _abort_posted(self) -> Optional[str]:
-        if not self._store.check([ABORT_KEY]):
+        if not self._store.check([self.key(ABORT_KEY)]):
             return None
-        message = self._store.get(ABORT_KEY).decode()
+        message = self._store.get(self.key(ABORT_KEY)).decode()
         return None if message == self._posted else message
 
     def _store_silent(self) -> Optional[str]:
@@ -219,23 +264,29 @@ class RankWatchdog:
 
     # ---- the store ---------------------------------------------------------------------------------------------------
     def _read(self, rank: int) -> Optional[Heartbeat]:
-        key = f"fpdt/heartbeat/{rank}"
+        key = self.key(f"heartbeat/{rank}")
         if not self._store.check([key]):
             return None
         return Heartbeat.decode(self._store.get(key).decode())
 
     def _beat(self, done: bool = False) -> None:
-        frame = sys._current_frames().get(threading.main_thread().ident)
-        where, in_collective = "", False
-        while frame is not None:
-            filename = frame.f_code.co_filename
-            if not where and not filename.endswith(("threading.py", "watchdog.py")):
-                where = f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-            in_collective = in_collective or "torch/distributed" in filename.replace(os.sep, "/")
-            frame = frame.f_back
+        where, in_collective = main_thread_location()
         self._count += 1
         beat = Heartbeat(self._count, time.time(), socket.gethostname(), os.getpid(), in_collective, where, done)
-        self._store.set(f"fpdt/heartbeat/{self.rank}", beat.encode())
+        self._store.set(self.key(f"heartbeat/{self.rank}"), beat.encode())
+
+    def _post_failure(self, error: str) -> None:
+        if self._store is None:
+            return
+        try:
+            self._store.set(self.key(f"{FAILED_KEY}/{self.rank}"), error)
+        except (RuntimeError, ValueError):
+            pass  # the store has gone: diagnose says so
+
+    def _failures(self) -> dict[int, str]:
+        """The errors ranks posted when their training failed, by rank."""
+        keys = {r: self.key(f"{FAILED_KEY}/{r}") for r in range(self.world_size)}
+        return {r: self._store.get(key).decode() for r, key in keys.items() if self._store.check([key])}
 
     # ---- messages ----------------------------------------------------------------------------------------------------
     @staticmethod
@@ -256,3 +307,23 @@ class RankWatchdog:
             os.kill(beat.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass  # already gone, or not ours to end
+
+
+def main_thread_location() -> tuple[str, bool]:
+    """Where the main thread is (its innermost frame of the user's or the package's code) and whether it waits inside
+    a ``torch.distributed`` call; read from another thread."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    where, in_collective = "", False
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not where and not filename.endswith(("threading.py", "watchdog.py", "preemption.py")):
+            where = f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        in_collective = in_collective or "torch/distributed" in filename.replace(os.sep, "/")
+        frame = frame.f_back
+    return where, in_collective
+
+
+def _alike(error: str) -> str:
+    """An error with its numbers blanked: the same failure on every rank often differs only in a rank, an index or a
+    size."""
+    return re.sub(r"\d+", "#", error)

@@ -82,6 +82,11 @@ class DistPool:
         return [out[r] for r in range(self.world_size)]
 
     @property
+    def pids(self) -> list[int]:
+        """The process id of each rank."""
+        return [p.pid for p in self._procs]
+
+    @property
     def alive(self) -> bool:
         return all(p.is_alive() for p in self._procs)
 

@@ -151,3 +151,44 @@ def test_damaged_checkpoint_is_refused_by_file(dist_pool, tmp_path, name, how):
     file, instead of training on other weights (the checksums recorded at save time differ)."""
     dist_pool(2).run(damaged_is_refused, folder=str(tmp_path), name=name, how=how)
 
+
+
+def unusable_folder_is_refused_at_setup(folder: str) -> None:
+    blocker = os.path.join(folder, "not-a-folder")
+    if dist.get_rank() == 0:
+        with open(blocker, "w") as f:
+            f.write("a file where the checkpoint folder would go")
+    dist.barrier()
+    trainer = L.Trainer(strategy=FPDTStrategy(sequence_parallel_size=2, chunks=2), devices=2, max_steps=2,
+                        callbacks=[ModelCheckpoint(dirpath=os.path.join(blocker, "ckpts"), every_n_train_steps=1)],
+                        default_root_dir=folder, **trainer_kwargs(enable_checkpointing=True))
+    with pytest.raises(ValueError, match=r"checkpoints of this run could not be saved: .*not-a-folder/ckpts cannot be "
+                                         r"made \(Not a directory\)\. Fix the folder, or save elsewhere"):
+        trainer.fit(AdamLM("llama", seed=3, lr=0.01), DataLoader(TokenDataset(8, 16, seed=2), batch_size=2))
+    assert trainer.global_step == 0
+
+
+def test_unusable_checkpoint_folder_is_refused_before_training(dist_pool, tmp_path):
+    """A ModelCheckpoint folder that cannot be made is refused at setup on every rank, before the first step, not
+    at the first save."""
+    dist_pool(2).run(unusable_folder_is_refused_at_setup, folder=str(tmp_path))
+
+
+def full_disk_is_named(folder: str) -> None:
+    target = os.path.join(folder, "manual.ckpt")
+    if dist.get_rank() == 0:
+        os.makedirs(target)
+        os.symlink("/dev/full", os.path.join(target, "__1_0.distcp"))  # rank 1's shard lands on a full device
+    dist.barrier()
+    _, trainer = _fit(1, 2, max_steps=1)
+    with pytest.raises(OSError, match=r"No space left on the device of .*manual.ckpt while saving the checkpoint .*: "
+                                      r".* free now; one checkpoint needs about .* parameters × 4 bytes × \(1 weight "
+                                      r"\+ 2 AdamW states\)\)\. This checkpoint is incomplete"):
+        trainer.save_checkpoint(target)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_save_that_runs_out_of_space_says_so(dist_pool, tmp_path):
+    """One rank's shard of a distributed save fails with the kernel's ENOSPC: every rank raises an OSError that
+    names the lack of space, the folder and a checkpoint's size, not the writer's bare error."""
+    dist_pool(2).run(full_disk_is_named, folder=str(tmp_path))

@@ -41,7 +41,7 @@ def test_metric_states_sum_over_ranks(dist_pool):
 
 def build(hf_path: str | None, accuracy: bool) -> CausalLM:
     if hf_path:
-        return HFCausalLM(hf_path, seed=3, accuracy=accuracy)
+        return HFCausalLM(hf_path, from_pretrained=False, seed=3, accuracy=accuracy)  # a config-only folder
     return LlamaLM("tiny", config_overrides={"vocab_size": 96, "num_layers": 2}, seed=3, accuracy=accuracy)
 
 

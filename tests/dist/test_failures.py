@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -96,3 +97,35 @@ def test_nonfinite_loss_stops_every_rank_with_the_step(dist_pool):
     """A NaN loss on one data-parallel group stops both groups at global step 1, naming the step."""
     dist_pool(2).run(nonfinite_stops_everyone)
     torch.manual_seed(0)
+
+
+class BrokenEverywhereLM(LitLM):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 1:  # the same mistake on every rank (its message differs only in a number)
+            raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied (32x{16 + dist.get_rank()})")
+        return super().training_step(batch, batch_idx)
+
+
+def every_rank_fails_alike() -> list[str]:
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(handler)
+    try:
+        trainer = L.Trainer(strategy=FPDTStrategy(sequence_parallel_size=2, chunks=2), devices=2, max_steps=4,
+                            **trainer_kwargs())
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            trainer.fit(BrokenEverywhereLM("llama", seed=0, lr=0.1),
+                        DataLoader(TokenDataset(16, 16, seed=0), batch_size=2))
+    finally:
+        logger.removeHandler(handler)
+    return [line for line in lines if line.startswith("fpdt:") and "failed" in line]
+
+
+def test_every_rank_failing_alike_is_one_line(dist_pool):
+    """Every rank raises the same error at step 1: rank 0 logs one line saying all ranks failed alike, rank 1 logs
+    nothing more, and no rank is named as hanging outside the collective."""
+    rank0, rank1 = dist_pool(2).run(every_rank_fails_alike)
+    assert len(rank0) == 1 and "every rank (2 of 2) failed alike (RuntimeError: mat1 and mat2" in rank0[0], rank0
+    assert rank1 == []

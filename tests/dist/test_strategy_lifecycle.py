@@ -6,11 +6,11 @@ import lightning as L
 import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, SequentialSampler
 
 import lightning_fpdt  # noqa: F401
 from lightning_fpdt import FPDTStrategy
-from tests.dist.training import LitLM, TokenDataset, build_model, model_loss, trainer_kwargs
+from tests.dist.training import VOCAB, LitLM, TokenDataset, build_model, model_loss, trainer_kwargs
 
 
 class EvalLM(LitLM):
@@ -76,3 +76,46 @@ def bad_batches() -> None:
 def test_batch_errors(dist_pool):
     """A batch without input_ids, a padding mask with zeros, or an undivisible length (padding off) raise."""
     dist_pool(2).run(bad_batches)
+
+
+class OneBadToken(TokenDataset):
+    """Random tokens with one id past the vocabulary in sample 3 (the second batch's second row)."""
+
+    def __getitem__(self, i):
+        sample = super().__getitem__(i)
+        if i == 3:
+            sample = {**sample, "input_ids": sample["input_ids"].clone()}
+            sample["input_ids"][11] = VOCAB + 5
+        return sample
+
+
+class CountingLM(LitLM):
+    def training_step(self, batch, batch_idx):
+        self.forwards += 1
+        return super().training_step(batch, batch_idx)
+
+
+def out_of_vocabulary_ids() -> None:
+    for kind in ("llama", "hf"):
+        module = CountingLM(kind, seed=0, lr=0.1)
+        module.forwards = 0
+        trainer = L.Trainer(strategy=FPDTStrategy(sequence_parallel_size=2, chunks=2), devices=2, max_steps=4,
+                            **trainer_kwargs())
+        # no shuffling: the bad sample is in the second batch, before that batch's forward
+        loader = DataLoader(OneBadToken(8, 16, seed=4), batch_size=2, sampler=SequentialSampler(range(8)))
+        source = "config.vocab_size" if kind == "llama" else "input embedding"
+        with pytest.raises(ValueError, match=rf"holds token id {VOCAB + 5} at batch row 1, token 11 of 16 .*vocabulary "
+                                             rf"has {VOCAB} ids .*{source}"):
+            trainer.fit(module, loader)
+        assert module.forwards == 1 and trainer.global_step == 1
+    trainer = L.Trainer(strategy=FPDTStrategy(sequence_parallel_size=2, pad_token_id=VOCAB), devices=2, max_steps=1,
+                        **trainer_kwargs())
+    with pytest.raises(ValueError, match=rf"pad_token_id={VOCAB}\) is outside the model's vocabulary of {VOCAB} ids"):
+        trainer.fit(LitLM("llama", seed=0, lr=0.1), DataLoader(TokenDataset(2, 16, 0), batch_size=2))
+
+
+def test_out_of_vocabulary_ids_are_refused_before_their_forward(dist_pool):
+    """A batch holding an id past the vocabulary (reference Llama and Hugging Face Llama) raises a ValueError on
+    every rank that names the id, its place and the vocabulary before that batch's forward; a padding id outside
+    the vocabulary is refused at setup."""
+    dist_pool(2).run(out_of_vocabulary_ids)

@@ -83,8 +83,9 @@ def _tiny_hf_config():
 
 
 def test_hf_model_from_config_or_weights(tmp_path):
-    """HFCausalLM loads the weights of a local directory when they are there ("auto"), else initialises at random
-    from the config; config_overrides change the config."""
+    """HFCausalLM loads the weights of a local directory ("auto"), in training mode; a local directory without
+    weights is refused unless from_pretrained is False, which initialises at random from the config;
+    config_overrides change the config."""
     from transformers import AutoModelForCausalLM
 
     config_only, with_weights = tmp_path / "config_only", tmp_path / "with_weights"
@@ -93,10 +94,16 @@ def test_hf_model_from_config_or_weights(tmp_path):
     saved = AutoModelForCausalLM.from_config(_tiny_hf_config())
     saved.save_pretrained(with_weights)
 
-    random_init = HFCausalLM(str(config_only), config_overrides={"num_hidden_layers": 1})
+    for from_pretrained in ("auto", True):
+        with pytest.raises(ValueError, match=r"config_only holds a config.json but no weights \(none of "
+                                             r"model.safetensors, .*config.json\): copy the weights there, or pass "
+                                             r"from_pretrained=False"):
+            HFCausalLM(str(config_only), from_pretrained=from_pretrained)
+    random_init = HFCausalLM(str(config_only), from_pretrained=False, config_overrides={"num_hidden_layers": 1})
     assert not random_init.loaded_pretrained and random_init.model.config.num_hidden_layers == 1
     loaded = HFCausalLM(str(with_weights))
     assert loaded.loaded_pretrained
+    assert all(module.training for module in loaded.model.modules())  # from_pretrained left them in eval mode
     torch.testing.assert_close(loaded.model.state_dict(), saved.state_dict(), rtol=0, atol=0)
     not_loaded = HFCausalLM(str(with_weights), from_pretrained=False, seed=2)
     assert not not_loaded.loaded_pretrained
@@ -109,9 +116,69 @@ def test_hf_model_from_config_or_weights(tmp_path):
         HFCausalLM(str(config_only), from_pretrained="yes")
 
 
+def test_mistyped_model_paths_are_refused_without_hub_lookups(tmp_path, monkeypatch):
+    """A local path that does not exist (absolute, or under an existing folder as a Hub name would look), a file or a
+    folder without config.json raise a ValueError saying what is there, before transformers is asked (which would
+    retry the Hub for half a minute offline)."""
+    import transformers
+
+    models = tmp_path / "models"
+    _tiny_hf_config().save_pretrained(models / "tiny-llama")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", _no_hub_lookup)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", _no_hub_lookup)
+    for name in ("models/tiny-lama", str(models / "tiny-lama")):
+        with pytest.raises(ValueError, match=r"model folder .*models/tiny-lama does not exist; .*models holds "
+                                             r"tiny-llama/ \(did you mean .*models/tiny-llama\?\)"):
+            HFCausalLM(name)
+    with pytest.raises(ValueError, match=r"models is not a model folder: it has no config.json \(tiny-llama/\)"):
+        HFCausalLM("models")
+    with pytest.raises(ValueError, match=r"config.json is a file; pass the folder that holds config.json"):
+        HFCausalLM("models/tiny-llama/config.json")
+
+
+def _no_hub_lookup(*args, **kwargs):
+    raise AssertionError(f"transformers was asked for {args}")
+
+
 def test_plan_subcommand(capsys):
     """`lightning-fpdt plan ...` prints the memory plan (lightning_fpdt.planner.main) and exits with its status."""
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--model", "tiny", "--seq-len", "4096", "--gpus", "2"])
     assert exit_info.value.code == 0
     assert "predicted peak per GPU" in capsys.readouterr().out
+
+
+def test_help_lists_plan(capsys):
+    """`lightning-fpdt --help` lists plan beside Lightning's subcommands."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "{fit,validate,test,predict,plan}" in out and "plan                Predict a run's GPU peak" in out
+
+
+def test_lightning_noise_is_silenced(caplog):
+    """With the package imported, a Trainer logs no Lightning tip, Lightning's loaders raise no LeafSpec deprecation,
+    and the rich progress bar of a run bounded by max_steps says "Epoch 0", not "Epoch 0/-2"."""
+    import logging
+    import warnings
+    from types import SimpleNamespace
+
+    import lightning as L
+    from lightning.pytorch.callbacks import RichProgressBar
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    from lightning_fpdt.strategy.noise import quiet_lightning, steps_only_epochs
+
+    # importing the package did this; pytest resets warning filters around each test, so it is done here again
+    quiet_lightning()
+    with caplog.at_level(logging.INFO):
+        L.Trainer(accelerator="cpu", devices=1, logger=True, enable_checkpointing=True, max_steps=2)
+    assert caplog.records and not [r for r in caplog.records if "Tip" in r.getMessage()]
+    with warnings.catch_warnings(record=True) as caught:
+        CombinedLoader([torch.randn(3, 2), torch.randn(5, 2)])
+    assert not [w for w in caught if "LeafSpec" in str(w.message)]
+    bar = RichProgressBar()
+    steps_only_epochs(SimpleNamespace(max_epochs=-1, callbacks=[bar]))
+    assert bar._get_train_description(0).rstrip() == "Epoch 0"

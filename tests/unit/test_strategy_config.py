@@ -234,3 +234,14 @@ def test_planning_follows_the_per_process_memory_cap(monkeypatch):
     assert usable_free_bytes(device) == 69 * gib  # the cap less what this process holds, below the card's free 120
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (50 * gib, 139 * gib))
     assert usable_free_bytes(device) == 50 * gib  # other processes took more than the cap leaves
+
+
+def test_strategy_with_preemption_pickles_and_copies():
+    """The preemption state (locks, threads, the wake-up pipe) never stops a strategy from being pickled or deep-copied
+    before its fit, as it could be without preemption."""
+    import copy
+    import pickle
+
+    strategy = FPDTStrategy(preemption_timeout=7.5)
+    for clone in (pickle.loads(pickle.dumps(strategy)), copy.deepcopy(strategy)):
+        assert clone._preemption is not strategy._preemption and clone._preemption.timeout == 7.5

@@ -128,6 +128,8 @@ def test_process_readings():
     assert now is not None and now > 2**20
     assert peak_resident_bytes() >= now
     if reset_peak_resident():
-        big = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB touched
-        assert peak_resident_bytes() >= now + 60 * 2**20
-        del big
+        start = resident_bytes()
+        fresh = HostAllocator(pin=False).empty(64 * 2**20, torch.uint8)  # pages of its own, never resident before
+        fresh.fill_(1)
+        assert peak_resident_bytes() >= start + 60 * 2**20
+        del fresh

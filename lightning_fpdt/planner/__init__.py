@@ -3,8 +3,8 @@ docs/planner.md).
 
 :func:`plan_memory` predicts, per GPU and per host, the bytes of each part of one training step and resolves the
 ``"auto"`` options to the fastest configuration that fits both memories (:func:`fastest_fitting`, the search the
-strategy runs too); :func:`format_plan` prints them; :func:`check_host_memory` is what the strategy runs before any
-pinned buffer exists. Each memory feature has one module in :mod:`lightning_fpdt.planner.features`. No Lightning:
+strategy runs too); :func:`format_plan` prints them; :func:`check_host_memory` refuses a plan whose host memory a
+host does not have. Each memory feature has one module in :mod:`lightning_fpdt.planner.features`. No Lightning:
 the attention sizes resolve as the strategy resolves them (``lightning_fpdt.sequence``), the tile sizes follow the
 tiled transforms' own rules (``lightning_fpdt.memory``).
 """

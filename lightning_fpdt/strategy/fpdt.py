@@ -3,6 +3,7 @@ modules beside this one (batch sharding, checkpoint state, meta init, the memory
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -87,6 +88,13 @@ class FPDTStrategy(ModelParallelStrategy):
             ``None``: no watch (a frozen rank then holds the others for the collective ``timeout``).
         check_memory: refuse, at setup or at a new sequence length, a run whose plan does not fit the GPU or the
             host, naming the change that fits; ``False`` warns instead and runs.
+        offload_dir: a directory on a local disk for the disk tier (docs/design.md §4.4): the checkpointed block
+            inputs of ``ActivationOffload`` (and the attention's chunks when ``offload`` is on) that the host's memory
+            cannot hold go to files there, written behind and read ahead; the planner counts its free space and its
+            time and uses it only where host memory does not suffice. Each process writes under
+            ``<offload_dir>/fpdt-<host>-<pid>-rank<r>/``, removed at the end of training and at exit; directories a
+            crash left are named at setup, not removed. A directory that cannot be created or written, or that has
+            less free space than the plan puts there, is refused with the bytes. ``None``: no disk tier.
     """
 
     strategy_name = "fpdt"
@@ -115,6 +123,7 @@ class FPDTStrategy(ModelParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         heartbeat_timeout: Optional[float] = DEFAULT_STALE_AFTER,
         check_memory: bool = True,
+        offload_dir: Optional[Union[str, os.PathLike]] = None,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -141,7 +150,11 @@ class FPDTStrategy(ModelParallelStrategy):
         self._geometry: Optional[AttentionGeometry] = None
         self._free_bytes: Optional[int] = None  # free GPU memory at the first batch, what "auto" plans with
         self._lengths_seen: set[tuple[int, ResolvedOptions]] = set()
-        self.memory = budget.MemoryBudget(check=check_memory)
+        if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
+            raise ValueError(f"offload_dir must be a directory path (str or os.PathLike) or None, got "
+                             f"{type(offload_dir).__name__} {offload_dir!r}")
+        self.offload_dir: Optional[str] = None if offload_dir is None else os.fspath(offload_dir)
+        self.memory = budget.MemoryBudget(check=check_memory, offload_dir=self.offload_dir)
         """The plans of the lengths trained, the host memory guard, the page-locked states (``strategy/budget.py``)."""
         self._padding_logged = False
         self._targetless_warned = False
@@ -234,6 +247,8 @@ class FPDTStrategy(ModelParallelStrategy):
         if not self.cpu_offload_params:
             self.model_to_device()
         self.memory.guard_host_memory(self)
+        self.memory.open_disk(rank=self.global_rank, local_rank=self.local_rank,
+                              pin_memory=self.root_device.type == "cuda")
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -403,7 +418,7 @@ class FPDTStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()
-        self.memory.close()  # the states' registration ended before FSDP2 lets the memory go
+        self.memory.close()  # the states' registration ended before FSDP2 lets the memory go; the disk tier's files
         if self._in_backward is not None:
             self._in_backward.close()  # kept: what its last step did stays readable
         super().teardown()

@@ -144,12 +144,12 @@ def plan_memory(
     explicit = {name: getattr(base, name) for name in SEARCHED if name not in free}
     recommended = fastest_fitting(run, plan.options, SEARCHED, explicit)
     if recommended is None:
-        return dataclasses.replace(plan, recommendation=nothing_fits(plan, run))
+        return dataclasses.replace(plan, recommendation=nothing_fits(plan, run, explicit))
     changes = changes_between(plan.options, recommended.options)
     return dataclasses.replace(plan, recommended=recommended, recommendation=said(changes, free))
 
 
-def _disk_would_need(plan: MemoryPlan, run: Optional[Run]) -> str:
+def _disk_would_need(plan: MemoryPlan, run: Optional[Run], explicit: Optional[dict[str, Any]]) -> str:
     """With a disk tier: ``; it fits with N GiB per host on disk ...`` when a larger disk would make the run fit (the
     search again, the disk's room unbounded), else nothing. Without one: that the disk tier may help (the search is
     not run again: a refusal without a disk stays as fast as it was)."""
@@ -157,7 +157,7 @@ def _disk_would_need(plan: MemoryPlan, run: Optional[Run]) -> str:
         return ""
     if run.disk_memory_bytes is None:
         return "; block inputs may also go to a local disk: FPDTStrategy(offload_dir=...), `lightning-fpdt plan --disk-gib N`"
-    wider = fastest_fitting(dataclasses.replace(run, disk_memory_bytes=2**62), plan.options, SEARCHED)
+    wider = fastest_fitting(dataclasses.replace(run, disk_memory_bytes=2**62), plan.options, SEARCHED, explicit)
     if wider is None:
         return ""
     return (f"; it fits with {wider.options.disk_inputs} block inputs per GPU on disk, "
@@ -175,11 +175,12 @@ def said(changes: dict[str, Any], auto: set[str]) -> str:
     return text + (f" (\"auto\" then resolves {', '.join(resolved)})" if resolved else "")
 
 
-def nothing_fits(plan: MemoryPlan, run: Optional[Run] = None) -> str:
-    """Why no configuration fits, and what to do instead."""
+def nothing_fits(plan: MemoryPlan, run: Optional[Run] = None, explicit: Optional[dict[str, Any]] = None) -> str:
+    """Why no configuration fits, and what to do instead (``explicit``: the options the user gave, as the
+    recommendation's search weighs their changes)."""
     if plan.binding_limit == "host memory":
         return (f"nothing fits the host ({gib(plan.host_resident_bytes_per_node)} GiB per host as planned, "
-                f"{gib(plan.host_memory_bytes)} GiB there{_disk_would_need(plan, run)}): use more hosts (each GPU "
+                f"{gib(plan.host_memory_bytes)} GiB there{_disk_would_need(plan, run, explicit)}): use more hosts (each GPU "
                 f"holds S/P tokens) or a shorter sequence")
     if plan.binding_limit == "disk space":
         return (f"nothing fits the disk ({gib(plan.disk_bytes_per_node)} GiB per host on disk as planned, "

@@ -13,6 +13,7 @@ from typing import Optional, Union
 from lightning_fpdt.models.llama import NAMED_CONFIGS
 from lightning_fpdt.planner.arguments import python_arguments, yaml_arguments
 from lightning_fpdt.planner.components import GIB, MemoryPlan, expandable_segments, plannable_gpu_bytes
+from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, resolve_geometry
 from lightning_fpdt.planner.host import available_host_memory, gib
 from lightning_fpdt.planner.plan import plan_memory
@@ -21,9 +22,11 @@ CALLBACK_NAMES = ("mlp", "loss", "offload", "checkpoint")
 
 
 def format_plan(plan: MemoryPlan) -> str:
-    """The plan as a table (component, phase, GPU GiB, pinned and pageable host GiB), the peaks, the binding limit,
-    the recommendation and the options as a user writes them."""
+    """The plan as a table (component, phase, GPU GiB, pinned and pageable host GiB, and disk GiB when the plan has a
+    disk tier), the peaks, the binding limit, the recommendation and the options as a user writes them."""
     o = plan.options
+    disk = plan.disk_memory_bytes is not None or plan.disk_bytes_per_node > 0
+    width = 93 + 10 * disk
     lines = [
         f"memory plan: {plan.model}, S = {plan.seq_len:,} tokens"
         + (f" (padded to {plan.padded_seq_len:,})" if plan.padded_seq_len != plan.seq_len else "")
@@ -34,12 +37,13 @@ def format_plan(plan: MemoryPlan) -> str:
         + f"{plan.geometry.num_layers} layers",
         f"  options: {o.describe()}",
         "",
-        f"  {'component':<42} {'phase':<20} {'GPU GiB':>9} {'pinned':>9} {'pageable':>9}",
+        f"  {'component':<42} {'phase':<20} {'GPU GiB':>9} {'pinned':>9} {'pageable':>9}"
+        + (f" {'disk':>9}" if disk else ""),
     ]
     for c in plan.components:
         lines.append(f"  {c.name:<42} {c.phase or 'persistent':<20} {gib(c.gpu_bytes):>9} {gib(c.host_bytes):>9} "
-                     f"{gib(c.pageable_bytes):>9}")
-    lines.append("  " + "-" * 93)
+                     f"{gib(c.pageable_bytes):>9}" + (f" {gib(c.disk_bytes):>9}" if disk else ""))
+    lines.append("  " + "-" * width)
     phases = plan.phase_bytes
     lines.append(f"  {'persistent':<63} {gib(plan.persistent_gpu_bytes):>9}")
     lines.append(f"  {'largest transient phase: ' + plan.peak_phase:<63} {gib(phases[plan.peak_phase]):>9}")
@@ -50,8 +54,13 @@ def format_plan(plan: MemoryPlan) -> str:
                  f"{gib(plan.host_bytes_per_node):>9}")
     lines.append(f"  {'host memory per host, all resident':<63} {'':>9} {'':>9} "
                  f"{gib(plan.host_resident_bytes_per_node):>9}   {host_limit}")
+    if disk:
+        disk_limit = "no disk tier" if plan.disk_memory_bytes is None else f"of {plan.disk_memory_bytes / GIB:.1f} GiB"
+        lines.append(f"  {'disk per host (offload_dir)':<63} {'':>9} {'':>9} {'':>9} "
+                     f"{gib(plan.disk_bytes_per_node):>9}   {disk_limit}")
     largest = plan.largest_component
-    where = largest.host_bytes + largest.pageable_bytes if plan.binding_limit == "host memory" else largest.gpu_bytes
+    where = {"host memory": largest.host_bytes + largest.pageable_bytes,
+             "disk space": largest.disk_bytes}.get(plan.binding_limit, largest.gpu_bytes)
     verdict = plan.binding_limit
     if verdict == "fits" and plan.host_memory_bytes is None and plan.host_bytes_per_node:
         verdict = (f"fits the GPU memory; the host's not checked ({gib(plan.host_resident_bytes_per_node)} GiB per "
@@ -64,7 +73,8 @@ def format_plan(plan: MemoryPlan) -> str:
         r = plan.recommended
         lines.append(f"  -> {r.options.describe()}")
         lines.append(f"  -> predicted peak {gib(r.peak_gpu_bytes)} GiB per GPU, host {gib(r.host_resident_bytes_per_node)} "
-                     f"GiB per host ({gib(r.host_bytes_per_node)} pinned)")
+                     f"GiB per host ({gib(r.host_bytes_per_node)} pinned)"
+                     + (f", {gib(r.disk_bytes_per_node)} GiB per host on disk" if r.disk_bytes_per_node else ""))
     if chosen.fits:
         lines += ["", "as arguments:", *("  " + line for line in python_arguments(chosen).splitlines()),
                   "as YAML:", *("  " + line for line in yaml_arguments(chosen).splitlines())]
@@ -148,6 +158,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--host-baseline-gib", type=float, default=None,
                         help="resident memory of one process before the step's buffers (default: the planner's "
                              "estimate)")
+    parser.add_argument("--disk-gib", type=float, default=None,
+                        help="free space of the disk tier's directory on one host (FPDTStrategy(offload_dir=...)): "
+                             "block inputs beyond the host's memory may go there; default: no disk tier")
+    parser.add_argument("--disk-gbps", type=float, default=DISK_GBPS,
+                        help=f"the disk's read and write rate in GB/s, shared by the GPUs of a host (default "
+                             f"{DISK_GBPS}: a local NVMe measured with dd)")
     args = parser.parse_args(argv)
     host = args.host_memory_gib
     if host == "auto":
@@ -167,7 +183,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             host_memory_gib=host, recompute_attention=args.recompute_attention, head_chunks=args.head_chunks,
             reload_input=args.reload_input,
             input_prefetch=args.prefetch if args.prefetch == "auto" else args.prefetch > 0,
-            host_baseline_gib=args.host_baseline_gib,
+            host_baseline_gib=args.host_baseline_gib, disk_memory_gib=args.disk_gib, disk_gbps=args.disk_gbps,
         )
     except ValueError as error:
         print(f"lightning-fpdt plan: {error}", file=sys.stderr)

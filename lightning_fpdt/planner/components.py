@@ -118,6 +118,9 @@ class Component:
     pageable_bytes: int = 0
     """Host bytes for each GPU that are resident but not pinned (optimizer states stepped on the host, the process's
     own baseline)."""
+    disk_bytes: int = 0
+    """Bytes for each GPU in files of the disk tier (``FPDTStrategy(offload_dir=...)``; multiply by the GPUs of a
+    host: they share its disk)."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,9 @@ class MemoryPlan:
     gpu_memory_bytes: int
     host_memory_bytes: Optional[int]
     """Memory the processes of one host may hold (pinned and pageable); ``None``: not checked."""
+    disk_memory_bytes: Optional[int] = None
+    """Free space of the disk tier's directory on one host; ``None``: no disk tier (a plan with disk bytes does not
+    fit)."""
     recommended: Optional["MemoryPlan"] = field(default=None, compare=False)
     """A plan that fits, found by the search in :data:`SEARCH_ORDER` (``None`` if this one fits or none was found)."""
     recommendation: str = ""
@@ -196,8 +202,23 @@ class MemoryPlan:
         return self.host_resident_bytes_per_gpu * self.gpus_per_node
 
     @property
+    def disk_bytes_per_gpu(self) -> int:
+        """Bytes of one GPU's process in files of the disk tier."""
+        return sum(c.disk_bytes for c in self.components)
+
+    @property
+    def disk_bytes_per_node(self) -> int:
+        """Bytes of the processes of one host in files of the disk tier: what is checked against its free space."""
+        return self.disk_bytes_per_gpu * self.gpus_per_node
+
+    @property
     def fits_gpu(self) -> bool:
         return self.peak_gpu_bytes <= self.gpu_memory_bytes
+
+    @property
+    def fits_disk(self) -> bool:
+        return self.disk_bytes_per_node == 0 or (self.disk_memory_bytes is not None
+                                                 and self.disk_bytes_per_node <= self.disk_memory_bytes)
 
     @property
     def fits_host(self) -> bool:
@@ -205,23 +226,30 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.fits_gpu and self.fits_host
+        return self.fits_gpu and self.fits_host and self.fits_disk
 
     @property
-    def binding_limit(self) -> Literal["gpu memory", "host memory", "fits"]:
-        """The limit exceeded (by the larger ratio when both are), or ``"fits"``."""
+    def binding_limit(self) -> Literal["gpu memory", "host memory", "disk space", "fits"]:
+        """The limit exceeded (by the largest ratio when several are), or ``"fits"``."""
         gpu_ratio = self.peak_gpu_bytes / self.gpu_memory_bytes
         host_ratio = self.host_resident_bytes_per_node / self.host_memory_bytes if self.host_memory_bytes else 0.0
-        if max(gpu_ratio, host_ratio) <= 1:
+        disk_ratio = 0.0
+        if self.disk_bytes_per_node:
+            disk_ratio = self.disk_bytes_per_node / self.disk_memory_bytes if self.disk_memory_bytes else math.inf
+        if max(gpu_ratio, host_ratio, disk_ratio) <= 1:
             return "fits"
-        return "gpu memory" if gpu_ratio >= host_ratio else "host memory"
+        if gpu_ratio >= max(host_ratio, disk_ratio):
+            return "gpu memory"
+        return "host memory" if host_ratio >= disk_ratio else "disk space"
 
     @property
     def largest_component(self) -> Component:
-        """The largest host component when host memory binds, else the largest part of the GPU peak (a persistent
-        component or one of the largest phase): what to shrink first."""
+        """The largest host (disk) component when host memory (disk space) binds, else the largest part of the GPU
+        peak (a persistent component or one of the largest phase): what to shrink first."""
         if self.binding_limit == "host memory":
             return max(self.components, key=lambda c: c.host_bytes + c.pageable_bytes)
+        if self.binding_limit == "disk space":
+            return max(self.components, key=lambda c: c.disk_bytes)
         at_peak = [c for c in self.components if c.phase in (None, self.peak_phase)]
         return max(at_peak, key=lambda c: c.gpu_bytes)
 

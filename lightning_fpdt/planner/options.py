@@ -54,12 +54,18 @@ class PlanOptions:
     under ``activation_offload`` only, as both below)."""
     input_prefetch: bool = True
     """``ActivationOffload(prefetch >= 1)``: the next block's input comes back during a block's backward."""
+    disk_inputs: int = 0
+    """Block inputs (per GPU) in files of the disk tier (``FPDTStrategy(offload_dir=...)``) instead of pinned host
+    memory: the last ones of the forward, those beyond the host budget (under ``activation_offload`` only)."""
 
     def __post_init__(self) -> None:
         if self.activation_offload and not self.activation_checkpointing:
             raise ValueError("activation_offload checkpoints the blocks: set activation_checkpointing=True with it")
         if self.recompute_attention and not self.activation_checkpointing:
             raise ValueError("recompute_attention needs checkpointed blocks: set activation_checkpointing=True with it")
+        if self.disk_inputs < 0 or (self.disk_inputs and not self.activation_offload):
+            raise ValueError(f"disk_inputs={self.disk_inputs}: block inputs go to disk only from host memory, under "
+                             f"activation_offload; use 0 <= disk_inputs with activation_offload=True")
         if self.ring_size > 1 and (self.chunks > 1 or self.offload_dq):
             raise ValueError(
                 f"ring_size={self.ring_size} with chunks={self.chunks}, offload_dq={self.offload_dq}: FPDT chunks are "
@@ -83,6 +89,7 @@ class PlanOptions:
             + (f" head_chunks={self.head_chunks}" if self.head_chunks > 1 else "")
             + (" reload_input" if self.activation_offload and self.reload_input else "")
             + (" prefetch=0" if self.activation_offload and not self.input_prefetch else "")
+            + (f" disk_inputs={self.disk_inputs}" if self.disk_inputs else "")
         )
 
 
@@ -149,7 +156,7 @@ def resolve_options(
     gpus_per_node: int, sequence_parallel_size: Union[str, int], activation_offload: bool,
     activation_checkpointing: Optional[bool], tiled_mlp: bool, tiled_loss: bool, precision: str, optimizer: str,
     cpu_offload_params: bool, gpu_memory_bytes: int, recompute_attention: bool = False, reload_input: bool = False,
-    input_prefetch: bool = True,
+    input_prefetch: bool = True, disk_inputs: int = 0,
 ) -> PlanOptions:
     """The sizes (as the strategy resolves its mesh) and the attention options (:meth:`FPDTOptions.resolve`, with
     the free memory of :func:`free_for_auto`) of a plan."""
@@ -171,7 +178,7 @@ def resolve_options(
         activation_checkpointing=activation_offload or bool(activation_checkpointing),
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, cpu_offload_params=cpu_offload_params, precision=precision,
         optimizer=optimizer, recompute_attention=recompute_attention, ring_size=ring, head_chunks=head_chunks,
-        reload_input=reload_input, input_prefetch=input_prefetch,
+        reload_input=reload_input, input_prefetch=input_prefetch, disk_inputs=disk_inputs,
     )
 
 

@@ -107,7 +107,7 @@ def components(geometry: ModelGeometry, options: PlanOptions, *, seq_len: int, b
 def build_plan(
     geometry: ModelGeometry, model: str, *, seq_len: int, batch_size: int, num_gpus: int, gpus_per_node: int,
     options: PlanOptions, gpu_memory_bytes: int, host_memory_bytes: Optional[int],
-    host_baseline_bytes: int = PROCESS_BASELINE_BYTES,
+    host_baseline_bytes: int = PROCESS_BASELINE_BYTES, disk_memory_bytes: Optional[int] = None,
 ) -> MemoryPlan:
     """The plan of these resolved options: the components of the padded sequence and the limits."""
     padded = padded_length(options, seq_len)
@@ -116,7 +116,7 @@ def build_plan(
     return MemoryPlan(
         model=model, geometry=geometry, seq_len=seq_len, padded_seq_len=padded, batch_size=batch_size,
         num_gpus=num_gpus, gpus_per_node=gpus_per_node, options=options, components=tuple(parts),
-        gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes,
+        gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes, disk_memory_bytes=disk_memory_bytes,
     )
 
 

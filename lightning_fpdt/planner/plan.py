@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any, Literal, Optional, Union
 
 from lightning_fpdt.planner.components import GIB, MemoryPlan
+from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, geometry_name, resolve_geometry
 from lightning_fpdt.planner.host import gib
 from lightning_fpdt.planner.options import resolve_options
@@ -14,7 +15,7 @@ from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES
 from lightning_fpdt.planner.search import SEARCHED, Run, changes_between, fastest_fitting
 from lightning_fpdt.sequence.options import FPDTOptions
 
-AUTO_NEUTRAL = dict(head_chunks=1, recompute_attention=False, reload_input=False, input_prefetch=True)
+AUTO_NEUTRAL = dict(head_chunks=1, recompute_attention=False, reload_input=False, input_prefetch=True, disk_inputs=0)
 """What these options are before the search resolves their ``"auto"`` (and when nothing fits)."""
 
 Switch = Union[Literal["auto"], bool]
@@ -46,6 +47,9 @@ def plan_memory(
     reload_input: Switch = False,
     input_prefetch: Switch = True,
     host_baseline_gib: Optional[float] = None,
+    disk_memory_gib: Optional[float] = None,
+    disk_gbps: float = DISK_GBPS,
+    disk_inputs: Union[Literal["auto"], int] = "auto",
 ) -> MemoryPlan:
     """Predict the memory of one training step under ``strategy="fpdt"``, per GPU and per host; resolve the
     ``"auto"`` options to the fastest configuration that fits both memories; recommend changes when none fits.
@@ -72,6 +76,11 @@ def plan_memory(
         host_memory_gib: memory the processes of one host may hold (pinned and pageable); ``None``: not checked.
         host_baseline_gib: resident memory of one process before the step's buffers; ``None``: the planner's
             estimate (:data:`~lightning_fpdt.planner.phases.PROCESS_BASELINE_BYTES`).
+        disk_memory_gib: free space of the disk tier's directory on one host (``FPDTStrategy(offload_dir=...)``);
+            ``None``: no disk tier.
+        disk_gbps: the disk's read and write rate in GB/s, shared by the GPUs of a host.
+        disk_inputs: block inputs per GPU on disk; ``"auto"``: as many as the host's memory needs, when it needs
+            them and that is the fastest way to fit (:mod:`lightning_fpdt.planner.features.disk_tier`).
 
     Returns:
         A :class:`MemoryPlan`: components, ``peak_gpu_bytes = Σ persistent + max(transient phases)``, host bytes
@@ -95,8 +104,18 @@ def plan_memory(
                         ("input_prefetch", input_prefetch)):
         if value not in ("auto", True, False):
             raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
+    if disk_memory_gib is not None and (disk_memory_gib < 0 or disk_gbps <= 0):
+        raise ValueError(f"disk_memory_gib ({disk_memory_gib}) must be >= 0 and disk_gbps ({disk_gbps}) positive")
+    if disk_inputs != "auto":
+        if isinstance(disk_inputs, bool) or not isinstance(disk_inputs, int) or not 0 <= disk_inputs <= geometry.num_layers:
+            raise ValueError(f"disk_inputs must be 'auto' or a number of block inputs from 0 to the "
+                             f"{geometry.num_layers} layers, got {disk_inputs!r}")
+        if disk_inputs and (disk_memory_gib is None or not activation_offload):
+            raise ValueError(f"disk_inputs={disk_inputs} puts block inputs on disk: it needs activation_offload=True "
+                             f"and a disk (disk_memory_gib)")
     given = dict(chunks=chunks, offload=offload, offload_dq=offload_dq, head_chunks=head_chunks,
-                 recompute_attention=recompute_attention, reload_input=reload_input, input_prefetch=input_prefetch)
+                 recompute_attention=recompute_attention, reload_input=reload_input, input_prefetch=input_prefetch,
+                 disk_inputs=disk_inputs)
     free = {name for name, value in given.items() if value == "auto"}
     attention_options = FPDTOptions(chunks=chunks, offload=offload, offload_dq=offload_dq,
                                     head_chunks=1 if head_chunks == "auto" else head_chunks, ring_size=ring_size)
@@ -105,7 +124,9 @@ def plan_memory(
     gpu_bytes = int(gpu_memory_gib * GIB)
     run = Run(geometry, model, seq_len=seq_len, batch_size=batch_size, num_gpus=num_gpus, gpus_per_node=gpus_per_node,
               gpu_memory_bytes=gpu_bytes, host_memory_bytes=None if host_memory_gib is None else int(host_memory_gib * GIB),
-              host_baseline_bytes=PROCESS_BASELINE_BYTES if host_baseline_gib is None else int(host_baseline_gib * GIB))
+              host_baseline_bytes=PROCESS_BASELINE_BYTES if host_baseline_gib is None else int(host_baseline_gib * GIB),
+              disk_memory_bytes=None if disk_memory_gib is None else int(disk_memory_gib * GIB),
+              disk_bytes_per_second=disk_gbps * 1e9)
     neutral = {name: AUTO_NEUTRAL[name] if given[name] == "auto" else given[name] for name in AUTO_NEUTRAL}
     base = resolve_options(
         geometry, attention_options, seq_len=seq_len, batch_size=batch_size, num_gpus=num_gpus,
@@ -123,9 +144,25 @@ def plan_memory(
     explicit = {name: getattr(base, name) for name in SEARCHED if name not in free}
     recommended = fastest_fitting(run, plan.options, SEARCHED, explicit)
     if recommended is None:
-        return dataclasses.replace(plan, recommendation=nothing_fits(plan))
+        return dataclasses.replace(plan, recommendation=nothing_fits(plan, run, explicit))
     changes = changes_between(plan.options, recommended.options)
     return dataclasses.replace(plan, recommended=recommended, recommendation=said(changes, free))
+
+
+def _disk_would_need(plan: MemoryPlan, run: Optional[Run], explicit: Optional[dict[str, Any]]) -> str:
+    """With a disk tier: ``; it fits with N GiB per host on disk ...`` when a larger disk would make the run fit (the
+    search again, the disk's room unbounded), else nothing. Without one: that the disk tier may help (the search is
+    not run again: a refusal without a disk stays as fast as it was)."""
+    if run is None or not plan.options.activation_offload:
+        return ""
+    if run.disk_memory_bytes is None:
+        return "; block inputs may also go to a local disk: FPDTStrategy(offload_dir=...), `lightning-fpdt plan --disk-gib N`"
+    wider = fastest_fitting(dataclasses.replace(run, disk_memory_bytes=2**62), plan.options, SEARCHED, explicit)
+    if wider is None:
+        return ""
+    return (f"; it fits with {wider.options.disk_inputs} block inputs per GPU on disk, "
+            f"{gib(wider.disk_bytes_per_node)} GiB per host (the disk tier has {gib(run.disk_memory_bytes)} GiB "
+            f"free), with {wider.options.describe()}")
 
 
 def said(changes: dict[str, Any], auto: set[str]) -> str:
@@ -138,11 +175,16 @@ def said(changes: dict[str, Any], auto: set[str]) -> str:
     return text + (f" (\"auto\" then resolves {', '.join(resolved)})" if resolved else "")
 
 
-def nothing_fits(plan: MemoryPlan) -> str:
-    """Why no configuration fits, and what to do instead."""
+def nothing_fits(plan: MemoryPlan, run: Optional[Run] = None, explicit: Optional[dict[str, Any]] = None) -> str:
+    """Why no configuration fits, and what to do instead (``explicit``: the options the user gave, as the
+    recommendation's search weighs their changes)."""
     if plan.binding_limit == "host memory":
         return (f"nothing fits the host ({gib(plan.host_resident_bytes_per_node)} GiB per host as planned, "
-                f"{gib(plan.host_memory_bytes)} GiB there): use more hosts (each GPU holds S/P tokens) or a shorter "
-                f"sequence")
+                f"{gib(plan.host_memory_bytes)} GiB there{_disk_would_need(plan, run, explicit)}): use more hosts (each GPU "
+                f"holds S/P tokens) or a shorter sequence")
+    if plan.binding_limit == "disk space":
+        return (f"nothing fits the disk ({gib(plan.disk_bytes_per_node)} GiB per host on disk as planned, "
+                f"{gib(plan.disk_memory_bytes)} GiB free there): fewer block inputs on disk (disk_inputs), a larger "
+                f"local disk for offload_dir, more hosts or a shorter sequence")
     return ("nothing in the search fits (still over GPU memory with every memory feature tried): use more GPUs "
             "(each holds S/P tokens and 1/W of the states) or a shorter sequence")

@@ -6,11 +6,17 @@ and what they cost in step time. The search ranks every combination of the free 
 (:func:`step_seconds`) and plans them in that order until one fits: the first that fits is the fastest that fits.
 Options a user gave explicitly stay fixed when ``"auto"`` is resolved; for a recommendation they are free too, each
 change of one costing :data:`CHANGE_PENALTY` of the step, so that the fewest changes that fit come first.
+
+An option whose value follows from how much memory a plan misses (the disk tier's ``disk_inputs``) is not tried value
+by value: a plan that does not fit is handed to each feature (``relieve``), and the changed options it returns join
+the queue at their cost. Since they cost at least what the plan they relieve costs, the plans still come in the order
+of their cost, and the first that fits is still the fastest that fits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -45,16 +51,20 @@ class Run:
     gpu_memory_bytes: int
     host_memory_bytes: Optional[int]
     host_baseline_bytes: int = PROCESS_BASELINE_BYTES
+    disk_memory_bytes: Optional[int] = None
+    """Free space of the disk tier's directory per host; ``None``: no disk tier."""
+    disk_bytes_per_second: float = 0.0
+    """The disk's read and write rate per host."""
 
     def sizes(self, options: PlanOptions) -> StepSizes:
         return StepSizes(self.geometry, options, padded_length(options, self.seq_len), self.batch_size,
-                         self.num_gpus)
+                         self.num_gpus, disk_rate=self.disk_bytes_per_second / self.gpus_per_node)
 
     def plan(self, options: PlanOptions) -> MemoryPlan:
         return build_plan(self.geometry, self.model, seq_len=self.seq_len, batch_size=self.batch_size,
                           num_gpus=self.num_gpus, gpus_per_node=self.gpus_per_node, options=options,
                           gpu_memory_bytes=self.gpu_memory_bytes, host_memory_bytes=self.host_memory_bytes,
-                          host_baseline_bytes=self.host_baseline_bytes)
+                          host_baseline_bytes=self.host_baseline_bytes, disk_memory_bytes=self.disk_memory_bytes)
 
 
 def step_seconds(s: StepSizes) -> float:
@@ -92,17 +102,30 @@ def fastest_fitting(run: Run, base: PlanOptions, free: Iterable[str],
     """The plan of the fastest combination of the ``free`` options that fits the run's GPU and host memory, or
     ``None``. ``explicit``: options the user gave, each change of which costs :data:`CHANGE_PENALTY`."""
     explicit = explicit or {}
-    ranked = []
-    for options in candidates(run, base, free):
-        s = run.sizes(options)
-        seconds = step_seconds(s)
+    free = set(free)
+
+    def ranked(options: PlanOptions) -> float:
         changed = sum(getattr(options, name) != value for name, value in explicit.items())
-        ranked.append((seconds * (1 + CHANGE_PENALTY * changed), options))
-    ranked.sort(key=lambda item: item[0])
-    for _, options in ranked[:MAX_PLANS]:
+        return step_seconds(run.sizes(options)) * (1 + CHANGE_PENALTY * changed)
+
+    # (cost, order of arrival, options): equal costs keep the order of the candidates
+    queue = [(ranked(options), order, options) for order, options in enumerate(candidates(run, base, free))]
+    heapq.heapify(queue)
+    arrived = len(queue)
+    for _ in range(MAX_PLANS):
+        if not queue:
+            break
+        _, _, options = heapq.heappop(queue)
         plan = run.plan(options)
         if plan.fits:
             return plan
+        s = run.sizes(options)
+        for feature in FEATURES:
+            changes = feature.relieve(plan, s)
+            if changes and set(changes) <= free:
+                relieved = dataclasses.replace(options, **changes)
+                heapq.heappush(queue, (ranked(relieved), arrived, relieved))
+                arrived += 1
     return None
 
 

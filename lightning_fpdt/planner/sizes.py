@@ -28,6 +28,9 @@ class StepSizes:
     """``S``, padded to a multiple of ``P·u``."""
     batch_size: int
     num_gpus: int
+    disk_rate: float = 0.0
+    """Bytes per second one GPU's process reads or writes on the disk tier (its host's disk rate shared by the host's
+    GPUs); 0: no disk tier."""
 
     @property
     def dtypes(self) -> dict[str, int]:

@@ -13,6 +13,8 @@ otherwise show up as wrong gradients or a hang.
   device-to-host stream and ``prefetch`` on a host-to-device stream, ordered by CUDA events only: no
   ``synchronize()`` and no barrier anywhere in the chunk loops. On CPU the same logic runs with plain tensors and
   no streams, so the multi-process CPU tests cover it.
+- :class:`~lightning_fpdt.sequence.disk_stash.DiskStash` (a factory with a ``disk`` tier) keeps them in host memory
+  up to a budget and in files beyond it.
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ class HostBufferPool:
         if idle:
             return idle.pop()
         return self.allocator.empty(numel, dtype, what=self.what), None
+
+    def has_idle(self, dtype: torch.dtype, numel: int) -> bool:
+        """Whether a buffer of this size waits to be reused (acquiring it allocates nothing)."""
+        return bool(self._idle.get((dtype, numel)))
 
     def give_back(self, buffer: Tensor, last_read: Optional[torch.cuda.Event]) -> None:
         self._idle.setdefault((buffer.dtype, buffer.numel()), []).append((buffer, last_read))
@@ -242,6 +248,9 @@ class StashFactory:
         self.what = what
         self.guard: Optional[HostMemoryGuard] = None
         """Asked before each new host buffer (set before the first one; the strategy sets it at setup)."""
+        self.disk: Optional[Any] = None
+        """A :class:`~lightning_fpdt.sequence.disk_stash.DiskTier`: chunks beyond its host budget go to files
+        (``sequence/disk_stash.py``); ``None``: all in host memory. The strategy sets it per planned length."""
         self._pool: Optional[HostBufferPool] = None
         self._streams: dict[torch.device, CopyStreams] = {}
 
@@ -275,4 +284,6 @@ class StashFactory:
             streams = self._streams.get(device)
             if streams is None:
                 streams = self._streams[device] = CopyStreams(device)
+        if self.disk is not None:
+            return self.disk.stash(device, self._pool, streams)
         return HostStash(device, self._pool, streams)

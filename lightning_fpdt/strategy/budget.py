@@ -5,6 +5,9 @@ neither, before any pinned buffer exists (pinned-memory exhaustion takes the mac
 
 from __future__ import annotations
 
+import shutil
+import sys
+import warnings
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -17,6 +20,7 @@ from lightning_fpdt.planner.arguments import python_arguments
 from lightning_fpdt.planner.components import MemoryPlan, expandable_segments, plannable_gpu_bytes
 from lightning_fpdt.planner.host import gib
 from lightning_fpdt.planner.options import MemoryFeatures
+from lightning_fpdt.sequence.disk_stash import DiskTier, SpillDirectory, check_free_space, stale_directories
 from lightning_fpdt.sequence.host_memory import HostAllocator, HostMemoryGuard, available_host_memory, resident_bytes
 from lightning_fpdt.sequence.host_stash import StashFactory
 from lightning_fpdt.sequence.options import ResolvedOptions
@@ -125,6 +129,7 @@ def plan_for(strategy: Any, seq_len: int, batch_size: int) -> Optional[MemoryPla
         host_limit = available + local * rss - host_reserve_bytes()
     already = strategy.pinned_host_bytes + host_state_bytes(strategy.optimizers, strategy.model)
     features = MemoryFeatures.declared(strategy.lightning_module.trainer.callbacks)
+    disk = strategy.memory.disk_free_bytes()
     return plan_memory(
         geometry=geometry, seq_len=seq_len, batch_size=batch_size, chunks=options.chunks, offload=options.offload,
         offload_dq=options.offload_dq, num_gpus=strategy.world_size, gpus_per_node=local,
@@ -132,16 +137,17 @@ def plan_for(strategy: Any, seq_len: int, batch_size: int) -> Optional[MemoryPla
         precision=strategy.precision_plugin.precision, cpu_offload_params=strategy.cpu_offload_params,
         head_chunks=head_chunks, gpu_memory_gib=plannable_bytes(device) / 2**30,
         host_memory_gib=None if host_limit is None else max(host_limit, 1) / 2**30,
-        host_baseline_gib=(max(0, rss - already) + RUNTIME_GROWTH_BYTES) / 2**30, **features.plan_kwargs(),
+        host_baseline_gib=(max(0, rss - already) + RUNTIME_GROWTH_BYTES) / 2**30,
+        disk_memory_gib=None if disk is None else disk / 2**30, **features.plan_kwargs(),
     )
 
 
-def refusal(plan: Optional[MemoryPlan]) -> Optional[ValueError]:
-    """The error refusing a run whose plan fits the GPU or the host not, naming what binds and the change that fits;
-    ``None`` when it fits or nothing was planned."""
+def refusal(plan: Optional[MemoryPlan], offload_dir: Optional[str] = None) -> Optional[ValueError]:
+    """The error refusing a run whose plan fits the GPU, the host or the disk not, naming what binds and the change
+    that fits; ``None`` when it fits or nothing was planned. ``offload_dir``: the disk tier's directory, named."""
     if plan is None or plan.fits:
         return None
-    limit = "GPU" if plan.binding_limit == "gpu memory" else "host"
+    limit = {"gpu memory": "GPU", "disk space": "disk"}.get(plan.binding_limit, "host")
     fix = plan.recommendation
     if plan.recommended is not None:
         fix += "; that is\n" + python_arguments(plan.recommended)
@@ -149,8 +155,10 @@ def refusal(plan: Optional[MemoryPlan]) -> Optional[ValueError]:
         f"fpdt: this run does not fit the {limit} memory: S = {plan.seq_len:,} tokens needs "
         f"{gib(plan.peak_gpu_bytes)} GiB per GPU (of {gib(plan.gpu_memory_bytes)}) and "
         f"{gib(plan.host_resident_bytes_per_node)} GiB of host memory per host, {gib(plan.host_bytes_per_node)} of "
-        f"it pinned (of {gib(plan.host_memory_bytes)} GiB the host can give), with {plan.options.describe()}. "
-        f"Fix: {fix}. The plan: `lightning-fpdt plan` prints it; FPDTStrategy(check_memory=False) runs it anyway."
+        f"it pinned (of {gib(plan.host_memory_bytes)} GiB the host can give)"
+        + (f", {gib(plan.disk_bytes_per_node)} GiB per host on disk in {offload_dir!r} (of "
+           f"{gib(plan.disk_memory_bytes)} GiB free)" if plan.disk_bytes_per_node or offload_dir else "")
+        + f", with {plan.options.describe()}. Fix: {fix}. The plan: `lightning-fpdt plan` prints it; FPDTStrategy(check_memory=False) runs it anyway."
     )
 
 
@@ -158,11 +166,13 @@ def choice_message(plan: MemoryPlan) -> str:
     """What the run was planned to, in a few lines: the options, the peaks against the limits, what binds."""
     binding = "nothing binds" if plan.binding_limit == "fits" else plan.binding_limit
     host = "unchecked" if plan.host_memory_bytes is None else f"of {gib(plan.host_memory_bytes)}"
+    disk = ("" if plan.disk_memory_bytes is None else
+            f"disk {gib(plan.disk_bytes_per_node)} GiB per host of {gib(plan.disk_memory_bytes)} free; ")
     return (
         f"fpdt: S = {plan.seq_len:,} planned with {plan.options.describe()}\n"
         f"  predicted peak {gib(plan.peak_gpu_bytes)} GiB per GPU of {gib(plan.gpu_memory_bytes)}; host "
         f"{gib(plan.host_resident_bytes_per_node)} GiB per host ({gib(plan.host_bytes_per_node)} pinned) {host}; "
-        f"{binding}\n  as arguments:\n" + "\n".join("    " + line for line in python_arguments(plan).splitlines())
+        f"{disk}{binding}\n  as arguments:\n" + "\n".join("    " + line for line in python_arguments(plan).splitlines())
     )
 
 
@@ -178,10 +188,15 @@ class MemoryBudget:
 
     Args:
         check: refuse a length whose plan fits neither memory (else warn and run it).
+        offload_dir: the disk tier's directory (``FPDTStrategy(offload_dir=...)``); ``None``: no disk tier.
     """
 
-    def __init__(self, *, check: bool) -> None:
+    def __init__(self, *, check: bool, offload_dir: Optional[str] = None) -> None:
         self.check = check
+        self.offload_dir = offload_dir
+        self.disk: Optional[SpillDirectory] = None
+        """This process's spill files once set up (:meth:`open_disk`)."""
+        self._tiered: list[StashFactory] = []  # the factories given a disk tier
         self.plans: dict[tuple[int, int], Optional[MemoryPlan]] = {}  # (seq_len, batch) -> the plan it runs on
         self.plan: Optional[MemoryPlan] = None
         """The plan of the last length planned; ``None`` where nothing plans (no GPU, no config the planner reads)."""
@@ -228,9 +243,78 @@ class MemoryBudget:
         return found + [c.stashes for c in callbacks if isinstance(getattr(c, "stashes", None), StashFactory)]
 
     def pinned_bytes(self, strategy: Any) -> int:
-        """Host memory the process holds page-locked: the pools' buffers of a CUDA run and the states."""
+        """Host memory the process holds page-locked: the pools' buffers of a CUDA run, the disk tier's staging
+        buffers and the states."""
         states = self._states.allocated_bytes if self._states is not None and self._states.pin else 0
-        return states + sum(factory.pinned_bytes for factory in self.factories(strategy))
+        staging = self.disk.staging.allocated_bytes if self.disk is not None and self.disk.staging.allocator.pin else 0
+        return states + staging + sum(factory.pinned_bytes for factory in self.factories(strategy))
+
+    # ---- the disk tier ------------------------------------------------------------------------------------------
+    def open_disk(self, *, rank: int, local_rank: int, pin_memory: bool) -> None:
+        """At setup, with ``offload_dir``: check the directory (``ValueError`` naming it when it cannot be created or
+        written), name the directories a crash of this host's processes left there (not removed: a pid cannot prove
+        a directory unused; docs/design.md §4.4), and make this process's own."""
+        if self.offload_dir is None or (self.disk is not None and not self.disk.closed):
+            return
+        self.disk = SpillDirectory(self.offload_dir, rank=rank, pin_memory=pin_memory, guard=self.guard)
+        stale = stale_directories(self.disk.root)
+        if stale and local_rank == 0:
+            warnings.warn(
+                f"fpdt: offload_dir {self.disk.root!r} holds {len(stale)} spill directories of processes of this host "
+                f"that are no longer alive ({sum(s.nbytes for s in stale) / 2**30:.2f} GiB): "
+                + ", ".join(f"{s.path} (pid {s.pid}, {s.nbytes:,} bytes)" for s in stale)
+                + ". They are left as they are and their space is not planned with; remove them if no run uses "
+                  "them (rm -r DIR).", stacklevel=2)
+
+    def disk_free_bytes(self) -> Optional[int]:
+        """Space the disk tier may fill: the free space of ``offload_dir``'s file system and this process's own
+        files; ``None`` without a disk tier."""
+        if self.disk is None or self.disk.closed:
+            return None
+        return shutil.disk_usage(self.disk.root).free + self.disk.bytes_on_disk
+
+    def configure_disk(self, strategy: Any, plan: Optional[MemoryPlan]) -> None:
+        """Give the host buffer pools their host budgets for ``plan``: the block inputs' pool what the plan keeps in
+        host memory for them (the rest spills, the last of the forward first); the attention's pool, when it
+        offloads, its planned bytes and the host's room the plan leaves (it spills only beyond the plan). Refuses,
+        naming the directory and the bytes, a directory whose file system has less free space than the plan puts
+        there. Without a plan (no GPU, no model config) nothing spills: the pools hold what they need, as without a
+        disk tier."""
+        if self.disk is None:
+            return
+        # a tier is updated in place, never replaced: a stash made for an earlier length (the block inputs' lives as
+        # long as the model) holds it
+        for factory in self._tiered:
+            factory.disk.host_budget_bytes = sys.maxsize
+        if plan is None:
+            rank_zero_info(f"fpdt: offload_dir {self.disk.root!r} is not used: nothing plans this run (no GPU, or a "
+                           f"model config the planner does not read), so no host budget is known")
+            return
+        if plan.disk_bytes_per_node:
+            check_free_space(self.disk.root, plan.disk_bytes_per_node - self.disk.bytes_on_disk,
+                             what=f"the plan's {plan.options.disk_inputs} block inputs per GPU x "
+                                  f"{plan.gpus_per_node} GPUs of this host")
+        spare = 0
+        if plan.host_memory_bytes is not None:
+            spare = max(0, plan.host_memory_bytes - plan.host_resident_bytes_per_node) // plan.gpus_per_node
+        context = getattr(strategy, "_context", None)
+        budgets = []
+        if context is not None and plan.options.offload:
+            budgets.append((context.attention.stashes, plan.component("attention stash").host_bytes + spare))
+        if plan.options.activation_offload:
+            inputs = plan.component("checkpointed block inputs").host_bytes
+            trainer = getattr(strategy.lightning_module, "_trainer", None)
+            for callback in trainer.callbacks if trainer is not None else []:
+                features = getattr(callback, "fpdt_memory_features", None)
+                if features is not None and features.activation_offload and isinstance(
+                        getattr(callback, "stashes", None), StashFactory):
+                    budgets.append((callback.stashes, inputs))
+        for factory, host_budget in budgets:
+            if factory.disk is None:
+                factory.disk = DiskTier(self.disk, host_budget_bytes=host_budget)
+                self._tiered.append(factory)
+            else:
+                factory.disk.files, factory.disk.host_budget_bytes = self.disk, host_budget
 
     # ---- per sequence length ------------------------------------------------------------------------------------
     def plan_length(self, strategy: Any, seq_len: int, batch_size: int, *, collective: bool) -> None:
@@ -240,17 +324,18 @@ class MemoryBudget:
         for factory in self.factories(strategy):
             factory.trim()  # the buffers of another length: freed, not kept beside this length's
         plan = plan_for(strategy, seq_len, batch_size)
-        error = refusal(plan) if self.check else None
+        error = refusal(plan, self.offload_dir) if self.check else None
         if collective and not strategy.reduce_boolean_decision(error is None, all=True):
             raise error or ValueError("fpdt: another rank refused the run: it does not fit its memory (see its log)")
         if error is not None:
             raise error
         self.plans[(seq_len, batch_size)] = plan
+        self.configure_disk(strategy, plan)
         if plan is None:
             return
         if not plan.fits:
             rank_zero_warn(f"fpdt: S = {seq_len:,} does not fit as planned (check_memory=False runs it anyway): "
-                           f"{refusal(plan)}")
+                           f"{refusal(plan, self.offload_dir)}")
         self.plan = plan
         o = plan.options
         for callback in strategy.lightning_module.trainer.callbacks:
@@ -282,7 +367,11 @@ class MemoryBudget:
                 f"sequence. `lightning-fpdt plan --host-memory-gib auto` shows what fits.")
 
     def close(self) -> None:
-        """End the states' registration (the end of a fit; the memory stays FSDP2's)."""
+        """End the states' registration (the end of a fit; the memory stays FSDP2's); remove the disk tier's files
+        and directory (a later fit plans its lengths again, with a directory of its own)."""
         if self._states is not None:
             self._states.close()
             self._states = None
+        if self.disk is not None:
+            self.disk.close()  # the tiers stay with their factories; the next fit's plans point them at its directory
+            self.plans.clear()

@@ -3,6 +3,7 @@ modules beside this one (batch sharding, checkpoint state, meta init, the memory
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Generator
@@ -96,6 +97,13 @@ class FPDTStrategy(ModelParallelStrategy):
             status ``128 + signal`` (``strategy/preemption.py``); ``False``: Lightning's own handling.
         preemption_timeout: seconds a rank may make no progress after a stop signal, beyond its longest step and
             checkpoint save so far, before it exits without a checkpoint (a peer hangs outside the collective).
+        offload_dir: a directory on a local disk for the disk tier (docs/design.md §4.4): the checkpointed block
+            inputs of ``ActivationOffload`` (and the attention's chunks when ``offload`` is on) that the host's memory
+            cannot hold go to files there, written behind and read ahead; the planner counts its free space and its
+            time and uses it only where host memory does not suffice. Each process writes under
+            ``<offload_dir>/fpdt-<host>-<pid>-rank<r>/``, removed at the end of training and at exit; directories a
+            crash left are named at setup, not removed. A directory that cannot be created or written, or that has
+            less free space than the plan puts there, is refused with the bytes. ``None``: no disk tier.
     """
 
     strategy_name = "fpdt"
@@ -126,6 +134,7 @@ class FPDTStrategy(ModelParallelStrategy):
         check_memory: bool = True,
         preemption: bool = True,
         preemption_timeout: float = DEFAULT_TIMEOUT,
+        offload_dir: Optional[Union[str, os.PathLike]] = None,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -154,7 +163,11 @@ class FPDTStrategy(ModelParallelStrategy):
         self._checkpoint_size: Optional[storage.CheckpointSize] = None  # counted at setup, named when a save fails
         self._free_bytes: Optional[int] = None  # free GPU memory at the first batch, what "auto" plans with
         self._lengths_seen: set[tuple[int, ResolvedOptions]] = set()
-        self.memory = budget.MemoryBudget(check=check_memory)
+        if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
+            raise ValueError(f"offload_dir must be a directory path (str or os.PathLike) or None, got "
+                             f"{type(offload_dir).__name__} {offload_dir!r}")
+        self.offload_dir: Optional[str] = None if offload_dir is None else os.fspath(offload_dir)
+        self.memory = budget.MemoryBudget(check=check_memory, offload_dir=self.offload_dir)
         """The plans of the lengths trained, the host memory guard, the page-locked states (``strategy/budget.py``)."""
         self._padding_logged = False
         self._targetless_warned = False
@@ -255,6 +268,8 @@ class FPDTStrategy(ModelParallelStrategy):
         if not self.cpu_offload_params:
             self.model_to_device()
         self.memory.guard_host_memory(self)
+        self.memory.open_disk(rank=self.global_rank, local_rank=self.local_rank,
+                              pin_memory=self.root_device.type == "cuda")
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -430,7 +445,7 @@ class FPDTStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()
-        self.memory.close()  # the states' registration ended before FSDP2 lets the memory go
+        self.memory.close()  # the states' registration ended before FSDP2 lets the memory go, the disk tier's files gone
         if self._preemption is not None:
             self._preemption.uninstall()
         if self._in_backward is not None:

@@ -9,6 +9,7 @@ from lightning_fpdt.planner.features.attention_stash import AttentionStash
 from lightning_fpdt.planner.features.base import MemoryFeature
 from lightning_fpdt.planner.features.block_inputs import BlockInputs
 from lightning_fpdt.planner.features.chunks import Chunks
+from lightning_fpdt.planner.features.disk_tier import DiskTier
 from lightning_fpdt.planner.features.head_groups import HeadGroups
 from lightning_fpdt.planner.features.host_states import HostStates
 from lightning_fpdt.planner.features.tiled_loss import TiledLossFeature
@@ -17,6 +18,7 @@ from lightning_fpdt.planner.features.tiled_mlp import TiledMLPFeature
 FEATURES: tuple[MemoryFeature, ...] = (
     HostStates(),
     BlockInputs(),
+    DiskTier(),
     AttentionStash(),
     Chunks(),
     HeadGroups(),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_fpdt.planner.components import Component
+from lightning_fpdt.planner.components import Component, MemoryPlan
 from lightning_fpdt.planner.sizes import StepSizes
 
 
@@ -37,6 +37,13 @@ class MemoryFeature:
     def extra_seconds(self, s: StepSizes) -> float:
         """Step time this feature adds (an estimate for ranking the runs that fit; see :mod:`..cost`)."""
         return 0.0
+
+    def relieve(self, plan: MemoryPlan, s: StepSizes) -> Optional[dict[str, Any]]:
+        """For a plan that does not fit: changes of this feature's options that make it need less of the memory it
+        overshoots at more step time, computed from the plan (``s``: its sizes), or ``None``. The search plans them
+        in their turn of cost (:func:`~lightning_fpdt.planner.search.fastest_fitting`): an option whose value follows
+        from how much memory is missing is resolved this way instead of trying every value."""
+        return None
 
     def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
         """How a user asks for these options: ``{"FPDTStrategy": {...}, "ActivationOffload": {...}}``; a class named

@@ -32,8 +32,9 @@ class BlockInputs(MemoryFeature):
         o, L, A = s.o, s.L, s.A
         parts = []
         if o.activation_offload:
-            parts.append(Component("checkpointed block inputs", 0, L * A,
-                                   formula="L on host; on the GPU by phase (block inputs)"))
+            # those of the disk tier are its component (features/disk_tier.py)
+            parts.append(Component("checkpointed block inputs", 0, (L - o.disk_inputs) * A,
+                                   formula="L on host (less those on disk); on the GPU by phase (block inputs)"))
             # the forward's: the block's and the one before on its way to the host; in a block's backward its own
             # (none under reload_input) and, from the end of its MLP backward, the next one prefetched
             own, ahead, forward = (0 if o.reload_input else A), (A if o.input_prefetch and L > 1 else 0), min(2, L) * A

@@ -6,6 +6,7 @@ Every phase function and every memory feature reads its sizes from one :class:`S
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -142,3 +143,7 @@ class StepSizes:
         frees the block's own output before its backward (memory/block_offload.py)."""
         return (2 * self.norm + self.A + (self.rope if self.G == 1 else 0) + (0 if self.out_kept else self.out)
                 + self.mlp_saved)
+
+    def with_options(self, **changes: object) -> "StepSizes":
+        """The same step with some options changed."""
+        return dataclasses.replace(self, o=dataclasses.replace(self.o, **changes))

@@ -112,6 +112,7 @@ class ActivationOffload(Callback):
             activation_checkpointing=True, activation_offload=offload, recompute_attention=self.recompute_attention,
             reload_input=self.reload_input if offload else False,
             input_prefetch=self.prefetch if self.prefetch == "auto" else self.prefetch > 0,
+            keep_inputs=self.keep_inputs,
         )
 
     def resolved(self, name: str) -> Any:

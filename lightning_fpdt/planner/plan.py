@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Optional, Union
 
+from lightning_fpdt.memory.block_offload import check_keep_inputs
 from lightning_fpdt.planner.components import GIB, MemoryPlan
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, geometry_name, resolve_geometry
 from lightning_fpdt.planner.host import gib
@@ -14,7 +15,7 @@ from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES
 from lightning_fpdt.planner.search import SEARCHED, Run, changes_between, fastest_fitting
 from lightning_fpdt.sequence.options import FPDTOptions
 
-AUTO_NEUTRAL = dict(head_chunks=1, recompute_attention=False, reload_input=False, input_prefetch=True)
+AUTO_NEUTRAL = dict(head_chunks=1, recompute_attention=False, reload_input=False, input_prefetch=True, kept_inputs=0)
 """What these options are before the search resolves their ``"auto"`` (and when nothing fits)."""
 
 Switch = Union[Literal["auto"], bool]
@@ -45,6 +46,7 @@ def plan_memory(
     head_chunks: Union[Literal["auto"], int] = 1,
     reload_input: Switch = False,
     input_prefetch: Switch = True,
+    keep_inputs: Union[Literal["auto", "all"], int] = "all",
     host_baseline_gib: Optional[float] = None,
 ) -> MemoryPlan:
     """Predict the memory of one training step under ``strategy="fpdt"``, per GPU and per host; resolve the
@@ -66,6 +68,8 @@ def plan_memory(
             False)``); ``None``: only when ``activation_offload``.
         recompute_attention, reload_input, input_prefetch: ``ActivationOffload``'s ``recompute_attention``,
             ``reload_input`` and ``prefetch`` (``input_prefetch``: one block or more), or ``"auto"``.
+        keep_inputs: ``ActivationOffload(keep_inputs=...)``: ``"all"``, a count of block inputs kept (1 to the
+            model's layers; the others regenerated in the backward), or ``"auto"``.
         precision: ``"bf16-mixed"``, ``"bf16-true"`` or ``"32-true"``.
         optimizer: ``"adamw"``, ``"adam"`` (two moments) or ``"sgd"`` (none).
         gpu_memory_gib: memory of one GPU in GiB (about 79 for an H100 80GB, 139 for an H200).
@@ -95,8 +99,13 @@ def plan_memory(
                         ("input_prefetch", input_prefetch)):
         if value not in ("auto", True, False):
             raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
+    check_keep_inputs(keep_inputs, geometry.num_layers)
+    # PlanOptions counts kept inputs below L; all of them is 0
+    kept_inputs = keep_inputs if keep_inputs == "auto" else (
+        0 if keep_inputs == "all" or keep_inputs == geometry.num_layers else keep_inputs)
     given = dict(chunks=chunks, offload=offload, offload_dq=offload_dq, head_chunks=head_chunks,
-                 recompute_attention=recompute_attention, reload_input=reload_input, input_prefetch=input_prefetch)
+                 recompute_attention=recompute_attention, reload_input=reload_input, input_prefetch=input_prefetch,
+                 kept_inputs=kept_inputs)
     free = {name for name, value in given.items() if value == "auto"}
     attention_options = FPDTOptions(chunks=chunks, offload=offload, offload_dq=offload_dq,
                                     head_chunks=1 if head_chunks == "auto" else head_chunks, ring_size=ring_size)

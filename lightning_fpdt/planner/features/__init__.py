@@ -11,12 +11,14 @@ from lightning_fpdt.planner.features.block_inputs import BlockInputs
 from lightning_fpdt.planner.features.chunks import Chunks
 from lightning_fpdt.planner.features.head_groups import HeadGroups
 from lightning_fpdt.planner.features.host_states import HostStates
+from lightning_fpdt.planner.features.residency import Residency
 from lightning_fpdt.planner.features.tiled_loss import TiledLossFeature
 from lightning_fpdt.planner.features.tiled_mlp import TiledMLPFeature
 
 FEATURES: tuple[MemoryFeature, ...] = (
     HostStates(),
     BlockInputs(),
+    Residency(),
     AttentionStash(),
     Chunks(),
     HeadGroups(),

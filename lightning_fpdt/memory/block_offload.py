@@ -110,6 +110,8 @@ class BlockCheckpoints:
         self._stash: Optional[ChunkStash] = None
         self._calls: dict[int, tuple[CheckpointedForward, Any, tuple]] = {}  # key -> (block, spec, other leaves)
         self._previous: Optional[tuple[weakref.ref, int]] = None  # the last block's hidden output and its version
+        self.regenerated = 0
+        """Block inputs regenerated in backwards so far."""
 
     def configure(self, *, recompute_attention: bool, reload_input: bool, prefetch: int,
                   keep_inputs: Optional[int] = None) -> None:
@@ -168,10 +170,17 @@ class BlockCheckpoints:
         self._previous = None if hidden is None else (weakref.ref(hidden), hidden._version)
 
     def _follows_previous(self, hidden: Tensor) -> bool:
+        """Whether ``hidden`` holds the last block's output, unchanged: that tensor or an alias of it (the same memory
+        and layout; FSDP2's hooks hand a block an alias of its input), not written since (an alias shares the version
+        counter). The output is alive (the weak reference), so no other tensor can sit in its memory."""
         if not self.forward_order or self._previous is None:
             return False  # the first block of a forward
         ref, version = self._previous
-        return ref() is hidden and hidden._version == version
+        output = ref()
+        return (output is not None and hidden._version == version and hidden.device == output.device
+                and hidden.dtype == output.dtype and hidden.shape == output.shape
+                and hidden.stride() == output.stride() and hidden.storage_offset() == output.storage_offset()
+                and hidden.untyped_storage().data_ptr() == output.untyped_storage().data_ptr())
 
     def regenerate(self, key: int) -> None:
         """Before block ``key``'s backward: if its input is not in the stash, run the blocks from the nearest stashed
@@ -196,6 +205,7 @@ class BlockCheckpoints:
                     if source == keys[0]:
                         stash.release(source)  # the kept input stays on the host for its own backward
                     stash.put(target, hidden)
+                    self.regenerated += 1
         finally:
             self.set_regenerating(False)
 

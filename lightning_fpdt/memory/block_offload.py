@@ -116,8 +116,8 @@ class BlockCheckpoints:
     def configure(self, *, recompute_attention: bool, reload_input: bool, prefetch: int,
                   keep_inputs: Optional[int] = None) -> None:
         """Set how the next steps run (between steps: the strategy's choice for a sequence length)."""
-        if keep_inputs is not None:
-            check_keep_inputs(keep_inputs, self.num_blocks, words=())
+        if keep_inputs is not None:  # a count of at least the blocks keeps all (a plan made for a deeper config)
+            check_keep_inputs(keep_inputs, words=())
         self.prefetch = prefetch
         """Blocks ahead whose inputs come back during a block's backward."""
         self.reload_input = reload_input

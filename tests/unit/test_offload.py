@@ -306,10 +306,16 @@ def test_an_input_that_is_not_the_previous_output_is_kept():
 
 
 def test_keep_inputs_option_messages():
-    """keep_inputs must be 'auto', 'all' or 1..L: a wrong one is refused with the choices and the number of blocks."""
+    """keep_inputs must be 'auto', 'all' or 1..L: a wrong one is refused with the choices and the number of blocks;
+    a chosen count of at least the blocks keeps them all."""
     for wrong in (0, -1, True, "some", 2.0):
         with pytest.raises(ValueError, match="keep_inputs must be 'auto', 'all' or a number of block inputs"):
             ActivationOffload(keep_inputs=wrong)
     model, _ = _models(3)
     with pytest.raises(ValueError, match="from 1 to the model's 3 blocks, got 4"):
         ActivationOffload(keep_inputs=4).fpdt_transform(model, find_blocks(model))
+    # the strategy's choice for a config deeper than the blocks found keeps them all, rather than failing a step
+    callback = ActivationOffload()
+    callback.fpdt_transform(model, find_blocks(model))
+    callback.apply_memory_choice(recompute_attention=False, reload_input=False, prefetch=1, keep_inputs=14)
+    assert callback._owner._kept == {0, 1, 2}

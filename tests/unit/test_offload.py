@@ -262,7 +262,7 @@ def test_stash_holds_kept_inputs_and_one_segment(keep):
     (largest_segment), and is empty after each step; the gradients are those of keeping every input."""
     from lightning_fpdt.memory.block_offload import kept_positions, largest_segment
 
-    counts, ends = [], []
+    counts = []
 
     def observe(stash):
         put = stash.put

@@ -7,10 +7,14 @@ That keeps every layer's stash until its backward; ``recompute_attention=True`` 
 forward: the first forward stashes nothing, and only the layer in backward holds a stash, which is what lets a
 full-depth model reach lengths where the stashes of all layers exceed the host's memory.
 
-``recompute_attention``, ``reload_input`` and ``prefetch`` default to ``"auto"``: under ``strategy="fpdt"`` on a GPU
-the strategy chooses them, with its own ``"auto"`` options, as the fastest configuration that fits the GPU and the
-host (``lightning_fpdt.planner.search``); elsewhere ``"auto"`` is what costs nothing: the attention kept, the input
-prefetched one block ahead, not reloaded.
+``keep_inputs`` keeps only some blocks' inputs and regenerates the others in the backward by running the forward again
+from the nearest kept one (partial residency, docs/design.md §6): the host holds ``k`` inputs and one segment's
+regenerated ones instead of all ``L``, for a second forward of the blocks between the kept ones.
+
+``recompute_attention``, ``reload_input``, ``prefetch`` and ``keep_inputs`` default to ``"auto"``: under
+``strategy="fpdt"`` on a GPU the strategy chooses them, with its own ``"auto"`` options, as the fastest configuration
+that fits the GPU and the host (``lightning_fpdt.planner.search``); elsewhere ``"auto"`` is what costs nothing: the
+attention kept, the input prefetched one block ahead, not reloaded, every input kept.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ from torch import nn
 from lightning_fpdt.callbacks.transforms import transform_without_fpdt
 from lightning_fpdt.integrations import residual_mlps, shared_attentions
 from lightning_fpdt.memory import BlockCheckpoints, apply_block_offload, find_blocks
+from lightning_fpdt.memory.block_offload import check_keep_inputs
 from lightning_fpdt.planner.options import MemoryFeatures
 from lightning_fpdt.sequence.host_stash import StashFactory
 from lightning_fpdt.sequence.options import check_switch
 
-AUTO_VALUES = dict(recompute_attention=False, reload_input=False, prefetch=1)
+AUTO_VALUES = dict(recompute_attention=False, reload_input=False, prefetch=1, keep_inputs="all")
 """What ``"auto"`` is where nothing plans it (another strategy, no GPU): what costs nothing."""
 
 
@@ -52,6 +57,13 @@ class ActivationOffload(Callback):
             per block that the backward waits for. With ``prefetch=0`` too, a block's backward holds no block input
             but briefly at its end: what reaches the longest sequences on one GPU. Needs ``offload=True``;
             ``"auto"``: chosen by the strategy, else off.
+        keep_inputs: ``"all"``: every block's input waits for its backward; an int ``k`` (``1 <= k <=`` the number
+            of blocks): only ``k`` of them, evenly spaced from the first, and the others are regenerated in the
+            backward by running the blocks after the nearest kept input forward again (no gradients; the attention
+            is not run again unless ``recompute_attention``). The host (or, with ``offload=False``, the GPU) then
+            holds ``k`` inputs and at most ``⌈L/k⌉ - 1`` regenerated ones instead of ``L``, for a forward of the
+            ``L - k`` blocks before them. The gradients are the same. ``"auto"``: chosen by the strategy (fewer only
+            where the memory needs it), else ``"all"``.
 
     With ``strategy="fpdt"`` the strategy applies it before FSDP2; with another strategy it wraps the blocks of the
     LightningModule's model at ``setup`` (checkpointing and offload work; the attention is recomputed there).
@@ -69,6 +81,7 @@ class ActivationOffload(Callback):
         offload: bool = True,
         recompute_attention: Union[Literal["auto"], bool] = "auto",
         reload_input: Union[Literal["auto"], bool] = "auto",
+        keep_inputs: Union[Literal["auto", "all"], int] = "auto",
     ) -> None:
         if prefetch != "auto" and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
             raise ValueError(f"prefetch must be >= 0 blocks, got {prefetch!r} (or 'auto': the strategy chooses)")
@@ -77,10 +90,12 @@ class ActivationOffload(Callback):
         if reload_input is True and not offload:
             raise ValueError("reload_input brings block inputs back from the host: it needs offload=True (with "
                              "offload=False they stay on the GPU anyway)")
+        check_keep_inputs(keep_inputs)
         self.layer_classes = layer_classes
         self.prefetch = prefetch
         self.recompute_attention = recompute_attention
         self.reload_input = reload_input
+        self.keep_inputs = keep_inputs
         self.stashes = StashFactory(offload=offload, pin_memory=pin_memory, what="the checkpointed block inputs")
         self._owner: Optional[BlockCheckpoints] = None
 
@@ -97,24 +112,33 @@ class ActivationOffload(Callback):
             activation_checkpointing=True, activation_offload=offload, recompute_attention=self.recompute_attention,
             reload_input=self.reload_input if offload else False,
             input_prefetch=self.prefetch if self.prefetch == "auto" else self.prefetch > 0,
+            keep_inputs=self.keep_inputs,
         )
 
     def resolved(self, name: str) -> Any:
-        """The value of ``recompute_attention``, ``reload_input`` or ``prefetch`` in force: the one given, or the
-        strategy's choice for ``"auto"`` (:meth:`apply_memory_choice`), or, before any choice, what costs nothing."""
+        """The value of ``recompute_attention``, ``reload_input``, ``prefetch`` or ``keep_inputs`` in force: the one
+        given, or the strategy's choice for ``"auto"`` (:meth:`apply_memory_choice`), or, before any choice, what
+        costs nothing."""
         value = getattr(self, name)
         if value != "auto":
             return value
         return getattr(self, "_chosen", {}).get(name, AUTO_VALUES[name])
 
-    def apply_memory_choice(self, *, recompute_attention: bool, reload_input: bool, prefetch: int) -> None:
+    def apply_memory_choice(self, *, recompute_attention: bool, reload_input: bool, prefetch: int,
+                            keep_inputs: Union[Literal["all"], int] = "all") -> None:
         """The strategy's choice for this run's sequence length: taken for the options left at ``"auto"`` (an
         explicit value stays; the strategy plans with it)."""
-        self._chosen = dict(recompute_attention=recompute_attention, reload_input=reload_input, prefetch=prefetch)
+        self._chosen = dict(recompute_attention=recompute_attention, reload_input=reload_input, prefetch=prefetch,
+                            keep_inputs=keep_inputs)
         if self._owner is not None:
             self._owner.configure(recompute_attention=self.resolved("recompute_attention"),
                                   reload_input=self.resolved("reload_input") and self.stashes.offload,
-                                  prefetch=self.resolved("prefetch"))
+                                  prefetch=self.resolved("prefetch"), keep_inputs=self._kept_count())
+
+    def _kept_count(self) -> Optional[int]:
+        """``keep_inputs`` in force as the blocks' owner takes it: ``None`` for all."""
+        value = self.resolved("keep_inputs")
+        return None if value == "all" else value
 
     def fpdt_transform(self, model: nn.Module, blocks: list[nn.Module]) -> None:
         blocks = find_blocks(model, self.layer_classes) if self.layer_classes else blocks
@@ -122,11 +146,12 @@ class ActivationOffload(Callback):
             raise ValueError(
                 f"ActivationOffload found no transformer blocks in {type(model).__name__}: give layer_classes=[...]"
             )
+        check_keep_inputs(self.keep_inputs, num_blocks=len(blocks))
         # the attentions record their first pass (and do not run again) unless the recompute runs them
         self._owner = apply_block_offload(
             blocks, stashes=self.stashes, prefetch=self.resolved("prefetch"), attentions=shared_attentions(model),
             unused_mlp_values=residual_mlps(blocks), reload_input=self.resolved("reload_input"),
-            recompute_attention=self.resolved("recompute_attention"),
+            recompute_attention=self.resolved("recompute_attention"), keep_inputs=self._kept_count(),
         )
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:

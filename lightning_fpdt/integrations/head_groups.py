@@ -164,8 +164,13 @@ class HeadGroupedAttention:
         params = self.family.parameters(module)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *aux, *params)):
             return _HeadGroupedFunction.apply(self, module, x, len(aux), *aux, *params)
-        # no graph: evaluation, or a checkpoint's first forward (which records every group for the recompute)
-        return head_groups_forward(self, module, x, aux, params, mode="record" if self.shared.recording else "compute")
+        # no graph: evaluation, a checkpoint's first forward (which records every group for the recompute), or a
+        # forward run again to regenerate block inputs (the recorded outputs summed, their records left for the replay)
+        if self.shared.regenerating and self.recorded:
+            mode = "kept"
+        else:
+            mode = "record" if self.shared.recording else "compute"
+        return head_groups_forward(self, module, x, aux, params, mode=mode)
 
     def __repr__(self) -> str:
         lay = self.layout
@@ -176,8 +181,8 @@ class HeadGroupedAttention:
 def head_groups_forward(layer: HeadGroupedAttention, module: nn.Module, x: Tensor, aux: Sequence[Tensor],
                         params: Sequence[Tensor], mode: str) -> Tensor:
     """The group loop of the forward, under no grad. ``mode``: ``"record"`` runs each group's attention and keeps it
-    for the backward's replay; ``"kept"`` (a checkpoint's recompute) only sums the output projection of the recorded
-    outputs; ``"compute"`` (evaluation) keeps nothing."""
+    for the backward's replay; ``"kept"`` (a checkpoint's recompute, or a forward regenerating block inputs) only sums
+    the output projection of the recorded outputs; ``"compute"`` (evaluation) keeps nothing."""
     y = None  # (B, S/P, hidden): the running sum of the groups' output projections
     for group, handle in enumerate(layer.handles):
         p = layer.group_params(params, group)

@@ -20,12 +20,27 @@ recompute takes their output back instead of running attention again (docs/desig
 ``recompute_attention`` they are not, and the recompute runs the attention again. MLPs passed as
 ``unused_mlp_values`` feed only the residual add that ends their block: nothing reads their value in the recompute,
 and a tiled MLP there skips computing it (:func:`mlp_value_unused`), since its backward recomputes the tiles anyway.
+
+Partial residency (``keep_inputs``): only some inputs are stashed, the first block's and the others at evenly spaced
+positions (:func:`kept_positions`); the inputs between two kept ones (a segment) are regenerated in the backward.
+When the backward reaches a block whose input is not in the stash, the blocks from the nearest stashed input up to it
+run forward again, without gradients, and their outputs go into the stash as the inputs of the blocks after them;
+each block's checkpointed backward then runs as it always does, and frees its input. The stash so holds the kept
+inputs and at most one segment's regenerated ones. The regenerating forward runs the blocks' forwards with the same
+inputs (the kept input and the tensors each block got besides its hidden states: positions, RoPE tables), so it
+computes the same values. The attention is not run again where its first pass was recorded: the recorded output is
+taken without being consumed, and the layer's own recompute replays it later as without residency
+(``regenerating`` on the attention objects); under ``recompute_attention`` it is computed. An input that is not the
+previous block's output as it left that block (anything ran between the blocks) cannot be regenerated that way: it
+is kept, whatever the schedule.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import weakref
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -34,6 +49,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
+from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_fpdt.sequence.host_stash import ChunkStash, HostStash, StashFactory
@@ -47,26 +63,70 @@ def mlp_value_unused(mlp: nn.Module) -> bool:
     return id(mlp) in _UNUSED_VALUES.get()
 
 
+def check_keep_inputs(value: Any, num_blocks: Optional[int] = None, words: tuple[str, ...] = ("auto", "all")) -> None:
+    """``keep_inputs`` is one of ``words`` (an option's ``"auto"``, ``"all"``) or a count from 1 to the
+    ``num_blocks`` blocks (when known); ValueError naming the choices."""
+    if isinstance(value, str) and value in words:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (num_blocks is not None
+                                                                               and value > num_blocks):
+        blocks = "the number of blocks" if num_blocks is None else f"the model's {num_blocks} blocks"
+        choices = "".join(f"{word!r}, " for word in words[:-1]) + (f"{words[-1]!r} or " if words else "")
+        raise ValueError(f"keep_inputs must be {choices}a number of block inputs from 1 to {blocks}, got {value!r}")
+
+
+def kept_positions(num_blocks: int, keep_inputs: Optional[int]) -> frozenset[int]:
+    """The forward positions of the blocks whose inputs are kept: ``keep_inputs`` of the ``num_blocks`` evenly spaced
+    from the first (``⌊i·L/k⌋``), or all of them for ``None`` (or ``k >= L``)."""
+    if keep_inputs is None or keep_inputs >= num_blocks:
+        return frozenset(range(num_blocks))
+    return frozenset(i * num_blocks // keep_inputs for i in range(keep_inputs))
+
+
+def largest_segment(num_blocks: int, keep_inputs: Optional[int]) -> int:
+    """The most inputs regenerated at once, between two kept ones of :func:`kept_positions`: ``⌈L/k⌉ - 1`` (the
+    ``k`` gaps between kept positions add up to ``L``, none is longer than ``⌈L/k⌉``, one is as long); 0 when all
+    are kept."""
+    if keep_inputs is None or keep_inputs >= num_blocks:
+        return 0
+    return math.ceil(num_blocks / keep_inputs) - 1
+
+
 class BlockCheckpoints:
-    """The stash of block inputs of one model, and the order blocks ran in (for the one-ahead prefetch)."""
+    """The stash of block inputs of one model, the order blocks ran in (for the one-ahead prefetch) and, under partial
+    residency, what each block was called with (for the regenerating forward)."""
 
     def __init__(self, stashes: StashFactory, prefetch: int, attentions: Sequence[Any] = (),
-                 reload_input: bool = False, recompute_attention: bool = False) -> None:
+                 reload_input: bool = False, recompute_attention: bool = False, num_blocks: int = 1,
+                 keep_inputs: Optional[int] = None) -> None:
         self.stashes = stashes
         self.attentions = list(attentions)
-        """Told to keep what the recompute needs (unless it recomputes them); objects with a ``recording`` flag."""
-        self.configure(recompute_attention=recompute_attention, reload_input=reload_input, prefetch=prefetch)
+        """Told to keep what the recompute needs (unless it recomputes them); objects with ``recording`` and
+        ``regenerating`` flags."""
+        self.num_blocks = num_blocks
+        self.configure(recompute_attention=recompute_attention, reload_input=reload_input, prefetch=prefetch,
+                       keep_inputs=keep_inputs)
         self.forward_order: list[int] = []  # stash keys of this step's blocks, in forward order
         self._stash: Optional[ChunkStash] = None
+        self._calls: dict[int, tuple[CheckpointedForward, Any, tuple]] = {}  # key -> (block, spec, other leaves)
+        self._previous: Optional[tuple[weakref.ref, int]] = None  # the last block's hidden output and its version
+        self.regenerated = 0
+        """Block inputs regenerated in backwards so far."""
 
-    def configure(self, *, recompute_attention: bool, reload_input: bool, prefetch: int) -> None:
+    def configure(self, *, recompute_attention: bool, reload_input: bool, prefetch: int,
+                  keep_inputs: Optional[int] = None) -> None:
         """Set how the next steps run (between steps: the strategy's choice for a sequence length)."""
+        if keep_inputs is not None:  # a count of at least the blocks keeps all (a plan made for a deeper config)
+            check_keep_inputs(keep_inputs, words=())
         self.prefetch = prefetch
         """Blocks ahead whose inputs come back during a block's backward."""
         self.reload_input = reload_input
         """Leave a block's input on the host through its backward (when the stash offloads; module docstring)."""
         self.recompute_attention = recompute_attention
         """Run the attention again in the recompute instead of keeping its first pass."""
+        self.keep_inputs = keep_inputs
+        """Block inputs kept in the stash, evenly spaced; ``None``: all (module docstring)."""
+        self._kept = kept_positions(self.num_blocks, keep_inputs)
 
     def stash(self, device: torch.device) -> ChunkStash:
         if self._stash is None:
@@ -88,6 +148,99 @@ class BlockCheckpoints:
         for attention in self.attentions:
             attention.recording = on
 
+    # ---- partial residency ------------------------------------------------------------------------------------------
+    def begin_forward(self, block: "CheckpointedForward", spec: Any, leaves: tuple) -> bool:
+        """A block's first forward starts: note it and what it was called with; whether its input goes to the stash
+        (kept by the schedule, or not regenerable: module docstring)."""
+        key = block.key
+        if key in self.forward_order:  # an earlier forward whose graph was discarded without its backward
+            self.forward_order.clear()
+            self._calls.clear()
+        follows = self._follows_previous(leaves[0])
+        self.forward_order.append(key)
+        if self.keep_inputs is None:
+            return True
+        self._calls[key] = (block, spec, leaves[1:])
+        return not follows or key in self._kept
+
+    def end_forward(self, output: Any) -> None:
+        """A block's first forward has returned ``output``: remember its hidden states, which the next block's input
+        must be (unchanged) for that input to be regenerable."""
+        hidden = _hidden_output(output)
+        self._previous = None if hidden is None else (weakref.ref(hidden), hidden._version)
+
+    def _follows_previous(self, hidden: Tensor) -> bool:
+        """Whether ``hidden`` holds the last block's output, unchanged: that tensor or an alias of it (the same memory
+        and layout; FSDP2's hooks hand a block an alias of its input), not written since (an alias shares the version
+        counter). The output is alive (the weak reference), so no other tensor can sit in its memory."""
+        if not self.forward_order or self._previous is None:
+            return False  # the first block of a forward
+        ref, version = self._previous
+        output = ref()
+        return (output is not None and hidden._version == version and hidden.device == output.device
+                and hidden.dtype == output.dtype and hidden.shape == output.shape
+                and hidden.stride() == output.stride() and hidden.storage_offset() == output.storage_offset()
+                and hidden.untyped_storage().data_ptr() == output.untyped_storage().data_ptr())
+
+    def regenerate(self, key: int) -> None:
+        """Before block ``key``'s backward: if its input is not in the stash, run the blocks from the nearest stashed
+        input up to it forward again (no gradients) and stash their outputs as the inputs they were."""
+        stash = self._stash
+        if key in stash:
+            return
+        end = self.forward_order.index(key)
+        start = end - 1
+        while self.forward_order[start] not in stash:
+            start -= 1
+            assert start >= 0, "the first block's input is always kept"
+        keys = self.forward_order[start:end + 1]
+        hidden = stash.get(keys[0])
+        self.set_regenerating(True)
+        try:
+            with torch.no_grad():
+                for source, target in zip(keys, keys[1:]):
+                    block, spec, others = self._calls[source]
+                    with _gathered(block.module):
+                        hidden = _hidden_output(block.run(spec, (hidden, *others)))
+                    if source == keys[0]:
+                        stash.release(source)  # the kept input stays on the host for its own backward
+                    stash.put(target, hidden)
+                    self.regenerated += 1
+        finally:
+            self.set_regenerating(False)
+
+    def set_regenerating(self, on: bool) -> None:
+        for attention in self.attentions:
+            attention.regenerating = on
+
+    def end_backward(self, key: int) -> None:
+        """Block ``key``'s backward is done: what it was called with is needed no more; the first block's ends the
+        step."""
+        self._calls.pop(key, None)
+        if key == self.forward_order[0]:
+            self.forward_order.clear()
+            self._calls.clear()
+            self._previous = None
+
+
+def _hidden_output(output: Any) -> Optional[Tensor]:
+    """The hidden states a block returns: its first tensor output (the next block's input)."""
+    return next((leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, Tensor)), None)
+
+
+@contextlib.contextmanager
+def _gathered(module: Optional[nn.Module]) -> Any:
+    """FSDP2 leaves a block's parameters sharded between its forward and its backward: gathered for a forward run
+    again in the backward, sharded again after it."""
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()
+
 
 class _OffloadedCheckpoint(torch.autograd.Function):
     """One block, checkpointed, its first input kept in the host stash.
@@ -107,20 +260,23 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         stash = owner.stash(hidden.device)
         if key in stash:
             stash.free(key)  # a graph discarded without backward
-        stash.put(key, hidden.detach())
-        owner.forward_order.append(key)
+        if owner.begin_forward(block, spec, leaves):
+            stash.put(key, hidden.detach())
         ctx.block, ctx.spec, ctx.others = block, spec, leaves[1:]
         owner.set_recording(True)
         try:
             with torch.no_grad():
-                return block.run(spec, (hidden, *leaves[1:]))
+                output = block.run(spec, (hidden, *leaves[1:]))
         finally:
             owner.set_recording(False)
+        owner.end_forward(output)
+        return output
 
     @staticmethod
     def backward(ctx, *grad_outputs: Tensor) -> tuple[Optional[Tensor], ...]:
         block = ctx.block
         owner = block.owner
+        owner.regenerate(block.key)  # a block whose input was not kept: regenerated into the stash first
         if block.mlp is None:
             owner.prefetch_before(block.key)
         hidden = _RecomputeInput(owner, block)
@@ -147,8 +303,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         torch.autograd.backward([edge for edge, _ in roots], [g for _, g in roots])
         other_grads = [x.grad if isinstance(x, Tensor) and x.requires_grad else None for x in others]
         grad_hidden = hidden.finish()
-        if block.key == owner.forward_order[0]:
-            owner.forward_order.clear()  # the first block's backward ends the step
+        owner.end_backward(block.key)
         return (None, None, grad_hidden, *other_grads)
 
 
@@ -269,8 +424,10 @@ class CheckpointedForward:
     """What replaces a block's ``forward``: the original forward, checkpointed with its input offloaded."""
 
     def __init__(self, forward: Callable[..., Any], owner: BlockCheckpoints, key: int,
-                 mlp: Optional[nn.Module] = None) -> None:
+                 mlp: Optional[nn.Module] = None, module: Optional[nn.Module] = None) -> None:
         self.forward, self.owner, self.key = forward, owner, key
+        self.module = module
+        """The block whose forward this is (FSDP2 gathers its parameters for a regenerating forward)."""
         self.__wrapped__ = forward  # the wrapper convention: what this forward wraps
         self.mlp = mlp
         """The block's MLP when its output only feeds the residual add that ends the block (``residual_mlps``):
@@ -300,19 +457,21 @@ def offloaded_blocks(blocks: Sequence[nn.Module]) -> Optional[BlockCheckpoints]:
 def apply_block_offload(
     blocks: Sequence[nn.Module], *, stashes: StashFactory, prefetch: int = 1, attentions: Sequence[Any] = (),
     unused_mlp_values: Optional[Mapping[nn.Module, nn.Module]] = None, reload_input: bool = False,
-    recompute_attention: bool = False,
+    recompute_attention: bool = False, keep_inputs: Optional[int] = None,
 ) -> BlockCheckpoints:
     """Checkpoint each of ``blocks`` with its input in ``stashes`` (host memory when offloading); in place,
     idempotent. ``attentions`` record their first pass unless ``recompute_attention``; ``unused_mlp_values`` maps a
     block to its MLP whose output only feeds the block's residual add; ``reload_input`` leaves a block's input on the
-    host through its backward (both: see the module docstring). Returns the blocks' owner."""
+    host through its backward; ``keep_inputs`` keeps that many inputs (``None``: all) and regenerates the others in
+    the backward (all: see the module docstring). Returns the blocks' owner."""
     if not blocks:
         raise ValueError("apply_block_offload got no blocks")
     wrapped = offloaded_blocks(blocks)
     if wrapped is not None:
         return wrapped  # fit then validate must not wrap twice
-    owner = BlockCheckpoints(stashes, prefetch, attentions, reload_input, recompute_attention)
+    owner = BlockCheckpoints(stashes, prefetch, attentions, reload_input, recompute_attention, len(blocks),
+                             keep_inputs)
     unused = unused_mlp_values or {}
     for key, block in enumerate(blocks):
-        block.forward = CheckpointedForward(block.forward, owner, key, unused.get(block))
+        block.forward = CheckpointedForward(block.forward, owner, key, unused.get(block), block)
     return owner

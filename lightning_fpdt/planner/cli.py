@@ -95,6 +95,15 @@ def _switch(value: str) -> Union[str, bool]:
     return choices[value]
 
 
+def _keep_inputs(value: str) -> Union[str, int]:
+    if value in ("auto", "all"):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"choose auto, all or a number of block inputs, not {value!r}") from None
+
+
 def _host_memory(value: str) -> Union[str, float]:
     return value if value == "auto" else float(value)
 
@@ -146,6 +155,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "input stays on the host through its backward")
     parser.add_argument("--prefetch", type=_auto_or_int, default="auto",
                         help="ActivationOffload(prefetch=...): block inputs brought back ahead (0: none), or auto")
+    parser.add_argument("--keep-inputs", type=_keep_inputs, default="auto",
+                        help="ActivationOffload(keep_inputs=...): all, a number k of block inputs kept (the others "
+                             "regenerated in the backward: k + ceil(L/k) - 1 held instead of L), or auto")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
                         help="GiB of one GPU (an H100 80GB reports ~79, an H200 ~139); the plan fills it less the CUDA "
                              "context and the allocator's fragmentation, as the strategy does")
@@ -183,7 +195,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             host_memory_gib=host, recompute_attention=args.recompute_attention, head_chunks=args.head_chunks,
             reload_input=args.reload_input,
             input_prefetch=args.prefetch if args.prefetch == "auto" else args.prefetch > 0,
-            host_baseline_gib=args.host_baseline_gib, disk_memory_gib=args.disk_gib, disk_gbps=args.disk_gbps,
+            keep_inputs=args.keep_inputs, host_baseline_gib=args.host_baseline_gib, disk_memory_gib=args.disk_gib,
+            disk_gbps=args.disk_gbps,
         )
     except ValueError as error:
         print(f"lightning-fpdt plan: {error}", file=sys.stderr)

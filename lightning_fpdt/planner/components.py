@@ -13,7 +13,8 @@ Persistent (held through the step)::
     gradients     = grad·L·Θ_block/W                          the blocks' shards (the root's: see the phases)
     optimizer     = 2·master·Θ/W                              AdamW's two moments
     checkpoints   = min(2, L)·A (ActivationOffload: current + prefetched; L·A on the host) | L·A (checkpointing on
-                    the GPU) | L·(A + layer activations) (no checkpointing)
+                    the GPU) | L·(A + layer activations) (no checkpointing); with keep_inputs=k, (k + ⌈L/k⌉ - 1)·A
+                    instead of L·A (the kept inputs and the largest segment regenerated at once)
     attention     = L·(stash_bytes + kept out) on the GPU, or on the host when offloaded  (planning.stash_bytes;
                     "kept out" = N·H·D·b per layer under checkpointing or head_chunks > 1: the attention is not
                     recomputed)
@@ -43,7 +44,8 @@ until Lightning's ``zero_grad``, which runs after the next step's forward and lo
 
     predicted peak per GPU = Σ persistent + max(transient phases)
     pinned host per host   = GPUs per node × (offloaded attention: L·(stash_bytes + kept out) + one layer's dout and out
-                             (+ fp32 partial dQ) + offloaded block inputs L·A + CPU-offloaded parameters,
+                             (+ fp32 partial dQ) + offloaded block inputs L·A (or (k + ⌈L/k⌉ - 1)·A) + CPU-offloaded
+                             parameters,
                              gradients and optimizer states)
 
 With a ring (``ring_size = R > 1``, docs/ring.md) the attention terms use the Ulysses size ``U = P/R`` for the heads

@@ -57,6 +57,10 @@ class PlanOptions:
     disk_inputs: int = 0
     """Block inputs (per GPU) in files of the disk tier (``FPDTStrategy(offload_dir=...)``) instead of pinned host
     memory: the last ones of the forward, those beyond the host budget (under ``activation_offload`` only)."""
+    kept_inputs: int = 0
+    """``ActivationOffload(keep_inputs=k)``: how many block inputs wait for their backward, evenly spaced, the
+    others regenerated in the backward (partial residency); ``0``: every block's (``keep_inputs="all"``). A count
+    is below the number of layers: keeping all of them is ``0``."""
 
     def __post_init__(self) -> None:
         if self.activation_offload and not self.activation_checkpointing:
@@ -66,6 +70,9 @@ class PlanOptions:
         if self.disk_inputs < 0 or (self.disk_inputs and not self.activation_offload):
             raise ValueError(f"disk_inputs={self.disk_inputs}: block inputs go to disk only from host memory, under "
                              f"activation_offload; use 0 <= disk_inputs with activation_offload=True")
+        if self.kept_inputs < 0 or (self.kept_inputs and not self.activation_checkpointing):
+            raise ValueError(f"kept_inputs={self.kept_inputs} needs checkpointed blocks and a count >= 0 (0: all "
+                             f"kept): set activation_checkpointing=True with it, or kept_inputs=0")
         if self.ring_size > 1 and (self.chunks > 1 or self.offload_dq):
             raise ValueError(
                 f"ring_size={self.ring_size} with chunks={self.chunks}, offload_dq={self.offload_dq}: FPDT chunks are "
@@ -90,6 +97,7 @@ class PlanOptions:
             + (" reload_input" if self.activation_offload and self.reload_input else "")
             + (" prefetch=0" if self.activation_offload and not self.input_prefetch else "")
             + (f" disk_inputs={self.disk_inputs}" if self.disk_inputs else "")
+            + (f" keep_inputs={self.kept_inputs}" if self.kept_inputs else "")
         )
 
 
@@ -112,6 +120,8 @@ class MemoryFeatures:
     """``ActivationOffload(reload_input=...)``."""
     input_prefetch: Switch = True
     """``ActivationOffload(prefetch=...)`` of one block or more (``False``: ``prefetch=0``)."""
+    keep_inputs: Union[Literal["auto", "all"], int] = "all"
+    """``ActivationOffload(keep_inputs=...)``: ``"all"``, a count of block inputs kept, or ``"auto"``."""
     tiled_mlp: bool = False
     """``TiledMLP``."""
     tiled_loss: bool = False
@@ -156,7 +166,7 @@ def resolve_options(
     gpus_per_node: int, sequence_parallel_size: Union[str, int], activation_offload: bool,
     activation_checkpointing: Optional[bool], tiled_mlp: bool, tiled_loss: bool, precision: str, optimizer: str,
     cpu_offload_params: bool, gpu_memory_bytes: int, recompute_attention: bool = False, reload_input: bool = False,
-    input_prefetch: bool = True, disk_inputs: int = 0,
+    input_prefetch: bool = True, disk_inputs: int = 0, kept_inputs: int = 0,
 ) -> PlanOptions:
     """The sizes (as the strategy resolves its mesh) and the attention options (:meth:`FPDTOptions.resolve`, with
     the free memory of :func:`free_for_auto`) of a plan."""
@@ -178,7 +188,7 @@ def resolve_options(
         activation_checkpointing=activation_offload or bool(activation_checkpointing),
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, cpu_offload_params=cpu_offload_params, precision=precision,
         optimizer=optimizer, recompute_attention=recompute_attention, ring_size=ring, head_chunks=head_chunks,
-        reload_input=reload_input, input_prefetch=input_prefetch, disk_inputs=disk_inputs,
+        reload_input=reload_input, input_prefetch=input_prefetch, disk_inputs=disk_inputs, kept_inputs=kept_inputs,
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Optional, Union
 
+from lightning_fpdt.memory.block_offload import check_keep_inputs
 from lightning_fpdt.planner.components import GIB, MemoryPlan
 from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, geometry_name, resolve_geometry
@@ -15,7 +16,8 @@ from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES
 from lightning_fpdt.planner.search import SEARCHED, Run, changes_between, fastest_fitting
 from lightning_fpdt.sequence.options import FPDTOptions
 
-AUTO_NEUTRAL = dict(head_chunks=1, recompute_attention=False, reload_input=False, input_prefetch=True, disk_inputs=0)
+AUTO_NEUTRAL = dict(head_chunks=1, recompute_attention=False, reload_input=False, input_prefetch=True, disk_inputs=0,
+                    kept_inputs=0)
 """What these options are before the search resolves their ``"auto"`` (and when nothing fits)."""
 
 Switch = Union[Literal["auto"], bool]
@@ -46,6 +48,7 @@ def plan_memory(
     head_chunks: Union[Literal["auto"], int] = 1,
     reload_input: Switch = False,
     input_prefetch: Switch = True,
+    keep_inputs: Union[Literal["auto", "all"], int] = "all",
     host_baseline_gib: Optional[float] = None,
     disk_memory_gib: Optional[float] = None,
     disk_gbps: float = DISK_GBPS,
@@ -70,6 +73,8 @@ def plan_memory(
             False)``); ``None``: only when ``activation_offload``.
         recompute_attention, reload_input, input_prefetch: ``ActivationOffload``'s ``recompute_attention``,
             ``reload_input`` and ``prefetch`` (``input_prefetch``: one block or more), or ``"auto"``.
+        keep_inputs: ``ActivationOffload(keep_inputs=...)``: ``"all"``, a count of block inputs kept (1 to the
+            model's layers; the others regenerated in the backward), or ``"auto"``.
         precision: ``"bf16-mixed"``, ``"bf16-true"`` or ``"32-true"``.
         optimizer: ``"adamw"``, ``"adam"`` (two moments) or ``"sgd"`` (none).
         gpu_memory_gib: memory of one GPU in GiB (about 79 for an H100 80GB, 139 for an H200).
@@ -113,9 +118,13 @@ def plan_memory(
         if disk_inputs and (disk_memory_gib is None or not activation_offload):
             raise ValueError(f"disk_inputs={disk_inputs} puts block inputs on disk: it needs activation_offload=True "
                              f"and a disk (disk_memory_gib)")
+    check_keep_inputs(keep_inputs, geometry.num_layers)
+    # PlanOptions counts kept inputs below L; all of them is 0
+    kept_inputs = keep_inputs if keep_inputs == "auto" else (
+        0 if keep_inputs == "all" or keep_inputs == geometry.num_layers else keep_inputs)
     given = dict(chunks=chunks, offload=offload, offload_dq=offload_dq, head_chunks=head_chunks,
                  recompute_attention=recompute_attention, reload_input=reload_input, input_prefetch=input_prefetch,
-                 disk_inputs=disk_inputs)
+                 disk_inputs=disk_inputs, kept_inputs=kept_inputs)
     free = {name for name, value in given.items() if value == "auto"}
     attention_options = FPDTOptions(chunks=chunks, offload=offload, offload_dq=offload_dq,
                                     head_chunks=1 if head_chunks == "auto" else head_chunks, ring_size=ring_size)

@@ -34,8 +34,9 @@ SEARCHED = tuple(field for feature in FEATURES for field in feature.fields)
 """Every option the search can change, feature by feature."""
 CHANGE_PENALTY = 0.1
 """Step time charged, as a share of the step, for each option a recommendation changes from what the user gave."""
-MAX_PLANS = 6000
-"""Plans the search builds at most before it says that nothing fits (the largest spaces hold about that many)."""
+MAX_PLANS = 16000
+"""Plans the search builds at most before it says that nothing fits (the largest spaces hold about that many: a
+recommendation for a model whose every option is free, with the kept block inputs' four values)."""
 
 
 @dataclass(frozen=True)

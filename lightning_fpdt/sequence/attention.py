@@ -117,6 +117,10 @@ class FPDTAttention:
         """The current batch's layout, from the strategy's batch plan; ``None``: built from the group per call."""
         self.recording = False
         """Set by a checkpoint around a block's first forward: keep what the recompute will need."""
+        self.regenerating = False
+        """Set by a checkpoint around a forward run again in the backward to regenerate block inputs (partial
+        residency): a layer whose first pass was recorded returns that output without consuming it (its own
+        recompute replays it later); one that recorded nothing computes the attention, keeping nothing."""
         self.kernel_calls = 0
         """Attention computations run (a recompute served from the first forward does not count)."""
         self.documents: Optional[DocumentBoundaries] = None
@@ -191,6 +195,10 @@ class LayerAttention:
                  document_ids: Optional[Tensor] = None) -> Tensor:
         shared = self.shared
         check_document_ids(shared, document_ids)
+        if shared.regenerating:
+            # the recorded output, as the first forward returned it; the record stays for the layer's recompute
+            return self.kept_output() if self._first_pass is not None else shared(query, key, value, causal=causal,
+                                                                                  scale=scale)
         if self._first_pass is not None and in_backward():
             return self._replay(query, key, value)
         if not shared.recording:

@@ -43,3 +43,19 @@ def test_all_memory_callbacks_together(dist_pool):
         dict(kind="hf", dp=1, sp=2, chunks=2, accumulate=1, seq_len=16),
     ])
     dist_pool(4).run(run_with_all_three, cases=[dict(kind="llama", dp=1, sp=4, chunks=2, accumulate=1, seq_len=24)])
+
+
+def run_with_residency(cases: list[dict]) -> None:
+    for case in cases:
+        callback = ActivationOffload(keep_inputs=1)
+        parity.train_and_compare(**case, callbacks=[callback])
+        assert callback._owner.regenerated > 0  # the second block's input came from a forward in the backward
+
+
+def test_regenerated_inputs_under_fsdp2(dist_pool):
+    """keep_inputs=1 at P = 2: the second block's input is regenerated in the backward, its FSDP2-sharded parameters
+    gathered for that forward; training equals one process (reference Llama with gradient accumulation, HF Llama)."""
+    dist_pool(2).run(run_with_residency, cases=[
+        dict(kind="llama", dp=1, sp=2, chunks=2, accumulate=2, seq_len=15),
+        dict(kind="hf", dp=1, sp=2, chunks=2, accumulate=1, seq_len=16),
+    ])

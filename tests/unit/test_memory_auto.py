@@ -16,7 +16,7 @@ from lightning_fpdt.strategy import budget
 
 GIB = 2**30
 AUTO = dict(chunks="auto", offload="auto", offload_dq="auto", head_chunks="auto", recompute_attention="auto",
-            reload_input="auto", input_prefetch="auto")
+            reload_input="auto", input_prefetch="auto", keep_inputs="auto")
 CALLBACKS = dict(activation_offload=True, tiled_mlp=True, tiled_loss=True)
 
 
@@ -90,6 +90,7 @@ def test_the_choice_reads_as_arguments_and_yaml():
     assert chosen["FPDTStrategy"] == {"sequence_parallel_size": 4, "offload": o.offload, "offload_dq": o.offload_dq,
                                       "chunks": o.chunks, "head_chunks": o.head_chunks}
     assert chosen["ActivationOffload"] == {"reload_input": o.reload_input, "prefetch": int(o.input_prefetch),
+                                           "keep_inputs": o.kept_inputs or "all",
                                            "recompute_attention": o.recompute_attention}
     config = yaml.safe_load(textwrap.dedent(text.split("as YAML:\n", 1)[1].rsplit("\n(a model", 1)[0]))
     assert config["trainer"]["strategy"]["init_args"] == chosen["FPDTStrategy"]
@@ -110,6 +111,13 @@ def test_activation_offload_takes_the_strategys_choice_for_auto_only():
     fixed = ActivationOffload(recompute_attention=False, prefetch=2)
     fixed.apply_memory_choice(recompute_attention=True, reload_input=True, prefetch=0)
     assert [fixed.resolved(n) for n in ("recompute_attention", "reload_input", "prefetch")] == [False, True, 2]
+    # keep_inputs: every input where nothing chose, the choice for "auto", an explicit count stays
+    assert ActivationOffload().resolved("keep_inputs") == "all"
+    auto.apply_memory_choice(recompute_attention=False, reload_input=False, prefetch=1, keep_inputs=7)
+    assert auto.resolved("keep_inputs") == 7
+    pinned = ActivationOffload(keep_inputs=3)
+    pinned.apply_memory_choice(recompute_attention=False, reload_input=False, prefetch=1, keep_inputs=7)
+    assert pinned.resolved("keep_inputs") == 3
 
 
 def test_host_states_are_pinned_exactly_and_the_rest_pageable():
@@ -124,3 +132,18 @@ def test_host_states_are_pinned_exactly_and_the_rest_pageable():
     assert plan.component("process baseline").pageable_bytes == int(2.5 * GIB)
     assert plan.host_resident_bytes_per_node == sum(c.host_bytes + c.pageable_bytes for c in plan.components)
     assert plan.host_bytes_per_node == sum(c.host_bytes for c in plan.components)
+
+
+def test_the_strategy_hands_activation_offload_its_kept_inputs(monkeypatch):
+    """The plan of a length hands ActivationOffload the block inputs to keep ("auto" takes them; 0 is "all")."""
+    from types import SimpleNamespace
+
+    callback = ActivationOffload()
+    module = SimpleNamespace(trainer=SimpleNamespace(callbacks=[callback]))
+    monkeypatch.setattr(FPDTStrategy, "lightning_module", property(lambda self: module))
+    for keep, expected in ((7, 7), ("all", "all")):
+        plan = plan_memory(geometry="llama3-3b", seq_len=131072, num_gpus=1, chunks=2, offload=True,
+                           offload_dq=False, gpu_memory_gib=139, keep_inputs=keep, **CALLBACKS)
+        monkeypatch.setattr(budget, "plan_for", lambda strategy, seq_len, batch_size, plan=plan: plan)
+        FPDTStrategy().check_memory_plan(131072, 1)
+        assert callback.resolved("keep_inputs") == expected

@@ -202,3 +202,120 @@ def test_activation_offload_option_messages():
         ActivationOffload(offload=False, reload_input=True)
     with pytest.raises(ValueError, match="found no transformer blocks in Linear"):
         ActivationOffload().fpdt_transform(torch.nn.Linear(2, 2), [])
+
+
+# ---- partial residency: keep_inputs ------------------------------------------------------------------------------
+def _residency_run(keep_inputs, *, head_chunks=1, prefetch=1, reload=False, recompute=False, packed=False,
+                   num_layers=5, seed=0, observe=None):
+    """Two steps of a 5-layer fp64 reference Llama under ActivationOffload(keep_inputs=...) on fresh random tokens;
+    returns the parameters' gradients, the attention and the callback. ``observe(stash)`` wraps the stash's put."""
+    from lightning_fpdt.sequence.documents import DocumentBoundaries
+
+    model, _ = _models(num_layers)
+    attention = FPDTAttention(num_chunks=2, backend="math", offload=True, head_chunks=head_chunks)
+    install_reference_llama(model, SequenceParallelContext(group=None, attention=attention))
+    callback = ActivationOffload(prefetch=prefetch, reload_input=reload, recompute_attention=recompute,
+                                 keep_inputs=keep_inputs)
+    callback.fpdt_transform(model, find_blocks(model))
+    if observe is not None:
+        observe(callback._owner.stash(torch.device("cpu")))
+    gen = torch.Generator().manual_seed(100 + seed)
+    ids = torch.randint(0, 256, (2, 16), generator=gen)
+    targets = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    kwargs = {}
+    if packed:  # documents of random lengths, one crossing the FPDT chunk edge; positions restart per document
+        cut = int(torch.randint(3, 13, (1,), generator=gen))
+        document_ids = torch.tensor([[0] * cut + [1] * (16 - cut), [0] * 16])
+        positions = torch.cat([torch.arange(cut), torch.arange(16 - cut)]).expand(2, 16).clone()
+        positions[1] = torch.arange(16)
+        attention.documents = DocumentBoundaries.from_document_ids(document_ids)
+        kwargs = dict(position_ids=positions, document_ids=document_ids)
+    for _ in range(2):
+        model(input_ids=ids, labels=targets, **kwargs).backward()
+    return {n: p.grad for n, p in model.named_parameters()}, attention, callback
+
+
+@pytest.mark.parametrize("head_chunks", [1, 2])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("prefetch, reload", [(0, False), (1, False), (0, True), (1, True)])
+def test_regenerated_inputs_give_the_same_gradients(head_chunks, recompute, packed, prefetch, reload):
+    """keep_inputs=2 of 5 blocks (kept 0 and 2; 1, 3 and 4 regenerated in the backward) gives every parameter the
+    gradient of keeping every input, bit for bit, with head groups, attention recompute, packed documents, the
+    prefetch and reload_input; where the first pass was recorded the attention runs no more than when every input is
+    kept, under recompute_attention once more per regenerated block."""
+    options = dict(head_chunks=head_chunks, prefetch=prefetch, reload=reload, recompute=recompute, packed=packed)
+    kept, kept_attention, _ = _residency_run("all", **options)
+    grads, attention, callback = _residency_run(2, **options)
+    for name, expected in kept.items():
+        # fp64, and the regenerating forward repeats the first forward's operations on the same values: bit-equal
+        assert torch.equal(grads[name], expected), name
+    regenerated = 3 * head_chunks * 2  # blocks 1, 3, 4 x groups x steps
+    extra = regenerated if recompute else 0
+    assert attention.kernel_calls == kept_attention.kernel_calls + extra
+    assert len(callback._owner._stash) == 0  # every input, kept or regenerated, freed by its block's backward
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3, 5])
+def test_stash_holds_kept_inputs_and_one_segment(keep):
+    """The host stash never holds more than the kept inputs and one segment's regenerated ones, ``k + ⌈L/k⌉ - 1``
+    (largest_segment), and is empty after each step; the gradients are those of keeping every input."""
+    from lightning_fpdt.memory.block_offload import kept_positions, largest_segment
+
+    counts = []
+
+    def observe(stash):
+        put = stash.put
+
+        def counting_put(key, tensor):
+            put(key, tensor)
+            counts.append(len(stash))
+        stash.put = counting_put
+
+    kept, _, _ = _residency_run("all", num_layers=7, seed=3)
+    grads, _, callback = _residency_run(keep, num_layers=7, seed=3, observe=observe)
+    assert len(kept_positions(7, keep)) == keep and 0 in kept_positions(7, keep)
+    assert max(counts) == min(7, keep + largest_segment(7, keep))
+    assert len(callback._owner._stash) == 0
+    for name, expected in kept.items():
+        assert torch.equal(grads[name], expected), name  # fp64, the same operations on the same values
+
+
+def test_an_input_that_is_not_the_previous_output_is_kept():
+    """A model that changes the hidden states between blocks (here a scale): those inputs cannot be regenerated from
+    the block before, so they are kept whatever the schedule, and the gradients stay exact."""
+    model, plain = _models(4)
+    for m in (model, plain):
+        install_reference_llama(m, SequenceParallelContext(group=None, attention=FPDTAttention(num_chunks=2,
+                                                                                               backend="math")))
+        layers = list(m.model.layers)
+        for layer in layers[1:3]:  # blocks 1 and 2 get 0.5 x the previous output
+            layer.register_forward_pre_hook(lambda module, args: (args[0] * 0.5, *args[1:]))
+    callback = ActivationOffload(keep_inputs=1)
+    callback.fpdt_transform(model, find_blocks(model))
+    stored = []
+    stash = callback._owner.stash(torch.device("cpu"))
+    put = stash.put
+    stash.put = lambda key, tensor: (stored.append(key), put(key, tensor))
+    _train_steps(plain, steps=1)
+    _train_steps(model, steps=1)
+    assert stored[:3] == [0, 1, 2]  # the forward: the first input and the two scaled ones; then block 3 regenerated
+    assert stored[3:] == [3]
+    for (name, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12, msg=name)  # fp64, the same arithmetic
+
+
+def test_keep_inputs_option_messages():
+    """keep_inputs must be 'auto', 'all' or 1..L: a wrong one is refused with the choices and the number of blocks;
+    a chosen count of at least the blocks keeps them all."""
+    for wrong in (0, -1, True, "some", 2.0):
+        with pytest.raises(ValueError, match="keep_inputs must be 'auto', 'all' or a number of block inputs"):
+            ActivationOffload(keep_inputs=wrong)
+    model, _ = _models(3)
+    with pytest.raises(ValueError, match="from 1 to the model's 3 blocks, got 4"):
+        ActivationOffload(keep_inputs=4).fpdt_transform(model, find_blocks(model))
+    # the strategy's choice for a config deeper than the blocks found keeps them all, rather than failing a step
+    callback = ActivationOffload()
+    callback.fpdt_transform(model, find_blocks(model))
+    callback.apply_memory_choice(recompute_attention=False, reload_input=False, prefetch=1, keep_inputs=14)
+    assert callback._owner._kept == {0, 1, 2}

@@ -431,7 +431,7 @@ def test_cli_prints_the_table(capsys):
     assert out == format_plan(plan_memory(
         geometry=resolve_geometry("llama3-8b", num_layers=4), seq_len=262144, num_gpus=4, chunks=4, offload=True,
         activation_offload=True, tiled_mlp=True, tiled_loss=True, head_chunks="auto", recompute_attention="auto",
-        reload_input="auto", input_prefetch="auto",
+        reload_input="auto", input_prefetch="auto", keep_inputs="auto",
         gpu_memory_gib=plannable_gpu_bytes(139 * GIB, expandable_segments=expandable_segments()) / GIB)) + "\n"
 
 
@@ -521,11 +521,77 @@ def test_callbacks_declare_what_the_planner_takes():
                                      TiledMLP(), TiledLoss()]).plan_kwargs()
     assert flags == {"tiled_mlp": True, "tiled_loss": True, "activation_checkpointing": True,
                      "activation_offload": True, "recompute_attention": True, "reload_input": True,
-                     "input_prefetch": False}
+                     "input_prefetch": False, "keep_inputs": "auto"}
     assert MemoryFeatures.declared([ActivationOffload(), TiledMLP()]).plan_kwargs() == {
         "tiled_mlp": True, "tiled_loss": False, "activation_checkpointing": True, "activation_offload": True,
-        "recompute_attention": "auto", "reload_input": "auto", "input_prefetch": "auto"}
+        "recompute_attention": "auto", "reload_input": "auto", "input_prefetch": "auto", "keep_inputs": "auto"}
     assert MemoryFeatures.declared([]) == MemoryFeatures()  # no callback: nothing checkpointed or tiled
     plan = plan_memory(geometry="llama3-8b", seq_len=1_572_864, num_gpus=1, chunks=24, offload=True,
                        offload_dq=True, head_chunks=4, cpu_offload_params=True, gpu_memory_gib=79, **flags)
     assert plan.fits_gpu and plan.options.reload_input and not plan.options.input_prefetch
+
+
+# ---- partial residency: keep_inputs ------------------------------------------------------------------------------
+def test_residency_holds_kept_inputs_and_one_segment():
+    """keep_inputs=k: the block inputs' host term is (k + ⌈L/k⌉ - 1)·A instead of L·A (on the GPU with checkpointing
+    on the GPU), the regenerating forward adds its backward-side tensors to the forward phase, the plan prints and
+    writes it as ActivationOffload(keep_inputs=k), and it costs the L - k blocks' forward."""
+    from lightning_fpdt.planner import step_seconds
+    from lightning_fpdt.planner.arguments import arguments, python_arguments
+    from lightning_fpdt.planner.search import Run
+
+    run = dict(geometry="llama3-3b", seq_len=131072, num_gpus=1, chunks=2, offload=True, offload_dq=False,
+               tiled_mlp=True, tiled_loss=True)
+    A = 131072 * 3072 * 2  # one bf16 hidden-state tensor
+    every = plan_memory(**run, activation_offload=True)
+    some = plan_memory(**run, activation_offload=True, keep_inputs=7)
+    assert every.options.kept_inputs == 0 and some.options.kept_inputs == 7
+    assert every.component("checkpointed block inputs").host_bytes == 28 * A
+    assert some.component("checkpointed block inputs").host_bytes == (7 + 3) * A  # 28 / 7 = 4: 3 regenerated at once
+    assert every.host_bytes_per_node - some.host_bytes_per_node == 18 * A
+    regenerating = some.component("regenerating forward (in the backward)")
+    assert regenerating.phase == "attention forward" and regenerating.gpu_bytes > A
+    assert "keep_inputs=7" in some.options.describe() and "keep_inputs=7" in python_arguments(some)
+    assert arguments(every)["ActivationOffload"]["keep_inputs"] == "all"
+    on_gpu = plan_memory(**run, activation_checkpointing=True, activation_offload=False, keep_inputs=7)
+    assert on_gpu.component("checkpointed block inputs").gpu_bytes == 10 * A
+    assert plan_memory(**run, activation_offload=True, keep_inputs=28).options.kept_inputs == 0  # all of them
+    sizes = Run(every.geometry, every.model, 131072, 1, 1, 1, 80 * GIB, None)
+    seconds = [step_seconds(sizes.sizes(plan_memory(**run, activation_offload=True, keep_inputs=k).options))
+               for k in ("all", 14, 7, 1)]
+    assert seconds == sorted(seconds) and len(set(seconds)) == 4  # fewer kept, more blocks run again
+
+
+def test_auto_keeps_fewer_inputs_only_where_the_host_needs_it():
+    """Llama-3.2-3B geometry at 1,048,576 tokens on one H200 (139 GiB) with a 118 GiB host: every block input is
+    28 x 6 GiB, more than the host, so with keep_inputs="all" nothing fits but fewer kept inputs (the
+    recommendation); "auto" keeps some and fits both memories. With a 2 TB host it keeps every input (regenerating
+    costs time)."""
+    from lightning_fpdt.planner.features.residency import kept_input_choices
+
+    assert kept_input_choices(28) == (14, 7) and kept_input_choices(2) == (1,)
+    run = dict(geometry="llama3-3b", seq_len=1 << 20, num_gpus=1, activation_offload=True, tiled_mlp=True,
+               tiled_loss=True, gpu_memory_gib=plannable_gpu_bytes(139 * GIB) / GIB, chunks="auto", offload="auto",
+               offload_dq="auto", head_chunks="auto", recompute_attention="auto", reload_input="auto",
+               input_prefetch="auto")
+    before = plan_memory(**run, host_memory_gib=118)  # keep_inputs="all", as before the option existed
+    assert not before.fits and before.recommendation.startswith("set kept_inputs=")
+    tight = plan_memory(**run, host_memory_gib=118, keep_inputs="auto")
+    assert tight.fits and tight.options.kept_inputs in (14, 7)
+    assert tight.host_resident_bytes_per_node <= 118 * GIB
+    roomy = plan_memory(**run, host_memory_gib=2048, keep_inputs="auto")
+    assert roomy.fits and roomy.options.kept_inputs == 0
+
+
+def test_keep_inputs_is_refused_outside_1_to_l(capsys):
+    """plan_memory and the command refuse a keep_inputs that is not 'auto', 'all' or 1..L, naming the layers."""
+    for wrong in (0, 29, "some"):
+        with pytest.raises(ValueError, match="keep_inputs must be 'auto', 'all' or a number of block inputs from 1 "
+                                             "to the model's 28 blocks"):
+            plan_memory(geometry="llama3-3b", seq_len=65536, num_gpus=1, activation_offload=True, tiled_mlp=True,
+                        tiled_loss=True, keep_inputs=wrong)
+    assert main(["--model", "llama3-3b", "--seq-len", "65536", "--keep-inputs", "29"]) == 2
+    assert "the model's 28 blocks, got 29" in capsys.readouterr().err
+    assert main(["--model", "llama3-3b", "--seq-len", "65536", "--keep-inputs", "7",
+                 "--gpu-memory-gib", "139"]) == 0
+    assert "keep_inputs=7" in capsys.readouterr().out

@@ -55,7 +55,8 @@ def test_disk_column_moves_host_bytes():
 def test_disk_space_limits_the_plan():
     """Block inputs on disk count against its free space: too small a disk is not used (nothing fits, and the
     message says what disk would), and an explicit count over the disk binds on the disk."""
-    small = plan_memory(**RUN, host_memory_gib=30, disk_memory_gib=5)
+    # an 80 GB GPU: the block inputs cannot move to the GPU instead (kept in part, as partial residency would)
+    small = plan_memory(**{**RUN, "gpu_memory_gib": 80}, host_memory_gib=30, disk_memory_gib=5)
     assert not small.fits and small.binding_limit == "host memory"
     assert "block inputs per GPU on disk" in small.recommendation and "the disk tier has 5.00 GiB free" in \
         small.recommendation
@@ -97,8 +98,10 @@ def test_format_plan_and_command_print_the_disk(capsys):
     out = capsys.readouterr().out
     assert "pageable      disk" in out and "block inputs on disk" in out and "disk_inputs=" in out
     assert "disk per host (offload_dir)" in out and "of 60.0 GiB" in out and "offload_dir=" in out
-    assert main(args) == 1
+    # every block input kept (no partial residency): without a disk nothing fits
+    assert main(args + ["--keep-inputs", "all"]) == 1
     out = capsys.readouterr().out
     assert "disk" not in out
-    assert "--disk-gib N" in plan_memory(**RUN, host_memory_gib=30).recommendation  # nothing fits: the disk named
+    nothing = plan_memory(**{**RUN, "gpu_memory_gib": 80}, host_memory_gib=30)  # the GPU cannot take the inputs
+    assert "--disk-gib N" in nothing.recommendation  # nothing fits: the disk named
     assert "disk per host" in format_plan(plan_memory(**RUN, host_memory_gib=118, disk_memory_gib=60))

@@ -12,6 +12,7 @@ from lightning_fpdt.planner.features.chunks import Chunks
 from lightning_fpdt.planner.features.disk_tier import DiskTier
 from lightning_fpdt.planner.features.head_groups import HeadGroups
 from lightning_fpdt.planner.features.host_states import HostStates
+from lightning_fpdt.planner.features.residency import Residency
 from lightning_fpdt.planner.features.tiled_loss import TiledLossFeature
 from lightning_fpdt.planner.features.tiled_mlp import TiledMLPFeature
 
@@ -19,6 +20,7 @@ FEATURES: tuple[MemoryFeature, ...] = (
     HostStates(),
     BlockInputs(),
     DiskTier(),
+    Residency(),
     AttentionStash(),
     Chunks(),
     HeadGroups(),

@@ -31,10 +31,12 @@ class BlockInputs(MemoryFeature):
     def components(self, s: StepSizes) -> list[Component]:
         o, L, A = s.o, s.L, s.A
         parts = []
+        # every block's input, or under partial residency the kept ones and one segment's regenerated ones
+        held, count = s.resident_inputs * A, "k + ⌈L/k⌉ - 1" if o.kept_inputs else "L"
         if o.activation_offload:
-            # those of the disk tier are its component (features/disk_tier.py)
-            parts.append(Component("checkpointed block inputs", 0, (L - o.disk_inputs) * A,
-                                   formula="L on host (less those on disk); on the GPU by phase (block inputs)"))
+            # the disk tier's share of them is its own component (features/disk_tier.py)
+            parts.append(Component("checkpointed block inputs", 0, held - o.disk_inputs * A,
+                                   formula=f"{count} on host (less those on disk); on the GPU by phase (block inputs)"))
             # the forward's: the block's and the one before on its way to the host; in a block's backward its own
             # (none under reload_input) and, from the end of its MLP backward, the next one prefetched
             own, ahead, forward = (0 if o.reload_input else A), (A if o.input_prefetch and L > 1 else 0), min(2, L) * A
@@ -47,7 +49,7 @@ class BlockInputs(MemoryFeature):
             ):
                 parts.append(Component(f"block inputs ({phase})", gpu, phase=phase, formula=formula))
         elif o.activation_checkpointing:
-            parts.append(Component("checkpointed block inputs", L * A, formula="L x B·S/P·hidden"))
+            parts.append(Component("checkpointed block inputs", held, formula=f"{count} x B·S/P·hidden"))
         else:
             parts.append(Component("activations (no checkpointing)", L * (A + s.layer),
                                    formula="L x (block input + layer activations)"))
@@ -77,5 +79,5 @@ class BlockInputs(MemoryFeature):
         if not o.activation_checkpointing:
             return {}
         if not o.activation_offload:
-            return {"ActivationOffload": {"offload": False}}
+            return {"ActivationOffload": {"offload": False}}  # (keep_inputs: the residency feature's)
         return {"ActivationOffload": {"reload_input": o.reload_input, "prefetch": 1 if o.input_prefetch else 0}}

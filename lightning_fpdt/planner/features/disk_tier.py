@@ -99,4 +99,4 @@ def spilled_inputs(plan: MemoryPlan, s: StepSizes) -> Optional[int]:
     over = math.ceil((plan.host_resident_bytes_per_node - plan.host_memory_bytes) / plan.gpus_per_node)
     staging = 0 if o.disk_inputs else STAGING_DEPTH * s.A  # the first spill adds the staging buffers
     k = o.disk_inputs + math.ceil((over + staging) / s.A)
-    return None if k > s.L else k
+    return None if k > s.resident_inputs else k

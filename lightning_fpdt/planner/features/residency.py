@@ -1,0 +1,79 @@
+"""Partial residency of block inputs (``ActivationOffload(keep_inputs=k)``, memory/block_offload.py): only ``k``
+block inputs, evenly spaced, wait for their backward; the others are regenerated in the backward by a forward from
+the nearest kept one. The inputs held at once, ``k + ⌈L/k⌉ - 1`` instead of ``L``, are the block inputs' own term
+(:attr:`StepSizes.resident_inputs`, read by :mod:`.block_inputs`); this feature owns what the regeneration adds:
+the GPU memory of a forward run inside the backward, and its time.
+
+The option is ``kept_inputs`` of :class:`~lightning_fpdt.planner.options.PlanOptions`: ``0`` keeps every input (no
+regeneration), a count ``1 <= k < L`` keeps that many."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from lightning_fpdt.memory.block_offload import largest_segment
+from lightning_fpdt.planner.components import Component
+from lightning_fpdt.planner.cost import COPY_BYTES, attention_forward_seconds, dense_forward_seconds
+from lightning_fpdt.planner.features.base import MemoryFeature
+from lightning_fpdt.planner.sizes import StepSizes
+
+
+def kept_input_choices(num_layers: int) -> tuple[int, ...]:
+    """Counts worth trying, most kept (cheapest) first: about ``L/2``, ``L/4`` and ``⌈√L⌉`` (where
+    ``k + ⌈L/k⌉ - 1``, the inputs held, is smallest; fewer kept hold more), each raised to the largest count that
+    holds no more inputs (fewer regenerated blocks for the same memory). Three at most: each multiplies the search."""
+    def held(k: int) -> int:
+        return k + largest_segment(num_layers, k)
+
+    counts = set()
+    for k in (num_layers // 2, num_layers // 4, math.ceil(math.sqrt(num_layers))):
+        if 1 <= k < num_layers:
+            while k + 1 < num_layers and held(k + 1) <= held(k):
+                k += 1
+            counts.add(k)
+    return tuple(sorted(counts, reverse=True))
+
+
+class Residency(MemoryFeature):
+    fields = ("kept_inputs",)
+
+    def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
+        given = (s.o.kept_inputs,) if s.o.kept_inputs else ()
+        return (0, *sorted(set(kept_input_choices(s.L)) | set(given), reverse=True))
+
+    def normalise(self, changes: dict[str, Any]) -> Optional[dict[str, Any]]:
+        if not changes["activation_checkpointing"]:
+            changes["kept_inputs"] = 0  # no block inputs wait for a backward
+        return changes
+
+    def components(self, s: StepSizes) -> list[Component]:
+        if not (s.o.activation_checkpointing and s.o.kept_inputs):
+            return []
+        # the regenerating forward runs a block forward (the attention-forward phase's terms, which stand for it)
+        # inside the backward: beside it the gradient into the block in backward, the lm_head gradient, the block in
+        # backward gathered (one more than the forward's two) and one block's gradients in their reduce-scatter
+        d, V, h = s.dtypes, s.g.vocab_size, s.g.hidden_size
+        extra = s.A + V * h * s.b + s.block_parameters * (2 * d["param"] + d["reduce"])
+        return [Component("regenerating forward (in the backward)", extra, phase="attention forward",
+                          formula="grad into the block + lm_head grad + a block gathered + one block's gradients")]
+
+    def extra_seconds(self, s: StepSizes) -> float:
+        o = s.o
+        if not (o.activation_checkpointing and o.kept_inputs):
+            return 0.0
+        regenerated = s.L - o.kept_inputs  # each regenerated input is one block's forward run again
+        seconds = dense_forward_seconds(s, regenerated * s.block_parameters)
+        if o.recompute_attention:
+            seconds += attention_forward_seconds(s) * regenerated / s.L  # nothing recorded: computed again
+        elif o.offload:
+            seconds += regenerated * s.out / COPY_BYTES  # the recorded output comes back from the host
+        if o.activation_offload:
+            # each regenerated input goes to the host and comes back: a round trip, about half of it waited for
+            seconds += regenerated * s.A / COPY_BYTES
+        return seconds
+
+    def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
+        if not s.o.activation_checkpointing:
+            return {}
+        return {"ActivationOffload": {"keep_inputs": s.o.kept_inputs or "all"}}

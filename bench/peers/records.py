@@ -147,6 +147,7 @@ def options(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
                 "callbacks": ["ActivationOffload", "TiledMLP", "TiledLoss", "MFUMonitor"],
                 "recompute_attention": args.recompute_attention, "head_chunks": args.head_chunks,
                 "reload_input": args.reload_input, "prefetch": args.prefetch,
+                "keep_inputs": getattr(args, "keep_inputs", "all"), "auto_options": getattr(args, "auto_options", False),
                 "host_step": ("after backward" if args.host_step_after_backward else "in backward")
                 if args.cpu_offload_params else None,
                 "model_code": "transformers" if args.system == "fpdt-hf" else "lightning_fpdt"}

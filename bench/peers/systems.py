@@ -243,14 +243,17 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
             from bench.peers.hf_llama import HFLlamaLM  # transformers is imported when the model is built
 
             module = HFLlamaLM(args.model, num_layers=layers, max_seq_len=args.seq_len, seed=args.seed, lr=args.lr)
-        if getattr(args, "auto_options", False):  # the strategy chooses every memory option
+        keep = getattr(args, "keep_inputs", "all")
+        count = None if keep in ("all", "auto") else int(keep)
+        if getattr(args, "auto_options", False):  # the strategy chooses every memory option but a count given
             memory: dict[str, Any] = dict(chunks="auto", offload="auto", offload_dq="auto", head_chunks="auto")
-            blocks: dict[str, Any] = dict(recompute_attention="auto", reload_input="auto", prefetch="auto")
+            blocks: dict[str, Any] = dict(recompute_attention="auto", reload_input="auto", prefetch="auto",
+                                          keep_inputs="auto" if count is None else count)
         else:
             memory = dict(chunks=args.chunks, offload=ON_OFF_AUTO[args.offload],
                           offload_dq=ON_OFF_AUTO[args.offload_dq], head_chunks=args.head_chunks)
             blocks = dict(recompute_attention=args.recompute_attention, reload_input=args.reload_input,
-                          prefetch=args.prefetch)
+                          prefetch=args.prefetch, keep_inputs=keep if count is None else count)
         strategy = FPDTStrategy(**memory, attention_backend=args.attention_backend,
                                 cpu_offload_params=args.cpu_offload_params,
                                 host_step_in_backward=not args.host_step_after_backward)

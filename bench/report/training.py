@@ -46,11 +46,14 @@ DEPTH = Section(
 
 def placement(record: Record) -> str:
     """Where the run kept the parameters' states: ``"GPU"``, or ``"host"`` with ``--cpu-offload-params``, where
-    fpdt's record says when the host stepped: ``"host, step in backward"`` or ``"host, step after backward"``."""
+    fpdt's record says when the host stepped: ``"host, step in backward"`` or ``"host, step after backward"``; with
+    partial residency, how many block inputs it kept (``"GPU, 7 block inputs kept"``)."""
     options = record.get("options") or {}
+    kept = options.get("keep_inputs")
+    inputs = f", {kept} block inputs kept" if isinstance(kept, int) or str(kept).isdigit() else ""
     if not options.get("cpu_offload_params"):
-        return "GPU"
-    return f"host, step {options['host_step']}" if options.get("host_step") else "host"
+        return "GPU" + inputs
+    return (f"host, step {options['host_step']}" if options.get("host_step") else "host") + inputs
 
 
 def throughput_groups(records: list[Record]) -> dict[tuple, dict[str, Record]]:

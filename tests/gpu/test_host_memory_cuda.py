@@ -25,7 +25,9 @@ def test_registered_buffers_are_pinned_exactly_and_copy_back():
     buffers = [allocator.empty(3 * GIB // 8, torch.bfloat16) for _ in range(4)]
     grown = resident_bytes() - before
     assert allocator.allocated_bytes == 3 * GIB
-    assert 3 * GIB <= grown < 3 * GIB + 64 * 2**20, grown / GIB
+    # the pages themselves, and the driver's own record of the registration (a few percent): never the 4 GiB that
+    # power-of-two blocks would take
+    assert 3 * GIB <= grown < 3.25 * GIB, grown / GIB
     assert all(b.is_pinned() for b in buffers)
     x = torch.randn(3 * GIB // 8, device="cuda", dtype=torch.bfloat16)
     stream = torch.cuda.Stream()

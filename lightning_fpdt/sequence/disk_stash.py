@@ -462,19 +462,7 @@ class DiskStash(HostStash):
             return super().put(key, tensor)
         nbytes = tensor.numel() * tensor.element_size()
         staging, last_read = files.staging.acquire(tensor.dtype, tensor.numel())
-        written = None
-        if self.streams is None:
-            staging.view(tensor.shape).copy_(tensor)
-        else:
-            produced = torch.cuda.current_stream(self.device).record_event()
-            stream = self.streams.to_host
-            with torch.cuda.stream(stream):
-                stream.wait_event(produced)  # the chunk is computed
-                if last_read is not None:
-                    stream.wait_event(last_read)  # the staging buffer's last host-to-device copy has read it
-                staging.view(tensor.shape).copy_(tensor, non_blocking=True)
-                written = stream.record_event()
-            tensor.record_stream(stream)  # its memory is not reused before the copy has read it
+        written = self._copy_to_host(staging.view(tensor.shape), tensor, last_read)
         path = files.new_file(nbytes)
         self._entries[key] = _DiskChunk(path, tensor.shape, tensor.dtype, nbytes,
                                         written=files.submit_write(path, staging, nbytes, written))

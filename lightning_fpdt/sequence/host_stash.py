@@ -166,19 +166,26 @@ class HostStash(ChunkStash):
             raise RuntimeError(f"stash: put of {key!r}, which is already stashed (free it first)")
         buffer, last_read = self.pool.acquire(tensor.dtype, tensor.numel())
         entry = _HostChunk(host=buffer.view(tensor.shape), buffer=buffer)
-        if self.streams is None:
-            entry.host.copy_(tensor)
-        else:
-            produced = torch.cuda.current_stream(self.device).record_event()
-            stream = self.streams.to_host
-            with torch.cuda.stream(stream):
-                stream.wait_event(produced)  # the chunk is computed
-                if last_read is not None:
-                    stream.wait_event(last_read)  # the buffer's previous chunk has been read back
-                entry.host.copy_(tensor, non_blocking=True)
-                entry.written = stream.record_event()
-            tensor.record_stream(stream)  # its memory is not reused before the copy has read it
+        entry.written = self._copy_to_host(entry.host, tensor, last_read)
         self._entries[key] = entry
+
+    def _copy_to_host(self, host: Tensor, tensor: Tensor, last_read: Optional[torch.cuda.Event]
+                      ) -> Optional[torch.cuda.Event]:
+        """Copy ``tensor`` into the host buffer ``host`` (on CUDA: on the device-to-host stream, once the chunk is
+        computed and the buffer's last reader is done); returns the event of the copy's end (``None`` on CPU)."""
+        if self.streams is None:
+            host.copy_(tensor)
+            return None
+        produced = torch.cuda.current_stream(self.device).record_event()
+        stream = self.streams.to_host
+        with torch.cuda.stream(stream):
+            stream.wait_event(produced)  # the chunk is computed
+            if last_read is not None:
+                stream.wait_event(last_read)  # the buffer's previous contents have been read back
+            host.copy_(tensor, non_blocking=True)
+            written = stream.record_event()
+        tensor.record_stream(stream)  # its memory is not reused before the copy has read it
+        return written
 
     def prefetch(self, key: Hashable) -> None:
         entry = self._check(key, "prefetch")

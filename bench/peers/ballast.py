@@ -93,8 +93,9 @@ def offloaded_gpu_bytes_per_parameter(args: argparse.Namespace, world_size: int)
 
 
 def run_ballast(args: argparse.Namespace, geometry: ModelGeometry, world_size: int) -> tuple[int, int]:
-    """``(ballast bytes, of which the states of the layers not run)`` for ``--ballast`` (both 0 without it)."""
-    if args.ballast != "auto":
+    """``(ballast bytes, of which the states of the layers not run)`` on each GPU by the formula above (both 0 without
+    ``--ballast``; ``--ballast full`` holds the planner's figure on fpdt, bench/peers/full_depth.py)."""
+    if args.ballast == "none":
         return 0, 0
     kept = kept_bytes_per_layer(args.system, geometry, seq_len=args.seq_len, num_gpus=world_size,
                                 precision=args.precision, attention_offload=args.offload == "on",

@@ -19,6 +19,7 @@ from bench.peers.search import max_length_search
 from bench.peers.systems import FPDT_SYSTEMS, SYSTEMS
 from bench.provenance import append_record
 from lightning_fpdt.models.llama import NAMED_CONFIGS
+from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 
 PROG = "python3 -m bench.peers"
 
@@ -33,8 +34,18 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=None, help="layers run (default: the full depth)")
     parser.add_argument("--seq-len", type=int, default=131072, help="global tokens of one sequence")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (the first is a warm-up)")
-    parser.add_argument("--ballast", choices=["none", "auto"], default="none",
-                        help="auto: hold the sharded states of the layers not run on each GPU")
+    parser.add_argument("--ballast", choices=["none", "auto", "full"], default="none",
+                        help="auto: hold the sharded states of the layers not run on each GPU; full (fpdt, fpdt-hf, "
+                             "alst): plan the full depth on this machine and hold what it keeps for the layers not "
+                             "run on the GPU, in host memory and on disk (bench/peers/full_depth.py)")
+    parser.add_argument("--offload-dir", default=None,
+                        help="fpdt, fpdt-hf: FPDTStrategy(offload_dir=...), the disk tier's directory; with --ballast "
+                             "full also where the disk bytes of the layers not run are held")
+    parser.add_argument("--hold-host-gib", type=float, default=0.0,
+                        help="hold this much pageable host memory through the run, as a smaller host would have "
+                             "(the fpdt planner then plans with that much less; e.g. to make the disk tier spill)")
+    parser.add_argument("--disk-gbps", type=float, default=DISK_GBPS,
+                        help=f"--ballast full: the disk's rate the full depth is planned with (default {DISK_GBPS})")
     parser.add_argument("--check-host", action="store_true",
                         help="plan the pinned host memory of the full depth and compare it with the host's")
     parser.add_argument("--recompute-attention", action="store_true",
@@ -146,6 +157,11 @@ def _check_memory_options(args: argparse.Namespace) -> None:
     if args.cpu_offload_params and args.accelerator != "cuda":
         raise ValueError("--cpu-offload-params needs a GPU: FSDP2's CPUOffloadPolicy pins the sharded parameters for "
                          "the accelerator (_fsdp_param._init_sharded_param fails without one); drop it on CPU")
+    if args.ballast == "full" and args.system not in (*FPDT_SYSTEMS, "alst"):
+        raise ValueError(f"--ballast full plans the host and disk memory of fpdt, fpdt-hf and alst; --system "
+                         f"{args.system} keeps its block inputs on the GPU: use --ballast auto")
+    if args.offload_dir is not None and args.system not in FPDT_SYSTEMS:
+        raise ValueError(f"--offload-dir is FPDTStrategy's disk tier: --system {args.system} has none; drop it")
     if args.system in FPDT_SYSTEMS and args.ballast == "auto" and args.offload == "auto":
         raise ValueError(f"{args.system}: --ballast auto needs --offload on or off, not auto: without offload the "
                          "attention chunks of the layers not run belong in the ballast, and auto decides only at the "

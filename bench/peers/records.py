@@ -148,6 +148,8 @@ def options(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
                 "recompute_attention": args.recompute_attention, "head_chunks": args.head_chunks,
                 "reload_input": args.reload_input, "prefetch": args.prefetch,
                 "keep_inputs": getattr(args, "keep_inputs", "all"), "auto_options": getattr(args, "auto_options", False),
+                "offload_dir": getattr(args, "offload_dir", None) is not None,
+                **({"full_depth_arguments": args.full_depth_arguments} if hasattr(args, "full_depth_arguments") else {}),
                 "host_step": ("after backward" if args.host_step_after_backward else "in backward")
                 if args.cpu_offload_params else None,
                 "model_code": "transformers" if args.system == "fpdt-hf" else "lightning_fpdt"}

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from bench.peers.ballast import GIB, host_check, layers_run, run_ballast
+from bench.peers.full_depth import FullDepth, HeldBallast, disk_free_bytes, full_depth_ballast
 from bench.host_readings import largest
 from bench.peers.records import (RankFigures, RunContext, agree_on_status, host_peak_rss, out_of_memory, run_record,
                                  timed)
@@ -103,6 +104,26 @@ def _train(args: argparse.Namespace, context: RunContext, device: torch.device, 
     return "ok", None, None
 
 
+def _train_full_depth(args: argparse.Namespace, context: RunContext, device: torch.device, info: dict[str, Any],
+                      available_host: Optional[int]) -> tuple[str, Optional[str], Optional[str], tuple[int, int],
+                                                               FullDepth]:
+    """``--ballast full``: plan the full depth on this machine, hold what it keeps for the layers not run (GPU, host,
+    disk) while the run trains with the full plan's options, then give it back: ``(status, limit, error, (GPU
+    ballast, of which states), the ballast)``."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    full = full_depth_ballast(args, context.full_geometry, world_size=context.world_size,
+                              gpus_per_node=context.gpus_per_node, gpu_memory_bytes=context.usable_memory,
+                              available_host=available_host, disk_free=disk_free_bytes(args.offload_dir))
+    if full.plan is not None:
+        args.full_depth_arguments = full.strategy_arguments()
+    held = HeldBallast(full, device=device, offload_dir=args.offload_dir, rank=rank)
+    try:
+        status, limit, error = _train(args, context, device, info, 0)
+    finally:
+        held.release()
+    return status, limit, error, (full.gpu_bytes, run_ballast(args, context.full_geometry, context.world_size)[1]), full
+
+
 def _rank_figures(status: str, info: dict[str, Any], world_size: int, profile_step: Optional[int]) -> list[Any]:
     """Every rank's :class:`RankFigures`; only this rank's when a rank failed, as collectives are then unsafe."""
     peaks = [p for p in info.get("peak_gpu_bytes_per_step", []) if p is not None]
@@ -131,14 +152,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = prepare_device(args, local_rank)
     _init_process_group(args, device, world_size)
     key = f"bench_peers/{args.attempt_id or 'run'}/{next(_RUN_COUNTER)}"
+    # --hold-host-gib: a smaller host, held (touched) before anything is planned
+    held_host = torch.ones(int(args.hold_host_gib * GIB), dtype=torch.uint8) if args.hold_host_gib else None
     available_host = available_host_memory()  # before this run pins anything
     context = _context(args, device, world_size, gpus_per_node)
-    ballast = run_ballast(args, context.full_geometry, world_size)
     info: dict[str, Any] = {}
-    status, limit, error = _train(args, context, device, info, ballast[0])
+    if args.ballast == "full":
+        status, limit, error, ballast, full = _train_full_depth(args, context, device, info, available_host)
+    else:
+        ballast, full = run_ballast(args, context.full_geometry, world_size), None
+        status, limit, error = _train(args, context, device, info, ballast[0])
     status, answered = agree_on_status(status, key=key, timeout_s=args.agree_timeout_s)
     record = run_record(args, context, info, status=status, limit=limit, error=error, answered=answered,
                         rank_figures=_rank_figures(status, info, world_size, args.profile_step), ballast=ballast)
+    del held_host
+    record["held_host_bytes"] = int(args.hold_host_gib * GIB)
+    if full is not None:
+        record["full_depth"] = full.record(record.get("step_time_s"))
     if args.check_host:
         record["host_check"] = host_check(args, num_gpus=world_size, gpus_per_node=gpus_per_node, resolved=info,
                                           gpu_memory_bytes=context.usable_memory, available_bytes=available_host)

@@ -245,7 +245,12 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
             module = HFLlamaLM(args.model, num_layers=layers, max_seq_len=args.seq_len, seed=args.seed, lr=args.lr)
         keep = getattr(args, "keep_inputs", "all")
         count = None if keep in ("all", "auto") else int(keep)
-        if getattr(args, "auto_options", False):  # the strategy chooses every memory option but a count given
+        planned = getattr(args, "full_depth_arguments", None)  # --ballast full: the full depth's plan, explicit
+        if planned is not None:
+            memory = {k: v for k, v in planned["FPDTStrategy"].items()
+                      if k not in ("sequence_parallel_size", "cpu_offload_params")}
+            blocks = dict(planned["ActivationOffload"])
+        elif getattr(args, "auto_options", False):  # the strategy chooses every memory option but a count given
             memory: dict[str, Any] = dict(chunks="auto", offload="auto", offload_dq="auto", head_chunks="auto")
             blocks: dict[str, Any] = dict(recompute_attention="auto", reload_input="auto", prefetch="auto",
                                           keep_inputs="auto" if count is None else count)
@@ -255,7 +260,7 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
             blocks = dict(recompute_attention=args.recompute_attention, reload_input=args.reload_input,
                           prefetch=args.prefetch, keep_inputs=keep if count is None else count)
         strategy = FPDTStrategy(**memory, attention_backend=args.attention_backend,
-                                cpu_offload_params=args.cpu_offload_params,
+                                cpu_offload_params=args.cpu_offload_params, offload_dir=args.offload_dir,
                                 host_step_in_backward=not args.host_step_after_backward)
         offload = ActivationOffload(**blocks)
         callbacks: list[L.Callback] = [offload, TiledMLP(), TiledLoss()]

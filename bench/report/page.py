@@ -46,7 +46,14 @@ def _header(records: list[dict[str, Any]]) -> list[str]:
         "- Host memory beside it: " + HOST_NOTE,
         "- Ballast protocol: \"2 of 32 layers + ballast\" ran 2 layers and held on each GPU a tensor the size of what "
         "the 30 layers not run would hold there (their sharded fp32 states and AdamW moments, and what each keeps "
-        "between forward and backward), so the peak is the full depth's. Runs of one length at two depths check it.",
+        "between forward and backward), so the peak is the full depth's. Runs of one length at two depths check it. "
+        "It stands for the GPU only: such a length is not shown to fit the host's memory at full depth.",
+        "- Full-depth ballast: \"2 of 28 layers + full-depth ballast\" planned the full depth on the machine it ran "
+        "on (`--ballast full`, bench/peers/full_depth.py), trained 2 layers with the options of that plan, and held "
+        "for the layers not run what the plan keeps for them on the GPU, page-locked and pageable in host memory, and "
+        "on disk. Blocks whose inputs the plan drops are regenerated in a full-depth backward; that work, and every "
+        "layer's, is counted in its full-depth step estimate (the measured step times the planner's ratio of the "
+        "two depths' step times).",
         "",
     ]
 

@@ -82,9 +82,15 @@ def timed(record: dict[str, Any]) -> bool:
     return record.get("timed_steps", 1) > 0
 
 
+def ballast_kind(record: dict[str, Any]) -> str:
+    """``"full"``: the layers not run held on the GPU, in host memory and on disk (``--ballast full``); ``"auto"``:
+    on the GPU only; ``"none"``."""
+    return (record.get("options") or {}).get("ballast") or record.get("ballast") or "none"
+
+
 def stands_for_full_depth(record: dict[str, Any]) -> bool:
     """Run at full depth, or with the ballast of the layers not run."""
-    return record.get("layers") == record.get("full_layers") or (record.get("options") or {}).get("ballast") == "auto"
+    return record.get("layers") == record.get("full_layers") or ballast_kind(record) in ("auto", "full")
 
 
 def card_name(record: dict[str, Any]) -> str:
@@ -100,8 +106,8 @@ def model_name(record: dict[str, Any]) -> str:
     layers, full = record.get("layers"), record.get("full_layers")
     if layers == full:
         return f"{record.get('model')} ({full} layers)"
-    ballast = (record.get("options") or {}).get("ballast") == "auto" or record.get("ballast") == "auto"
-    return f"{record.get('model')} ({layers} of {full} layers{' + ballast' if ballast else ''})"
+    label = {"auto": " + ballast", "full": " + full-depth ballast"}.get(ballast_kind(record), "")
+    return f"{record.get('model')} ({layers} of {full} layers{label})"
 
 
 def variant(record: dict[str, Any]) -> str:

@@ -1,0 +1,225 @@
+"""The full-depth ballast (``--ballast full``): run ``L`` layers of a model and hold, for the layers not run, everything
+the plan of the full depth keeps for them, on the GPU, in host memory and on disk, so that a record of ``L`` layers
+says "this length fits the full depth on this machine" and proves it.
+
+For ``fpdt`` and ``fpdt-hf`` the planner (``lightning_fpdt.planner.plan_memory``) plans the full depth on this
+machine: the GPU the run may use, the host memory available when it starts, the free space of ``--offload-dir``;
+options left "auto" (``--auto-options``, ``--keep-inputs auto``) are resolved there, for the full depth, and the run
+trains its ``L`` layers with those options given explicitly (every block input kept: the run's own layers are not the
+ones a residency schedule drops). The same planner plans the ``L`` layers with those options; what the full depth
+needs beyond them is held while the run trains:
+
+- GPU: one tensor of the difference of the two plans' peaks;
+- host: page-locked bytes of the difference of the pinned columns (block inputs, staging buffers, host-resident
+  parameter shards of the layers not run), through the package's exact host allocator, and touched pageable bytes of
+  the difference of the pageable columns (host-resident gradients and AdamW moments);
+- disk: a file of the full depth's disk bytes in ``--offload-dir``, its blocks allocated (``posix_fallocate``), removed
+  when the run ends.
+
+A schedule that drops block inputs regenerates them in the backward: blocks the run does not have cannot be run, so
+that work is counted in the time instead. The record's ``full_depth.step_time_s`` is the measured step scaled by the
+planner's estimate of the full depth's step over the run's (``lightning_fpdt.planner.step_seconds``: every layer's
+attention and dense work, the regenerating forwards, the disk's uncovered time), beside the count of regenerated
+block forwards.
+
+``alst`` keeps every checkpointed block input in host memory (DeepSpeed's CPU checkpointing): the layers not run hold
+``S/W·h`` bytes each there, and their offloaded states with ``--cpu-offload-params``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from bench.peers.ballast import GIB, ON_OFF_AUTO, layers_run, run_ballast, state_bytes_per_parameter
+from lightning_fpdt.flops import ModelGeometry
+from lightning_fpdt.planner import PRECISIONS, MemoryPlan, parameter_counts, plan_memory
+from lightning_fpdt.planner.arguments import arguments
+from lightning_fpdt.planner.components import expandable_segments, plannable_gpu_bytes
+from lightning_fpdt.planner.phases import padded_length
+from lightning_fpdt.planner.search import step_seconds
+from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.sequence.host_memory import HostAllocator, page_rounded
+
+BALLAST_FILE = "full-depth-ballast-rank{rank}.bin"
+"""The disk ballast's file in ``--offload-dir``, one per rank."""
+
+
+@dataclass(frozen=True)
+class FullDepth:
+    """What the run holds for the layers it does not run, and the plans it was measured against."""
+
+    gpu_bytes: int
+    pinned_bytes: int
+    pageable_bytes: int
+    disk_bytes: int
+    plan: Optional[MemoryPlan] = None
+    """fpdt: the full depth's plan on this machine, its options resolved."""
+    run_plan: Optional[MemoryPlan] = None
+    """fpdt: the plan of the layers run with the same options, every input kept, nothing on disk."""
+    disk_rate: float = 0.0
+    """The disk's rate per GPU the full plan was made with, bytes/s (its step estimate's disk term)."""
+
+    def strategy_arguments(self) -> dict[str, dict[str, Any]]:
+        """``{"FPDTStrategy": {...}, "ActivationOffload": {...}}`` the run trains with: the full plan's options,
+        every block input of the layers run kept, no disk tier (the disk ballast stands for the full depth's)."""
+        chosen = arguments(self.plan)
+        chosen["FPDTStrategy"].pop("offload_dir", None)
+        chosen.setdefault("ActivationOffload", {})["keep_inputs"] = "all"
+        return chosen
+
+    def record(self, step_time_s: Optional[float]) -> dict[str, Any]:
+        """The record's ``full_depth`` field."""
+        held = {"gpu_bytes": self.gpu_bytes, "pinned_bytes": self.pinned_bytes, "pageable_bytes": self.pageable_bytes,
+                "disk_bytes": self.disk_bytes}
+        if self.plan is None:
+            return {"held": held}
+        full, run = self.plan, self.run_plan
+        ratio = _seconds(full, self.disk_rate) / _seconds(run, 0.0)
+        o = full.options
+        return {
+            "held": held,
+            "options": arguments(full),
+            "kept_inputs": o.kept_inputs or full.geometry.num_layers, "disk_inputs": o.disk_inputs,
+            "regenerated_block_forwards": full.geometry.num_layers - o.kept_inputs if o.kept_inputs else 0,
+            "planned_peak_gpu_bytes": full.peak_gpu_bytes, "planned_pinned_bytes": full.host_bytes_per_gpu,
+            "planned_resident_bytes": full.host_resident_bytes_per_gpu,
+            "planned_disk_bytes": full.disk_bytes_per_node // full.gpus_per_node,
+            "estimated_step_ratio": ratio,
+            "step_time_s": None if step_time_s is None else step_time_s * ratio,
+        }
+
+
+def _seconds(plan: MemoryPlan, disk_rate: float) -> float:
+    """The planner's estimate of the plan's step (only the ratio of two is used)."""
+    o = plan.options
+    return step_seconds(StepSizes(plan.geometry, o, padded_length(o, plan.seq_len), plan.batch_size, plan.num_gpus,
+                                  disk_rate=disk_rate))
+
+
+def _keep_inputs(args: argparse.Namespace) -> Any:
+    keep = getattr(args, "keep_inputs", "all")
+    if getattr(args, "auto_options", False) and keep == "all":
+        return "auto"
+    return keep if keep in ("all", "auto") else int(keep)
+
+
+def plan_fpdt(args: argparse.Namespace, geometry: ModelGeometry, *, num_gpus: int, gpus_per_node: int,
+              gpu_memory_bytes: Optional[int], available_host: Optional[int],
+              disk_free: Optional[int]) -> tuple[MemoryPlan, MemoryPlan]:
+    """``(full depth's plan, the layers run's plan)``; ``ValueError`` naming the planner's answer when the full depth
+    fits nothing on this machine."""
+    auto = getattr(args, "auto_options", False)
+    # the GPU a plan may fill, as the strategy plans it: the usable memory less the context and fragmentation
+    gpu_gib = plannable_gpu_bytes(gpu_memory_bytes or 80 * GIB, expandable_segments=expandable_segments()) / GIB
+    common = dict(seq_len=args.seq_len, num_gpus=num_gpus, gpus_per_node=gpus_per_node, activation_offload=True,
+                  tiled_mlp=True, tiled_loss=True, precision=args.precision, cpu_offload_params=args.cpu_offload_params)
+    full = plan_memory(
+        geometry=geometry, **common, gpu_memory_gib=gpu_gib,
+        host_memory_gib=None if available_host is None else available_host / GIB,
+        disk_memory_gib=None if disk_free is None else disk_free / GIB,
+        disk_gbps=args.disk_gbps,
+        chunks="auto" if auto else args.chunks, offload="auto" if auto else ON_OFF_AUTO[args.offload],
+        offload_dq="auto" if auto else ON_OFF_AUTO[args.offload_dq],
+        head_chunks="auto" if auto else args.head_chunks,
+        recompute_attention="auto" if auto else args.recompute_attention,
+        reload_input="auto" if auto else args.reload_input,
+        input_prefetch="auto" if auto else args.prefetch > 0,
+        keep_inputs=_keep_inputs(args),
+    )
+    if not full.fits:
+        raise ValueError(f"{args.model} at full depth ({geometry.num_layers} layers), {args.seq_len:,} tokens: "
+                         f"{full.recommendation}")
+    o = full.options
+    run = plan_memory(
+        geometry=dataclasses.replace(geometry, num_layers=layers_run(args)), **common, gpu_memory_gib=gpu_gib,
+        chunks=o.chunks, offload=o.offload, offload_dq=o.offload_dq, head_chunks=o.head_chunks,
+        recompute_attention=o.recompute_attention, reload_input=o.reload_input, input_prefetch=o.input_prefetch,
+        keep_inputs="all",
+    )
+    return full, run
+
+
+def _pageable(plan: MemoryPlan) -> int:
+    return sum(c.pageable_bytes for c in plan.components)
+
+
+def full_depth_ballast(args: argparse.Namespace, geometry: ModelGeometry, *, world_size: int, gpus_per_node: int,
+                       gpu_memory_bytes: Optional[int], available_host: Optional[int],
+                       disk_free: Optional[int]) -> FullDepth:
+    """What ``--ballast full`` holds for the layers not run (see the module docstring)."""
+    if args.system in ("fpdt", "fpdt-hf"):
+        full, run = plan_fpdt(args, geometry, num_gpus=world_size, gpus_per_node=gpus_per_node,
+                              gpu_memory_bytes=gpu_memory_bytes, available_host=available_host, disk_free=disk_free)
+        return FullDepth(
+            gpu_bytes=max(0, full.peak_gpu_bytes - run.peak_gpu_bytes),
+            pinned_bytes=max(0, full.host_bytes_per_gpu - run.host_bytes_per_gpu),
+            pageable_bytes=max(0, _pageable(full) - _pageable(run)),
+            disk_bytes=full.disk_bytes_per_node // gpus_per_node, plan=full, run_plan=run,
+            disk_rate=args.disk_gbps * 1e9 / gpus_per_node)
+    if args.system != "alst":
+        raise ValueError(f"--ballast full plans the host and disk of fpdt, fpdt-hf and alst; {args.system} keeps its "
+                         f"block inputs on the GPU: use --ballast auto")
+    missing = geometry.num_layers - layers_run(args)
+    act = PRECISIONS[args.precision]["act"]
+    block, _rest = parameter_counts(geometry)
+    host_states = missing * block * state_bytes_per_parameter(args.precision) // world_size \
+        if args.cpu_offload_params else 0
+    return FullDepth(gpu_bytes=run_ballast(args, geometry, world_size)[0],
+                     pinned_bytes=missing * (args.seq_len // world_size) * geometry.hidden_size * act,
+                     pageable_bytes=host_states, disk_bytes=0)
+
+
+class HeldBallast:
+    """The ballast held: a GPU tensor, page-locked and touched pageable host buffers, a file of allocated blocks.
+    ``release`` (idempotent) gives all of it back and removes the file."""
+
+    def __init__(self, ballast: FullDepth, *, device: torch.device, offload_dir: Optional[str], rank: int) -> None:
+        self.gpu = torch.empty(ballast.gpu_bytes, dtype=torch.uint8, device=device) if ballast.gpu_bytes else None
+        self.allocator = HostAllocator(pin=device.type == "cuda")
+        self.pinned = self.allocator.empty(ballast.pinned_bytes, torch.uint8, "the full-depth ballast") \
+            if ballast.pinned_bytes else None
+        if self.pinned is not None and not self.allocator.pin:
+            self.pinned.fill_(1)  # resident, as the buffers it stands for are once written (registering pins pages)
+        self.pageable = torch.ones(ballast.pageable_bytes, dtype=torch.uint8) if ballast.pageable_bytes else None
+        self.path: Optional[str] = None
+        if ballast.disk_bytes:
+            if offload_dir is None:
+                raise ValueError(f"the full depth puts {ballast.disk_bytes / GIB:.2f} GiB per GPU on disk: give "
+                                 f"--offload-dir")
+            self.path = os.path.join(offload_dir, BALLAST_FILE.format(rank=rank))
+            fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, ballast.disk_bytes)  # blocks taken from the file system, not a sparse file
+            finally:
+                os.close(fd)
+
+    @property
+    def host_bytes(self) -> int:
+        return (page_rounded(self.pinned.numel()) if self.pinned is not None else 0) + \
+            (self.pageable.numel() if self.pageable is not None else 0)
+
+    def release(self) -> None:
+        self.gpu = self.pinned = self.pageable = None
+        self.allocator.close()
+        if self.path is not None and os.path.exists(self.path):
+            os.remove(self.path)
+        self.path = None
+
+
+DISK_SHARE = 0.95
+"""Of ``--offload-dir``'s free space, what the full depth is planned with: the file system keeps some room."""
+
+
+def disk_free_bytes(offload_dir: Optional[str]) -> Optional[int]:
+    """:data:`DISK_SHARE` of the free space of ``--offload-dir`` (created if missing); ``None`` without one."""
+    if offload_dir is None:
+        return None
+    os.makedirs(offload_dir, exist_ok=True)
+    stat = os.statvfs(offload_dir)
+    return int(stat.f_bavail * stat.f_frsize * DISK_SHARE)

@@ -1,0 +1,135 @@
+"""The full-depth ballast of bench.peers (``--ballast full``): what a run of a few layers holds for the layers it does
+not run is what the planner's full depth keeps beyond the layers run, on the GPU, in host memory and on disk."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from bench.peers import cli
+from bench.peers.full_depth import FullDepth, HeldBallast, full_depth_ballast, plan_fpdt
+from lightning_fpdt.flops import ModelGeometry
+from lightning_fpdt.models.llama import LlamaConfig
+
+GIB = 2**30
+LLAMA_3B = ModelGeometry.from_config(LlamaConfig.from_name("llama3-3b"))
+
+
+def _args(*extra: str):
+    return cli.parse_args(["--system", "fpdt-hf", "--model", "llama3-3b", "--layers", "2", "--ballast", "full",
+                           *extra])
+
+
+def test_fpdt_ballast_is_the_full_plan_beyond_the_layers_run():
+    """Every input kept, attention recomputed: the host ballast is the 26 block inputs not run, the GPU ballast the
+    difference of the two plans' peaks, and the run's options are the full plan's."""
+    seq_len = 131072
+    args = _args("--seq-len", str(seq_len), "--chunks", "2", "--offload", "on", "--recompute-attention")
+    ballast = full_depth_ballast(args, LLAMA_3B, world_size=1, gpus_per_node=1, gpu_memory_bytes=79 * GIB,
+                                 available_host=120 * GIB, disk_free=None)
+    full, run = ballast.plan, ballast.run_plan
+    assert full.geometry.num_layers == 28 and run.geometry.num_layers == 2
+    assert ballast.pinned_bytes == 26 * seq_len * LLAMA_3B.hidden_size * 2  # (S, h) bf16 per block
+    assert ballast.gpu_bytes == full.peak_gpu_bytes - run.peak_gpu_bytes > 0
+    assert (ballast.pageable_bytes, ballast.disk_bytes) == (0, 0)
+    chosen = ballast.strategy_arguments()
+    assert chosen["FPDTStrategy"]["chunks"] == 2 and chosen["ActivationOffload"]["recompute_attention"] is True
+    record = ballast.record(10.0)
+    assert record["regenerated_block_forwards"] == 0 and record["kept_inputs"] == 28
+    assert record["step_time_s"] == pytest.approx(10.0 * record["estimated_step_ratio"])
+    assert 1 < record["estimated_step_ratio"] < 28 / 2  # every layer's work; the shared parts (lm_head) once
+
+
+def test_residency_of_the_full_depth_is_counted_in_the_time_and_the_run_keeps_its_inputs():
+    """A full plan that keeps 14 of 28 inputs: the run trains every input kept, the record counts 14 regenerating
+    forwards, and its step estimate is more than the layers' share."""
+    args = _args("--seq-len", str(2**20), "--auto-options")
+    ballast = full_depth_ballast(args, LLAMA_3B, world_size=1, gpus_per_node=1, gpu_memory_bytes=139 * GIB,
+                                 available_host=118 * GIB, disk_free=None)
+    record = ballast.record(100.0)
+    assert record["kept_inputs"] < 28 and record["regenerated_block_forwards"] == 28 - record["kept_inputs"]
+    assert ballast.strategy_arguments()["ActivationOffload"]["keep_inputs"] == "all"
+    assert record["estimated_step_ratio"] > 28 / 2
+
+
+def test_disk_bytes_of_the_full_depth_are_held_per_gpu():
+    """A host too small for the inputs the plan holds: the full depth spills to disk, and the ballast holds its disk
+    bytes per GPU."""
+    args = _args("--seq-len", str(2**20), "--auto-options", "--cpu-offload-params")
+    full, _run = plan_fpdt(args, LLAMA_3B, num_gpus=1, gpus_per_node=1, gpu_memory_bytes=79 * GIB,
+                           available_host=118 * GIB, disk_free=200 * GIB)
+    assert full.options.disk_inputs > 0
+    ballast = full_depth_ballast(args, LLAMA_3B, world_size=1, gpus_per_node=1, gpu_memory_bytes=79 * GIB,
+                                 available_host=118 * GIB, disk_free=200 * GIB)
+    assert ballast.disk_bytes == full.disk_bytes_per_node > 0
+    assert ballast.pageable_bytes > 0  # the host-resident moments of the layers not run
+
+
+def test_full_depth_that_fits_nothing_is_refused_naming_the_planner():
+    """No length record for a full depth the machine cannot hold: ValueError with the planner's answer."""
+    with pytest.raises(ValueError, match="full depth .*28 layers"):
+        full_depth_ballast(_args("--seq-len", str(2**22), "--auto-options"), LLAMA_3B, world_size=1, gpus_per_node=1,
+                           gpu_memory_bytes=79 * GIB, available_host=100 * GIB, disk_free=None)
+
+
+def test_alst_holds_the_block_inputs_of_the_layers_not_run_in_host_memory():
+    """DeepSpeed keeps every checkpointed block input on the host: S/W·h bf16 per layer not run."""
+    args = cli.parse_args(["--system", "alst", "--model", "llama3-3b", "--layers", "2", "--ballast", "full",
+                           "--seq-len", "65536"])
+    ballast = full_depth_ballast(args, LLAMA_3B, world_size=2, gpus_per_node=2, gpu_memory_bytes=79 * GIB,
+                                 available_host=None, disk_free=None)
+    assert ballast.pinned_bytes == 26 * 32768 * LLAMA_3B.hidden_size * 2 and ballast.plan is None
+
+
+def test_held_ballast_takes_the_disk_blocks_and_gives_everything_back(tmp_path):
+    """The disk ballast is a file of allocated blocks (not sparse) in --offload-dir, removed at release; the host
+    ballast is resident."""
+    ballast = FullDepth(gpu_bytes=0, pinned_bytes=3 * 4096 + 5, pageable_bytes=8192, disk_bytes=2**20)
+    held = HeldBallast(ballast, device=torch.device("cpu"), offload_dir=str(tmp_path), rank=3)
+    path = held.path
+    assert os.path.basename(path) == "full-depth-ballast-rank3.bin"
+    assert os.path.getsize(path) == 2**20 and os.stat(path).st_blocks * 512 >= 2**20
+    assert held.allocator.allocated_bytes == 3 * 4096 + 5 and int(held.pinned.sum()) == 3 * 4096 + 5
+    held.release()
+    held.release()
+    assert not os.path.exists(path) and held.pinned is None
+
+
+def test_disk_ballast_needs_a_directory():
+    """Disk bytes to hold and no --offload-dir: a ValueError naming the option."""
+    with pytest.raises(ValueError, match="--offload-dir"):
+        HeldBallast(FullDepth(0, 0, 0, 4096), device=torch.device("cpu"), offload_dir=None, rank=0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--system", "modelparallel", "--ballast", "full"], "keeps its block inputs on the GPU"),
+    (["--system", "alst", "--offload-dir", "/tmp/x"], "disk tier"),
+])
+def test_options_full_ballast_refuses(argv, message):
+    """--ballast full only where host and disk are planned; --offload-dir only for the fpdt systems."""
+    args = cli.parse_args([*argv, "--accelerator", "cpu"])
+    with pytest.raises(ValueError, match=message):
+        cli._check_memory_options(args)
+
+
+def test_a_run_with_the_full_depth_ballast_writes_its_plan_and_holdings(tmp_path):
+    """One CPU process, 1 of tiny's 2 layers: the run trains with the full plan's options and records what it held
+    and the full depth's step estimate; nothing stays in --offload-dir."""
+    import warnings
+
+    from bench.peers import runner
+
+    argv = ["--system", "fpdt", "--model", "tiny", "--layers", "1", "--seq-len", "64", "--steps", "2",
+            "--accelerator", "cpu", "--precision", "32-true", "--ballast", "full", "--chunks", "2",
+            "--offload-dir", str(tmp_path), "--out", str(tmp_path / "unused.jsonl")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MFUMonitor: no peak FLOP/s for a CPU
+        record = runner.run(cli.parse_args(argv))
+    full = record["full_depth"]
+    assert record["status"] == "ok" and record["options"]["ballast"] == "full"
+    assert record["options"]["full_depth_arguments"]["FPDTStrategy"]["chunks"] == 2
+    assert full["held"]["pinned_bytes"] > 0 and full["held"]["gpu_bytes"] == record["ballast_bytes"] > 0
+    assert full["step_time_s"] == pytest.approx(record["step_time_s"] * full["estimated_step_ratio"])
+    assert not any(name.startswith("full-depth-ballast") for name in os.listdir(tmp_path))

@@ -44,8 +44,11 @@ from lightning_fpdt.planner.components import expandable_segments, plannable_gpu
 from lightning_fpdt.planner.phases import padded_length
 from lightning_fpdt.planner.search import step_seconds
 from lightning_fpdt.planner.sizes import StepSizes
-from lightning_fpdt.sequence.host_memory import HostAllocator, page_rounded
+from lightning_fpdt.sequence.host_memory import HostAllocator
+from lightning_fpdt.strategy.budget import host_reserve_bytes
 
+PINNED_PIECE = 2**30
+"""The page-locked ballast is held in buffers of this many bytes at most."""
 BALLAST_FILE = "full-depth-ballast-rank{rank}.bin"
 """The disk ballast's file in ``--offload-dir``, one per rank."""
 
@@ -121,7 +124,8 @@ def plan_fpdt(args: argparse.Namespace, geometry: ModelGeometry, *, num_gpus: in
                   tiled_mlp=True, tiled_loss=True, precision=args.precision, cpu_offload_params=args.cpu_offload_params)
     full = plan_memory(
         geometry=geometry, **common, gpu_memory_gib=gpu_gib,
-        host_memory_gib=None if available_host is None else available_host / GIB,
+        # what the strategy lets a plan fill: the host's available memory less the reserve it keeps
+        host_memory_gib=None if available_host is None else max(1, available_host - host_reserve_bytes()) / GIB,
         disk_memory_gib=None if disk_free is None else disk_free / GIB,
         disk_gbps=args.disk_gbps,
         chunks="auto" if auto else args.chunks, offload="auto" if auto else ON_OFF_AUTO[args.offload],
@@ -182,10 +186,13 @@ class HeldBallast:
     def __init__(self, ballast: FullDepth, *, device: torch.device, offload_dir: Optional[str], rank: int) -> None:
         self.gpu = torch.empty(ballast.gpu_bytes, dtype=torch.uint8, device=device) if ballast.gpu_bytes else None
         self.allocator = HostAllocator(pin=device.type == "cuda")
-        self.pinned = self.allocator.empty(ballast.pinned_bytes, torch.uint8, "the full-depth ballast") \
-            if ballast.pinned_bytes else None
-        if self.pinned is not None and not self.allocator.pin:
-            self.pinned.fill_(1)  # resident, as the buffers it stands for are once written (registering pins pages)
+        # in pieces of at most a block input's size or so, as the pools it stands for allocate
+        pieces = [min(PINNED_PIECE, ballast.pinned_bytes - start) for start in range(0, ballast.pinned_bytes,
+                                                                                     PINNED_PIECE)]
+        self.pinned = [self.allocator.empty(n, torch.uint8, "the full-depth ballast") for n in pieces]
+        if not self.allocator.pin:
+            for piece in self.pinned:
+                piece.fill_(1)  # resident, as the buffers it stands for are once written (registering pins pages)
         self.pageable = torch.ones(ballast.pageable_bytes, dtype=torch.uint8) if ballast.pageable_bytes else None
         self.path: Optional[str] = None
         if ballast.disk_bytes:
@@ -199,12 +206,9 @@ class HeldBallast:
             finally:
                 os.close(fd)
 
-    @property
-    def host_bytes(self) -> int:
-        return (page_rounded(self.pinned.numel()) if self.pinned is not None else 0) + \
-            (self.pageable.numel() if self.pageable is not None else 0)
-
     def release(self) -> None:
+        for piece in self.pinned or []:
+            self.allocator.release(piece)
         self.gpu = self.pinned = self.pageable = None
         self.allocator.close()
         if self.path is not None and os.path.exists(self.path):

@@ -9,6 +9,9 @@ memory, copied to and from the GPU asynchronously at the same rates, and counted
 - :class:`HostAllocator` makes such buffers (``empty``) and registers tensors that exist already (``register``:
   FSDP2's sharded parameters when the states live on the host); it counts the bytes it pins and asks its
   :class:`HostMemoryGuard` before each new buffer.
+- The mappings are not inherited by child processes (``MADV_DONTFORK``): a fork would otherwise copy every
+  page-locked page at once, and a job holding most of the host in pinned buffers would be killed by the first
+  process it starts.
 - :class:`HostMemoryGuard` refuses a buffer that would leave the host with less than its reserve, with a
   :class:`HostMemoryError` naming the plan the run was accepted on and the change that fits: the kernel's
   out-of-memory killer ends a process without a word, and pinned pages cannot be swapped.
@@ -19,6 +22,7 @@ memory, copied to and from the GPU asynchronously at the same rates, and counted
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import threading
 import weakref
@@ -114,6 +118,16 @@ class HostMemoryGuard:
         )
 
 
+def _not_inherited(address: int, nbytes: int) -> None:
+    """``MADV_DONTFORK`` on the whole pages of ``[address, address + nbytes)`` (memory another allocator owns: the
+    pages it shares with its neighbours stay as they are)."""
+    start = page_rounded(address)
+    end = (address + nbytes) // PAGE_BYTES * PAGE_BYTES
+    if end > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTFORK)
+
+
 def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**27 else f"{nbytes / 2**20:.2f} MiB"
 
@@ -153,6 +167,10 @@ class HostAllocator:
             self.guard.check(page_rounded(nbytes), what)
         # private anonymous pages, page-aligned; unmapped with the last tensor that views them
         mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # not inherited by a child process: a fork copies every page-locked page of a private mapping at once
+        # (Linux copies DMA-pinned anonymous pages eagerly instead of sharing them copy-on-write), so one fork while
+        # the stash is held - a compiler's worker, a data loader's - would double the host memory it holds
+        mapping.madvise(mmap.MADV_DONTFORK)
         tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype) if nbytes else \
             torch.empty(0, dtype=dtype)
         if self.pin and nbytes:
@@ -185,6 +203,7 @@ class HostAllocator:
             return
         if self.pin:
             self._register(tensor, nbytes)
+            _not_inherited(storage.data_ptr(), nbytes)
         else:
             self._held.append((storage.data_ptr(), tensor))
         with self._lock:

@@ -133,3 +133,24 @@ def test_process_readings():
         fresh.fill_(1)
         assert peak_resident_bytes() >= start + 60 * 2**20
         del fresh
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The kernel's VmFlags of the mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_host_buffers_are_not_inherited_by_child_processes():
+    """A fork would copy page-locked pages of a private mapping at once: every buffer is MADV_DONTFORK ("dc")."""
+    allocator = HostAllocator(pin=False)
+    buffer = allocator.empty(3 * 2**20 + 7, torch.uint8)
+    assert "dc" in _vm_flags(buffer.data_ptr())

@@ -76,7 +76,9 @@ def readme_table() -> str:
         mini = MINI_MODELS[model_type]
         attention = "q/k/v/o, head groups" if family.separate_projections else "fused qkv_proj (no head groups)"
         processes = "2 and 4 processes" if mini.four_processes else "2 processes"
-        callbacks = "all memory callbacks" if mini.memory_callbacks else "TiledLoss (memory callbacks without the router loss)"
+        callbacks = "all memory callbacks" if mini.memory_callbacks else "TiledLoss with the router loss"
+        if model_type in MOE_WITHOUT_ROUTER_LOSS:
+            callbacks += "; all memory callbacks without it"
         router = "group-exact" if family.router else "—"
         rows.append(f"| {family.name} (`{model_type}`) | {attention} | {family.mlp.split(':')[0]} | {router} | "
                     f"{processes}, {callbacks} |")

@@ -12,6 +12,7 @@ from lightning_fpdt.flops import attention_heads
 from lightning_fpdt.integrations.attributes import TILED_LOSS
 from lightning_fpdt.integrations.context import SequenceParallelContext, installed_attentions
 from lightning_fpdt.integrations.families import FAMILIES, family_of, is_attention, residual_mlp_blocks
+from lightning_fpdt.integrations.families.base import text_config
 from lightning_fpdt.integrations.head_groups import HeadGroupedAttention
 from lightning_fpdt.integrations.huggingface import (
     install_hf_model,
@@ -116,6 +117,7 @@ def attention_geometry(model: nn.Module, precision: str) -> Optional[AttentionGe
     config = getattr(model, "config", None)
     if heads is None or config is None:
         return None
+    config = text_config(config)  # a multimodal config keeps the language model's sizes in a sub-config
     hidden = getattr(config, "hidden_size", None)
     head_dim = getattr(config, "head_dim", None) or (hidden // heads[0] if hidden else None)
     handles = installed_attentions(model)

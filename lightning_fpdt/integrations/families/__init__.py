@@ -10,7 +10,7 @@ families were named): the fpdt attention through transformers' attention interfa
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from torch import nn
 

@@ -177,10 +177,12 @@ def resolve_option_defaults(args: argparse.Namespace) -> argparse.Namespace:
     for name, default in OPTION_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, "auto" if args.auto_options else default)
-    if args.layers is None:
-        from lightning_fpdt.models.llama import LlamaConfig
+    from bench.peers.hf_llama import HF_GEOMETRIES, named_depth
 
-        args.layers = LlamaConfig.from_name(args.geometry).num_layers
+    if args.geometry in HF_GEOMETRIES and args.model != "hf":
+        raise SystemExit(f"--geometry {args.geometry} is a Hugging Face geometry: run it with --model hf")
+    if args.layers is None:
+        args.layers = named_depth(args.geometry)
     return args
 
 
@@ -281,11 +283,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from bench.peers.hf_llama import HFLlamaLM
+    from bench.peers.hf_llama import HFLlamaLM, named_vocab
     from bench.peers.systems import RandomTokens, prime_adam_states
     from bench.provenance import append_record, card_name, launch_command, stamp
     from lightning_fpdt import ActivationOffload, FPDTStrategy, TiledLoss, TiledMLP
-    from lightning_fpdt.models.llama import LlamaConfig
     from lightning_fpdt.models.module import LlamaLM
 
     if args.model == "reference":
@@ -335,7 +336,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             last["plan"] = getattr(trainer.strategy, "memory_plan", None)
             last.update(plan_fields(trainer.strategy))
 
-    vocab = LlamaConfig.from_name(args.geometry).vocab_size
+    vocab = named_vocab(args.geometry)
     trainer = L.Trainer(strategy=strategy, accelerator="gpu" if cuda else "cpu", devices=gpus_per_node,
                         num_nodes=world // gpus_per_node, precision=args.precision, max_steps=args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -392,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", choices=["reference", "hf"], default="reference",
                      help="the reference Llama (lightning_fpdt.models) or transformers' LlamaForCausalLM")
     run.add_argument("--geometry", default="llama3-8b", help="named size of lightning_fpdt.models.llama.NAMED_CONFIGS "
-                     "(llama3-8b, llama3-3b, ...)")
+                     "(llama3-8b, llama3-3b, ...), or with --model hf one of bench.peers.hf_llama.HF_GEOMETRIES "
+                     "(qwen3-4b, mixtral-8x7b)")
     run.add_argument("--layers", type=lambda v: None if v == "full" else int(v), default=2,
                      help="layers run; 'full': the geometry's depth")
     run.add_argument("--seq-len", type=int, required=True)

@@ -151,7 +151,11 @@ class ModelGeometry:
 
 def config_heads(config: Any) -> Optional[tuple[int, int]]:
     """``(num_heads, num_kv_heads)`` of a reference ``LlamaConfig`` or a Hugging Face config (either naming), kv heads
-    defaulting to the query heads (no GQA); ``None`` when the config names no heads."""
+    defaulting to the query heads (no GQA); ``None`` when the config names no heads. A multimodal config is read
+    through its text config."""
+    get_text_config = getattr(config, "get_text_config", None)
+    if callable(get_text_config):
+        config = get_text_config()
     heads = getattr(config, "num_heads", None) or getattr(config, "num_attention_heads", None)
     if not heads:
         return None

@@ -14,7 +14,6 @@ import argparse
 from typing import Any, Optional
 
 from lightning_fpdt.flops import ModelGeometry
-from lightning_fpdt.models.llama import LlamaConfig
 from lightning_fpdt.planner import OPTIMIZER_STATES, PRECISIONS, attention_geometry, parameter_counts, plan_memory
 from lightning_fpdt.sequence.planning import stash_bytes
 
@@ -25,7 +24,9 @@ GIB = 2**30
 
 
 def full_depth(model: str) -> int:
-    return LlamaConfig.from_name(model).num_layers
+    from bench.peers.hf_llama import named_depth  # transformers is imported only where a model is built
+
+    return named_depth(model)
 
 
 def layers_run(args: argparse.Namespace) -> int:

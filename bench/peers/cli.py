@@ -18,6 +18,7 @@ from bench.peers.runner import dist_environment, run
 from bench.peers.search import max_length_search
 from bench.peers.systems import FPDT_SYSTEMS, SYSTEMS
 from bench.provenance import append_record
+from bench.peers.hf_llama import GEOMETRY_NAMES, HF_GEOMETRIES
 from lightning_fpdt.models.llama import NAMED_CONFIGS
 from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 
@@ -30,7 +31,8 @@ def _auto_or_int(value: str) -> Any:
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", choices=SYSTEMS, required=True)
-    parser.add_argument("--model", default="llama3-8b", choices=sorted(NAMED_CONFIGS), help="named geometry")
+    parser.add_argument("--model", default="llama3-8b", choices=GEOMETRY_NAMES,
+                        help="named geometry; qwen3-4b and mixtral-8x7b with --system fpdt-hf only")
     parser.add_argument("--layers", type=int, default=None, help="layers run (default: the full depth)")
     parser.add_argument("--seq-len", type=int, default=131072, help="global tokens of one sequence")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (the first is a warm-up)")
@@ -198,6 +200,9 @@ def _check_alst(args: argparse.Namespace, world_size: int) -> None:
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
     """``ValueError`` for options that cannot work together, a warning for an option the system ignores."""
+    if args.model in HF_GEOMETRIES and args.system != "fpdt-hf":
+        raise ValueError(f"--model {args.model} is a Hugging Face {HF_GEOMETRIES[args.model][0]} geometry: run it with "
+                         f"--system fpdt-hf, or pick one of {sorted(NAMED_CONFIGS)}")
     full = full_depth(args.model)
     if not 1 <= layers_run(args) <= full:
         raise ValueError(f"--layers ({args.layers}) must be between 1 and the depth of {args.model} ({full})")

@@ -4,16 +4,81 @@ tests run without it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
-from lightning_fpdt.models.llama import LlamaConfig
+import dataclasses
+
+from lightning_fpdt.flops import ModelGeometry
+from lightning_fpdt.models.llama import NAMED_CONFIGS, LlamaConfig
 from lightning_fpdt.models.module import CausalLM
+
+HF_GEOMETRIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-4b": ("qwen3", dict(
+        hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, rope_theta=1e6, tie_word_embeddings=True, rms_norm_eps=1e-6)),
+    "mixtral-8x7b": ("mixtral", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, rope_theta=1e6, sliding_window=None,
+        rms_norm_eps=1e-5)),
+}
+"""Named geometries of other Hugging Face families (``fpdt-hf`` only): ``name -> (model_type, config fields)``;
+the family's config class comes from ``lightning_fpdt.integrations.families``."""
+GEOMETRY_NAMES = sorted(NAMED_CONFIGS) + sorted(HF_GEOMETRIES)
+"""Every ``--model`` name: the reference Llama's sizes (every system) and :data:`HF_GEOMETRIES` (``fpdt-hf``)."""
+
+
+def hf_family_config(name: str, *, num_layers: int, max_seq_len: int) -> Any:
+    """The family's transformers config of a geometry of :data:`HF_GEOMETRIES` with ``num_layers`` decoder layers,
+    SDPA attention, no dropout, no KV cache."""
+    import transformers
+
+    from lightning_fpdt.integrations.families import FAMILIES
+
+    model_type, fields = HF_GEOMETRIES[name]
+    config_class = getattr(transformers, FAMILIES[model_type].config)
+    return config_class(**{**fields, "num_hidden_layers": num_layers}, max_position_embeddings=max(max_seq_len, 8192),
+                        attention_dropout=0.0, use_cache=False)
+
+
+def named_depth(name: str) -> int:
+    """The full depth of a ``--model`` geometry."""
+    if name in HF_GEOMETRIES:
+        return HF_GEOMETRIES[name][1]["num_hidden_layers"]
+    return LlamaConfig.from_name(name).num_layers
+
+
+def named_vocab(name: str) -> int:
+    """The vocabulary of a ``--model`` geometry."""
+    if name in HF_GEOMETRIES:
+        return HF_GEOMETRIES[name][1]["vocab_size"]
+    return LlamaConfig.from_name(name).vocab_size
+
+
+def named_geometry(name: str) -> ModelGeometry:
+    """The :class:`ModelGeometry` of a ``--model`` geometry at full depth; a mixture of experts counts its active
+    parameters (``top_k`` experts' MLPs and the router per token), which the dense count gets wrong."""
+    if name not in HF_GEOMETRIES:
+        return ModelGeometry.from_config(LlamaConfig.from_name(name))
+    _, fields = HF_GEOMETRIES[name]
+    config = SimpleNamespace(**fields)
+    geometry = ModelGeometry.from_config(config)
+    experts = fields.get("num_local_experts")
+    if experts is None:
+        return geometry
+    dense_mlp = 3 * geometry.hidden_size * geometry.intermediate_size
+    active = geometry.nonembedding_parameters + geometry.num_layers * (
+        (fields["num_experts_per_tok"] - 1) * dense_mlp + geometry.hidden_size * experts)
+    return dataclasses.replace(geometry, num_parameters_nonembedding=active)
 
 
 def hf_llama_config(name: str, *, num_layers: int, max_seq_len: int) -> Any:
     """``transformers.LlamaConfig`` of the named geometry (``lightning_fpdt.models.llama.NAMED_CONFIGS``) with
     ``num_layers`` decoder layers and SDPA attention. Fields the reference model does not have are those of
-    Llama-3: no biases, no dropout, default RoPE (the reference Llama models no llama3 frequency scaling either)."""
+    Llama-3: no biases, no dropout, default RoPE (the reference Llama models no llama3 frequency scaling either).
+    A geometry of :data:`HF_GEOMETRIES` is its own family's config (:func:`hf_family_config`)."""
+    if name in HF_GEOMETRIES:
+        return hf_family_config(name, num_layers=num_layers, max_seq_len=max_seq_len)
     from transformers import LlamaConfig as HFLlamaConfig
 
     ours = LlamaConfig.from_name(name, num_layers=num_layers)

@@ -20,8 +20,8 @@ from bench.peers.records import (RankFigures, RunContext, agree_on_status, host_
                                  timed)
 from bench.peers.systems import SYSTEM_FUNCTIONS, device_peaks, host_peaks
 from bench.provenance import card_name
-from lightning_fpdt.flops import ModelGeometry, peak_flops
-from lightning_fpdt.models.llama import LlamaConfig
+from lightning_fpdt.flops import peak_flops
+from bench.peers.hf_llama import named_geometry
 from lightning_fpdt.planner import available_host_memory
 from lightning_fpdt.strategy.budget import usable_total_bytes
 
@@ -70,7 +70,7 @@ def _init_process_group(args: argparse.Namespace, device: torch.device, world_si
 
 
 def _context(args: argparse.Namespace, device: torch.device, world_size: int, gpus_per_node: int) -> RunContext:
-    full_geometry = ModelGeometry.from_config(LlamaConfig.from_name(args.model))
+    full_geometry = named_geometry(args.model)
     card = card_name(device)
     cuda = device.type == "cuda"
     usable = usable_total_bytes(device) if cuda else None  # the card's, or the cap

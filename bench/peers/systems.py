@@ -28,8 +28,9 @@ from bench.host_readings import ResidentPeaks, pinned_bytes, plan_fields
 from bench.peers.ballast import ON_OFF_AUTO, layers_run
 from bench.step_profile import StepProfiler
 from lightning_fpdt import ActivationOffload, FPDTStrategy, MFUMonitor, TiledLoss, TiledMLP
-from lightning_fpdt.models.llama import IGNORE_INDEX, LlamaConfig, LlamaForCausalLM, sdpa_attention
+from lightning_fpdt.models.llama import IGNORE_INDEX, LlamaForCausalLM, sdpa_attention
 from lightning_fpdt.models.module import LlamaLM
+from bench.peers.hf_llama import named_vocab
 from lightning_fpdt.sequence.layout import SequenceLayout
 
 SYSTEMS = ("fpdt", "fpdt-hf", "modelparallel", "ring", "alst")
@@ -298,7 +299,7 @@ def train_lightning(args: argparse.Namespace, *, device: torch.device, world_siz
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[*callbacks, monitor, _StepLog(info, monitor, args.seq_len, step_profiler(args, device, info))],
     )
-    vocab = LlamaConfig.from_name(args.model).vocab_size
+    vocab = named_vocab(args.model)
     data = InOrder(RandomTokens(vocab, args.seq_len, args.steps * world_size))
     with sdpa_backend(args.attention_backend if args.system not in FPDT_SYSTEMS else "auto"):
         trainer.fit(module, datamodule=data)
@@ -331,7 +332,7 @@ def train_ring(args: argparse.Namespace, *, device: torch.device, world_size: in
     set_rotate_method(args.rotate_method)
     info.update(sequence_parallel_size=world_size, data_parallel_size=1, tokens_per_step=args.seq_len)
     profiler = step_profiler(args, device, info)
-    dataset = RandomTokens(LlamaConfig.from_name(args.model).vocab_size, args.seq_len, args.steps)
+    dataset = RandomTokens(named_vocab(args.model), args.seq_len, args.steps)
     global_targets = args.seq_len - 1  # the last token has nothing to predict
     with sdpa_backend(args.attention_backend):
         for step in range(args.steps):

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 from torch import nn
 
 from lightning_fpdt.callbacks.transforms import transform_without_fpdt
+from lightning_fpdt.integrations.families import mlp_classes
 from lightning_fpdt.memory.tiled_mlp import apply_tiled_mlp
 from lightning_fpdt.memory.tiling import check_num_tiles
 from lightning_fpdt.planner.options import MemoryFeatures
@@ -21,9 +22,10 @@ class TiledMLP(pl.Callback):
     it, so at most one tile's intermediate activations exist (for Llama-3-8B, 3 × 14336 values per token instead of
     all tokens' — the largest buffers of a block at long context). The price is one extra MLP forward.
 
-    Detected: gated MLPs with ``gate_proj``, ``up_proj``, ``down_proj`` submodules (Hugging Face Llama, Qwen,
-    Mistral, the reference Llama) and ``nn.Sequential(Linear, activation, Linear)``; other MLPs by class name. An
-    MLP must act on each token separately and hold no dropout.
+    Detected: in a Hugging Face model of a known family (``lightning_fpdt.integrations.families``), its family's MLP
+    classes (gated, fused gate-up, sparse mixture-of-experts blocks); elsewhere gated MLPs with ``gate_proj``,
+    ``up_proj``, ``down_proj`` submodules (the reference Llama) and ``nn.Sequential(Linear, activation, Linear)``;
+    other MLPs by class name. An MLP must act on each token separately and hold no dropout.
 
     With ``strategy="fpdt"`` the strategy applies this in its fixed order (after the attention swap, before the tiled
     loss, activation checkpointing and FSDP2). With any other strategy it is applied in :meth:`setup` to the network
@@ -56,7 +58,8 @@ class TiledMLP(pl.Callback):
         self.mlp_classes = mlp_classes
 
     def fpdt_transform(self, model: nn.Module, blocks: list[nn.Module]) -> None:
-        apply_tiled_mlp(model, num_tiles=self.num_tiles, mlp_classes=self.mlp_classes, blocks=blocks)
+        apply_tiled_mlp(model, num_tiles=self.num_tiles, mlp_classes=self.mlp_classes or mlp_classes(model),
+                        blocks=blocks)
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         transform_without_fpdt(self, trainer, pl_module)

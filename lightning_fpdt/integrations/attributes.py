@@ -2,7 +2,8 @@
 
 The strategy changes a user's model in place (docs/design.md §5). These are all the names it writes, who writes them
 and on which module; nothing else of a user module is touched. ``forward`` is replaced on the modules named in
-:data:`FORWARD`'s docstring by wrappers that hold the original (as ``__wrapped__``). The memory transforms below this
+:data:`FORWARD`'s docstring, always by :func:`lightning_fpdt.memory.forwards.replace_forward`, which keeps the original
+as ``__wrapped__``. The memory transforms below this
 package define their one marker themselves (:data:`TILED_MLP`); it is listed here with the rest.
 """
 
@@ -24,13 +25,17 @@ LOSS = "loss"
 """The reference Llama's loss method, replaced by one that reduces ``fpdt_local_loss`` over the group."""
 LOSS_FUNCTION = "loss_function"
 """A Hugging Face model's loss function, replaced by the sequence-parallel token mean of pre-shifted labels."""
+ROUTER_LOSS = "fpdt_router_loss"
+"""On a Hugging Face mixture of experts: ``loss(router_logits)``, its load-balancing loss over the sequence group,
+which its installed forward and a tiled loss call (families/router_loss.py)."""
 LABELS_ARE_SHIFTED = "labels_are_shifted"
 """The reference Llama's own switch, set True: the strategy shifts labels on the global sequence."""
 DOCUMENTS_FROM_POSITIONS = "documents_from_positions"
 """The reference Llama's own switch, set False: the strategy finds packed documents on the global batch."""
 FORWARD = "forward"
 """Replaced on: head-grouped attention modules (head_groups.py), blocks whose SDPA calls are intercepted (sdpa.py),
-a Hugging Face causal LM under TiledLoss and its RMSNorms (huggingface.py), an untied output head under TiledLoss
+a Hugging Face causal LM under TiledLoss or with a mixture of experts' load-balancing loss, and its RMSNorms
+(huggingface.py), an untied output head under TiledLoss
 (head_loss.py), checkpointed blocks
 (``lightning_fpdt.memory.block_offload``) and tiled MLPs (``lightning_fpdt.memory.tiled_mlp``)."""
 TILED_LOSS = "_fpdt_tiled_loss"

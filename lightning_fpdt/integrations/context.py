@@ -23,6 +23,9 @@ class SequenceParallelContext:
     attention: FPDTAttention
     position_ids: Optional[Tensor] = None
     """Global position ids of the local tokens of the current batch; injected when a model call omits them."""
+    token_mask: Optional[Tensor] = None
+    """``(B, S/P)``: which local tokens of the current batch are the batch's own (``False`` for the padding the
+    strategy added); ``None`` when nothing is padded. Read by what counts tokens (a router's load-balancing loss)."""
     loss_reduced: bool = False
     """Set when an installed loss produced the group mean, so the strategy does not re-weight it again."""
 

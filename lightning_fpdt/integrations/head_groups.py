@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -38,7 +37,9 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call
 
-from lightning_fpdt.integrations.attributes import ATTENTION_HANDLE, FORWARD
+from lightning_fpdt.integrations.attributes import ATTENTION_HANDLE
+from lightning_fpdt.integrations.families.base import module_rope
+from lightning_fpdt.memory.forwards import replace_forward
 from lightning_fpdt.models.llama import LlamaAttention, apply_rotary
 from lightning_fpdt.sequence.all_to_all import group_size
 from lightning_fpdt.sequence.attention import FPDTAttention, check_document_ids
@@ -323,16 +324,6 @@ def _rope_reference_llama(module: nn.Module) -> Callable:
     return rope
 
 
-def _rope_hf(module: nn.Module) -> Callable:
-    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb  # the family's own
-
-    def rope(q: Tensor, k: Tensor, aux: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-        cos, sin = aux  # (B, S/P, D) each
-        return rotate(q, k, cos, sin, unsqueeze_dim=2)  # (B, S/P, heads, D)
-
-    return rope
-
-
 def _sliding_window(module: nn.Module) -> Optional[int]:
     # Qwen2/Qwen3 keep it per layer on the module (None for full-attention layers); Mistral passes its config's
     if hasattr(module, "sliding_window"):
@@ -340,10 +331,13 @@ def _sliding_window(module: nn.Module) -> Optional[int]:
     return getattr(getattr(module, "config", None), "sliding_window", None)
 
 
-def install_head_groups(module: nn.Module, attention: FPDTAttention) -> HeadGroupedAttention:
-    """Run ``module`` (a reference Llama or Hugging Face Llama/Qwen2/Qwen3/Mistral attention) in
-    ``attention.head_chunks`` head groups: replaces its ``forward``, keeps its parameters. ``ValueError`` for a module
-    without separate ``q_proj``/``k_proj``/``v_proj``/``o_proj`` or heads that do not split (names the valid values)."""
+def install_head_groups(module: nn.Module, attention: FPDTAttention, *, rope: Optional[Callable] = None
+                        ) -> HeadGroupedAttention:
+    """Run ``module`` (a reference Llama or a Hugging Face attention with separate projections: Llama, Qwen2, Qwen3,
+    Mistral, ... see ``families/``) in ``attention.head_chunks`` head groups: replaces its ``forward``, keeps its
+    parameters. ``rope``: the family's RoPE (``families.base.Family.rope``; ``None``: the ``apply_rotary_pos_emb`` of
+    the module's file). ``ValueError`` for a module without separate ``q_proj``/``k_proj``/``v_proj``/``o_proj`` or
+    heads that do not split (names the valid values)."""
     projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     head_dim = getattr(module, "head_dim", None)
     if not all(isinstance(p, nn.Linear) for p in projections) or not isinstance(head_dim, int):
@@ -363,11 +357,11 @@ def install_head_groups(module: nn.Module, attention: FPDTAttention) -> HeadGrou
         family = _Family(module, _rope_reference_llama(module), scale=head_dim**-0.5)
         forward = functools.partial(_reference_llama_forward, module)
     else:
-        family = _Family(module, _rope_hf(module), scale=getattr(module, "scaling", head_dim**-0.5))
+        family = _Family(module, rope or module_rope(module), scale=getattr(module, "scaling", head_dim**-0.5))
         forward = functools.partial(_hf_forward, module)
     grouped = HeadGroupedAttention(attention, layout, family)
     setattr(module, ATTENTION_HANDLE, grouped)
-    setattr(module, FORWARD, forward)
+    replace_forward(module, forward)
     return grouped
 
 

@@ -15,6 +15,7 @@ from typing import Literal, Optional, Union
 from torch import Tensor, nn
 
 from lightning_fpdt.integrations.attributes import HEAD_LOSS
+from lightning_fpdt.memory.forwards import replace_forward
 from lightning_fpdt.memory.tiled_loss import tiled_cross_entropy
 
 
@@ -35,7 +36,7 @@ def give_head_the_loss(head: nn.Module, num_tiles: Union[Literal["auto"], int]) 
         # head.weight read per call: inside this forward FSDP2 has swapped in the gathered parameter
         return tiled_cross_entropy(hidden, head.weight, targets, num_tiles=num_tiles)
 
-    head.forward = forward
+    replace_forward(head, forward)
     setattr(head, HEAD_LOSS, True)
     return True
 

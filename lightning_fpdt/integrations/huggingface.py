@@ -3,8 +3,10 @@
 ``"fpdt"`` is registered in transformers' attention and mask interfaces and the model switched to it; its
 ``loss_function`` becomes the sequence group's token mean of pre-shifted labels; its RMSNorms run over token tiles
 (the same values, one fp32 per token kept for backward instead of an fp32 copy of the input). Under TiledLoss its
-``forward`` with labels runs the base model and the tiled cross-entropy. What the attention cannot compute exactly
-(a mask, dropout, a sliding window, non-causal attention) raises a ``ValueError`` saying what to do instead.
+``forward`` with labels runs the base model and the tiled cross-entropy. A mixture of experts' load-balancing loss
+is taken over the sequence group. What each family is and cannot do is in ``families/`` (one file each); what the
+attention cannot compute exactly (a mask, dropout, a sliding window, soft-capping, non-causal attention) raises a
+``ValueError`` saying what to do instead.
 """
 
 from __future__ import annotations
@@ -18,14 +20,18 @@ from torch import Tensor, nn
 
 from lightning_fpdt.integrations.attributes import (
     ATTENTION_HANDLE,
-    FORWARD,
     LOSS_FUNCTION,
     REDUCE_LOSS,
+    ROUTER_LOSS,
     TILED_NORM,
 )
 from lightning_fpdt.integrations.context import SequenceParallelContext, inject_position_ids, loss_reduction
+from lightning_fpdt.integrations.families import Family, check_model, family_of, is_attention, tiled_norm_classes
+from lightning_fpdt.integrations.families.base import text_config
+from lightning_fpdt.integrations.families.router_loss import load_balancing_loss
 from lightning_fpdt.integrations.head_groups import install_head_groups
 from lightning_fpdt.integrations.head_loss import give_head_the_loss
+from lightning_fpdt.memory.forwards import replace_forward
 from lightning_fpdt.memory.tiled_loss import tiled_cross_entropy
 from lightning_fpdt.models.ops import rms_norm
 from lightning_fpdt.sequence.attention import LayerAttention
@@ -34,8 +40,6 @@ from lightning_fpdt.sequence.loss import IGNORE_INDEX, shift_labels, token_cross
 
 ATTENTION_NAME = "fpdt"
 """The name of the fpdt attention in transformers' attention interface (``attn_implementation="fpdt"``)."""
-RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
-"""Norm classes whose forward is ``weight * (x.float() * rsqrt(mean(x²) + eps)).to(x.dtype)``."""
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -97,19 +101,16 @@ def register_hf_attention() -> None:
 
 def install_hf_model(model: nn.Module, context: SequenceParallelContext) -> None:
     """Switch a transformers model to ``attn_implementation="fpdt"`` and to the sequence-parallel loss."""
+    family = check_model(model)  # before anything changes: a refused family leaves the model as it was
     register_hf_attention()
     config = model.config
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        raise ValueError(
-            f"{type(model).__name__} is configured with sliding_window={config.sliding_window}; the fpdt attention "
-            f"is full causal attention: set use_sliding_window=False"
-        )
     model.set_attn_implementation(ATTENTION_NAME)
     config.use_cache = False  # a KV cache of the local shard is useless in training and costs memory
     for module in model.modules():
-        if hasattr(module, "is_causal") and hasattr(module, "config"):
+        if is_attention(module, family):
             if context.attention.head_chunks > 1:
-                install_head_groups(module, context.attention)  # projections and attention per head group
+                # projections and attention per head group, with the family's own RoPE
+                install_head_groups(module, context.attention, rope=family_rope(family, module))
             else:
                 setattr(module, ATTENTION_HANDLE, context.attention.for_layer())
 
@@ -124,22 +125,77 @@ def install_hf_model(model: nn.Module, context: SequenceParallelContext) -> None
     setattr(model, LOSS_FUNCTION, loss_function)
     inject_position_ids(model, context)
     tile_hf_rms_norms(model)
+    if family is not None and family.router is not None:
+        install_router_loss(model, family, context)
+
+
+def family_rope(family: Optional[Family], module: nn.Module) -> Optional[Any]:
+    """The family's RoPE for head groups; ``None`` (the module file's own) for a model of no known family."""
+    return family.rope(module) if family is not None else None
+
+
+# ---- a mixture of experts' load-balancing loss ----------------------------------------------------------------------
+def router_loss(model: nn.Module, family: Family, context: Optional[SequenceParallelContext]) -> Any:
+    """``loss(router_logits)``: the family's load-balancing loss, over the sequence group under the strategy
+    (``context``), else of the local tokens as Hugging Face computes it."""
+    config = text_config(model.config)
+    num_experts, top_k = getattr(config, family.router.num_experts), getattr(config, family.router.top_k)
+    name = type(model).__name__
+
+    def loss(router_logits: Any) -> Tensor:
+        logits = list(router_logits)
+        if model.training and torch.is_grad_enabled() and not all(t.requires_grad for t in logits):
+            raise ValueError(
+                f"{name}'s router logits were recorded without gradients (ActivationOffload and TiledMLP run the "
+                f"experts' first forward under no_grad), so its load-balancing loss would train no router: set "
+                f"output_router_logits=False, or drop ActivationOffload and TiledMLP"
+            )
+        if context is None:
+            return load_balancing_loss(logits, num_experts, top_k)
+        return load_balancing_loss(logits, num_experts, top_k, reduce=True, group=context.group,
+                                   token_mask=context.token_mask)
+
+    return loss
+
+
+def install_router_loss(model: nn.Module, family: Family, context: SequenceParallelContext) -> None:
+    """The model's load-balancing loss (under ``output_router_logits``) becomes the sequence group's: its ``forward``
+    swaps the local one it added for the group's."""
+    setattr(model, ROUTER_LOSS, router_loss(model, family, context))
+    coefficient = getattr(text_config(model.config), family.router.coefficient)
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        outputs = original(*args, **kwargs)
+        local, logits = getattr(outputs, "aux_loss", None), getattr(outputs, "router_logits", None)
+        if not isinstance(local, Tensor) or not logits:
+            return outputs  # no router logits asked for, a tuple output, or TiledLoss's forward (its own)
+        exact = getattr(model, ROUTER_LOSS)(logits)
+        if outputs.loss is not None:
+            outputs.loss = outputs.loss + coefficient * (exact - local)  # the model added coefficient · local
+        outputs.aux_loss = exact
+        return outputs
+
+    replace_forward(model, forward)
 
 
 # ---- RMSNorm over token tiles ---------------------------------------------------------------------------------------
 def tile_hf_rms_norms(model: nn.Module) -> int:
-    """Give the model's RMSNorms of :data:`RMS_NORMS` the tiled forward (the same values: fp32 math as theirs);
-    returns how many. Their own forward keeps an fp32 copy of the input for backward."""
+    """Give the model's RMSNorms that compute Llama's formula (the families' ``norm`` where ``tiles_norm``) the tiled
+    forward (the same values: fp32 math as theirs); returns how many. Their own forward keeps an fp32 copy of the
+    input for backward."""
     count = 0
+    norms = tiled_norm_classes()
     for module in model.modules():
-        if type(module).__name__ in RMS_NORMS and not getattr(module, TILED_NORM, False):
+        if type(module).__name__ in norms and not getattr(module, TILED_NORM, False):
             def forward(hidden_states: Tensor, _norm: nn.Module = module, _own=module.forward) -> Tensor:
                 if hidden_states.dtype == torch.float64:
                     # fp64 runs are references (tests): HF's own arithmetic, to the last bit of its fp32 backward
                     return _own(hidden_states)
                 return rms_norm(hidden_states, _norm.weight, _norm.variance_epsilon, torch.float32)
 
-            setattr(module, FORWARD, forward)
+            replace_forward(module, forward)
             setattr(module, TILED_NORM, True)
             count += 1
     return count
@@ -149,7 +205,7 @@ def tile_hf_rms_norms(model: nn.Module) -> int:
 def tile_hf_causal_lm_loss(model: nn.Module, num_tiles: Union[Literal["auto"], int]) -> None:
     """``forward`` with ``labels``/``shift_labels`` runs the base model and ``tiled_cross_entropy`` and returns
     ``CausalLMOutputWithPast(loss=..., logits=None)``; without labels it is the model's own."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     name = type(model).__name__
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
@@ -168,6 +224,8 @@ def tile_hf_causal_lm_loss(model: nn.Module, num_tiles: Union[Literal["auto"], i
     base = getattr(model, model.base_model_prefix)
     original = model.forward
     names = list(inspect.signature(original).parameters)  # HF forwards take no *args: positions map to names
+    family = family_of(model)
+    router = family.router if family is not None else None
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -177,6 +235,8 @@ def tile_hf_causal_lm_loss(model: nn.Module, num_tiles: Union[Literal["auto"], i
             return original(*args, **kwargs)  # logits wanted: the model's own forward
         call.pop("logits_to_keep", None)
         num_items = call.pop("num_items_in_batch", None)  # HF: the loss is the sum over the batch / this count
+        if router is not None and call.get("output_router_logits") is None:
+            call["output_router_logits"] = getattr(text_config(model.config), "output_router_logits", False)
         outputs = base(**call)
         hidden = outputs[0]  # (B, S/P, hidden): last_hidden_state, also from a tuple output
         reduce = getattr(model, REDUCE_LOSS, None)  # set by the fpdt strategy
@@ -200,6 +260,13 @@ def tile_hf_causal_lm_loss(model: nn.Module, num_tiles: Union[Literal["auto"], i
             loss = mean * num_valid / num_items  # sum over this batch's valid tokens / the caller's count
         else:
             loss = reduce(mean, num_valid) if reduce is not None else mean
+        router_logits = getattr(outputs, "router_logits", None) if router is not None else None
+        if router_logits:  # the load-balancing loss the model's own forward adds (the group's under the strategy)
+            aux = (getattr(model, ROUTER_LOSS, None) or router_loss(model, family, None))(router_logits)
+            loss = loss + getattr(text_config(model.config), router.coefficient) * aux
+            return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=None, router_logits=router_logits,
+                                             hidden_states=getattr(outputs, "hidden_states", None),
+                                             attentions=getattr(outputs, "attentions", None))
         return CausalLMOutputWithPast(
             loss=loss,
             logits=None,
@@ -207,4 +274,4 @@ def tile_hf_causal_lm_loss(model: nn.Module, num_tiles: Union[Literal["auto"], i
             attentions=getattr(outputs, "attentions", None),
         )
 
-    setattr(model, FORWARD, forward)
+    replace_forward(model, forward)

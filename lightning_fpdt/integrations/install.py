@@ -11,6 +11,8 @@ from torch import nn
 from lightning_fpdt.flops import attention_heads
 from lightning_fpdt.integrations.attributes import TILED_LOSS
 from lightning_fpdt.integrations.context import SequenceParallelContext, installed_attentions
+from lightning_fpdt.integrations.families import FAMILIES, family_of, is_attention, residual_mlp_blocks
+from lightning_fpdt.integrations.families.base import text_config
 from lightning_fpdt.integrations.head_groups import HeadGroupedAttention
 from lightning_fpdt.integrations.huggingface import (
     install_hf_model,
@@ -27,21 +29,28 @@ from lightning_fpdt.integrations.sdpa import install_sdpa_interception
 from lightning_fpdt.memory.tiling import check_num_tiles
 from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry
 
-RESIDUAL_MLP_BLOCKS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
-"""Blocks whose ``mlp`` output only feeds the residual add that ends the block (the reference Llama's and these
-Hugging Face families'): in a checkpoint's recompute nothing reads that value, so a tiled MLP there skips computing
-it and its backward recomputes the tiles as always: the MLP forward runs twice per step, not three times."""
+RESIDUAL_MLP_BLOCKS = ("LlamaDecoderLayer", *sorted(residual_mlp_blocks() - {"LlamaDecoderLayer"}))
+"""Blocks whose ``mlp`` output only feeds the residual add that ends the block (the reference Llama's, and the
+Hugging Face families' that say so, ``Family.mlp_feeds_residual``): in a checkpoint's recompute nothing reads that
+value, so a tiled MLP there skips computing it and its backward recomputes the tiles as always: the MLP forward runs
+twice per step, not three times."""
+HEAD_GROUP_FAMILIES = ", ".join(f.name for f in FAMILIES.values() if f.separate_projections)
+"""The Hugging Face families whose attention head groups can run (separate q/k/v/o projections)."""
 
 
 def supports_head_groups(model: nn.Module) -> bool:
     """Whether head groups can run ``model``'s attention: the reference Llama, or a Hugging Face model whose attention
-    modules all have separate ``q_proj``/``k_proj``/``v_proj``/``o_proj`` and a ``head_dim`` (Llama, Qwen2, Qwen3,
-    Mistral); what ``head_chunks="auto"`` may choose from."""
+    modules all have separate ``q_proj``/``k_proj``/``v_proj``/``o_proj`` and a ``head_dim`` (the families of
+    :data:`HEAD_GROUP_FAMILIES`, or a model of no known family laid out alike); what ``head_chunks="auto"`` may
+    choose from."""
     if is_reference_llama(model):
         return True
     if not is_hf_model(model):
         return False
-    attentions = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
+    family = family_of(model)
+    if family is not None and not family.separate_projections:
+        return False
+    attentions = [m for m in model.modules() if is_attention(m, family)]
     return bool(attentions) and all(
         all(isinstance(getattr(m, name, None), nn.Linear) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
         and isinstance(getattr(m, "head_dim", None), int) for m in attentions
@@ -64,8 +73,8 @@ def install(model: nn.Module, blocks: list[nn.Module], context: SequenceParallel
     if context.attention.head_chunks > 1:
         raise ValueError(
             f"head_chunks={context.attention.head_chunks} runs the q/k/v and output projections per head group, so it "
-            f"needs an attention module the strategy knows (the reference Llama, Hugging Face Llama/Qwen2/Qwen3/"
-            f"Mistral); {type(model).__name__} calls scaled_dot_product_attention itself: set head_chunks=1"
+            f"needs an attention module the strategy knows (the reference Llama, Hugging Face "
+            f"{HEAD_GROUP_FAMILIES}); {type(model).__name__} calls scaled_dot_product_attention itself: set head_chunks=1"
         )
     install_sdpa_interception(blocks, context.attention)
     return "sdpa-interception"
@@ -108,6 +117,7 @@ def attention_geometry(model: nn.Module, precision: str) -> Optional[AttentionGe
     config = getattr(model, "config", None)
     if heads is None or config is None:
         return None
+    config = text_config(config)  # a multimodal config keeps the language model's sizes in a sub-config
     hidden = getattr(config, "hidden_size", None)
     head_dim = getattr(config, "head_dim", None) or (hidden // heads[0] if hidden else None)
     handles = installed_attentions(model)

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_fpdt.integrations.attributes import ATTENTION_HANDLE, FORWARD
+from lightning_fpdt.integrations.attributes import ATTENTION_HANDLE
+from lightning_fpdt.memory.forwards import replace_forward
 from lightning_fpdt.sequence.attention import FPDTAttention, LayerAttention
 
 _SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -52,7 +53,6 @@ class InterceptedForward:
 
     def __init__(self, forward: Callable[..., Any], interception: SDPAInterception) -> None:
         self.forward, self.interception = forward, interception
-        self.__wrapped__ = forward  # the wrapper convention: what this forward wraps
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.interception:
@@ -65,5 +65,5 @@ def install_sdpa_interception(blocks: list[nn.Module], attention: FPDTAttention)
         if isinstance(block.forward, InterceptedForward):
             continue
         interception = SDPAInterception(attention.for_layer())
-        setattr(block, FORWARD, InterceptedForward(block.forward, interception))
+        replace_forward(block, InterceptedForward(block.forward, interception))
         setattr(block, ATTENTION_HANDLE, interception.attention)  # found by ActivationOffload (no attention recompute)

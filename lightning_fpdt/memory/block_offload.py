@@ -52,6 +52,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_fpdt.memory.forwards import replace_forward
 from lightning_fpdt.sequence.host_stash import ChunkStash, HostStash, StashFactory
 
 _UNUSED_VALUES: ContextVar[frozenset[int]] = ContextVar("fpdt_unused_mlp_values", default=frozenset())
@@ -428,7 +429,6 @@ class CheckpointedForward:
         self.forward, self.owner, self.key = forward, owner, key
         self.module = module
         """The block whose forward this is (FSDP2 gathers its parameters for a regenerating forward)."""
-        self.__wrapped__ = forward  # the wrapper convention: what this forward wraps
         self.mlp = mlp
         """The block's MLP when its output only feeds the residual add that ends the block (``residual_mlps``):
         nothing reads its value in the recompute, and the earlier blocks' inputs come back after its backward."""
@@ -473,5 +473,5 @@ def apply_block_offload(
                              keep_inputs)
     unused = unused_mlp_values or {}
     for key, block in enumerate(blocks):
-        block.forward = CheckpointedForward(block.forward, owner, key, unused.get(block), block)
+        replace_forward(block, CheckpointedForward(block.forward, owner, key, unused.get(block), block))
     return owner

@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.dropout import _DropoutNd
 
 from lightning_fpdt.memory.block_offload import mlp_value_unused
+from lightning_fpdt.memory.forwards import replace_forward
 from lightning_fpdt.memory.surgery import find_mlps
 from lightning_fpdt.memory.tiling import auto_mlp_tiles, check_num_tiles, tile_bounds
 
@@ -166,7 +167,6 @@ class TiledForward:
 
     def __init__(self, mlp: nn.Module, num_tiles: Union[Literal["auto"], int]) -> None:
         self.mlp, self.forward, self.num_tiles = mlp, mlp.forward, num_tiles
-        self.__wrapped__ = mlp.forward  # the wrapper convention: what this forward wraps
         self.intermediate_size = _intermediate_size(mlp)
 
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -208,6 +208,6 @@ def apply_tiled_mlp(
             )
     for mlp in mlps:
         if not getattr(mlp, TILED_MLP, False):  # fit then validate must not wrap twice
-            mlp.forward = TiledForward(mlp, num_tiles)
+            replace_forward(mlp, TiledForward(mlp, num_tiles))
             setattr(mlp, TILED_MLP, True)
     return model

@@ -40,13 +40,13 @@ def resolve_geometry(model: Any, *, num_layers: Optional[int] = None) -> ModelGe
                     raise ValueError(f"{model} is not a JSON config file: {error}") from error
             if not isinstance(config, dict):
                 raise ValueError(f"{model} holds {type(config).__name__}, not a Hugging Face config object")
-            geometry = ModelGeometry.from_config(SimpleNamespace(**config))
+            geometry = ModelGeometry.from_config(SimpleNamespace(**_text_config(config)))
         else:
             raise ValueError(
                 f"model {model!r} is neither a named size ({sorted(NAMED_CONFIGS)}) nor a Hugging Face config.json file"
             )
     elif isinstance(model, dict):
-        geometry = ModelGeometry.from_config(SimpleNamespace(**model))
+        geometry = ModelGeometry.from_config(SimpleNamespace(**_text_config(model)))
     else:
         geometry = ModelGeometry.from_config(model)
     if num_layers is not None:
@@ -54,6 +54,13 @@ def resolve_geometry(model: Any, *, num_layers: Optional[int] = None) -> ModelGe
             raise ValueError(f"num_layers ({num_layers}) must be positive")
         geometry = dataclasses.replace(geometry, num_layers=num_layers)
     return geometry
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal ``config.json`` keeps the language model's sizes under ``text_config`` (what
+    ``get_text_config()`` returns for a config object)."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) and "hidden_size" in text else config
 
 
 def geometry_name(geometry: ModelGeometry) -> str:

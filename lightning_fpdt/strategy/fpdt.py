@@ -358,6 +358,9 @@ class FPDTStrategy(ModelParallelStrategy):
         self._context.attention.begin_batch(layout, documents=plan.documents, offload=options.offload,
                                             offload_dq=options.offload_dq)
         self._context.position_ids = plan.position_ids
+        padded = plan.position_ids.shape[1] * self.sequence_parallel_size  # the sharded length, padding included
+        self._context.token_mask = None if padded == plan.seq_len else layout.shard(
+            (torch.arange(padded, device=plan.position_ids.device) < plan.seq_len).expand(plan.batch_size, -1))
         self._context.loss_reduced = False
         return sharded
 

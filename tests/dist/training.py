@@ -88,6 +88,11 @@ def build_model(kind: str, seed: int) -> nn.Module:
         return HFLlama(config)
     if kind == "plain":
         return PlainLM()
+    if kind.startswith("family:"):  # family:<model_type>[:no-router-loss], a row of tests/families.py
+        from tests.families import MINI_MODELS, MOE_WITHOUT_ROUTER_LOSS, build
+
+        _, model_type, *variant = kind.split(":")
+        return build(model_type, MOE_WITHOUT_ROUTER_LOSS[model_type] if variant else MINI_MODELS[model_type])
     raise ValueError(kind)
 
 
@@ -95,7 +100,7 @@ def model_loss(kind: str, model: nn.Module, batch: dict[str, torch.Tensor]) -> t
     """The loss as a user's training_step computes it (the same code runs under the strategy and alone)."""
     if kind.startswith("llama"):
         return model(**batch)
-    if kind.startswith("hf"):
+    if kind.startswith(("hf", "family:")):
         return model(**batch).loss
     logits = model(batch["input_ids"], batch["position_ids"])
     return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)

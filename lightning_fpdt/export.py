@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import Tensor
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from lightning_fpdt.lightning_private import _METADATA_FILENAME
 from lightning_fpdt.models.llama import NAMED_CONFIGS, LlamaConfig
 from lightning_fpdt.strategy.checkpoint import check_checkpoint_complete, verify_checksums
 

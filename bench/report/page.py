@@ -8,7 +8,7 @@ import os
 from typing import Any, Optional
 
 from bench.provenance import REPO_ROOT
-from bench.report import components, lengths, training
+from bench.report import components, lengths, regions, training
 from bench.report.markdown import HOST_NOTE, Commands, commits
 from bench.report.plots import Plot, write_plots
 from bench.report.records import load_records, of_kind
@@ -103,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="JSONL files of records (default: every bench/results/*.jsonl of this checkout)")
     parser.add_argument("--doc", default="docs/benchmarks.md", help="the page to write")
     parser.add_argument("--plots", default="docs/plots", help="folder of the PNG plots")
+    parser.add_argument("--no-regions", action="store_true",
+                        help="leave the results regions of README.md, docs/planner.md and docs/head_chunks.md as they "
+                             "are (bench/report/regions.py)")
     return parser
 
 
@@ -122,6 +125,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 plot_note=note))
     print(f"bench.report: {len(records)} records -> {args.doc}" + (f", {len(plots)} plots in {args.plots}" if plots
                                                                     else ""))
+    if not args.no_regions:  # the figures of the other pages, from the same records
+        changed = regions.fill_pages(REPO_ROOT, records)
+        print("bench.report: results regions rewritten in " + (", ".join(changed) if changed else "no page"))
     return 0
 
 

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_fpdt.flops import CONVENTIONS, ModelGeometry, flops_per_step, peak_flops
+from lightning_fpdt.lightning_private import batches_that_stepped
 
 _GIB = 2**30
 _PROC_STATUS = "/proc/self/status"
@@ -180,7 +181,7 @@ class MFUMonitor(pl.Callback):
         # Straight to the loggers, as Lightning's LearningRateMonitor does: `self.log(..., logger=True)` would
         # only reach them at the Trainer's own `log_every_n_steps`. The step is the one Lightning gives the
         # losses logged in this batch, so the curves line up.
-        logger_step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        logger_step = batches_that_stepped(trainer)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=logger_step)
         # Also into trainer.callback_metrics (so other callbacks can monitor them); tokens/s and MFU in the bar.

@@ -44,6 +44,7 @@ from lightning_fpdt.models.llama import LlamaAttention, apply_rotary
 from lightning_fpdt.sequence.all_to_all import group_size
 from lightning_fpdt.sequence.attention import FPDTAttention, check_document_ids
 from lightning_fpdt.sequence.blocks import check_exact_call, in_backward
+from lightning_fpdt.sequence.ring_rules import check_ring
 from lightning_fpdt.sequence.sizes import check_head_groups
 
 # ---- one attention module's weights, by role -----------------------------------------------------------------------
@@ -346,9 +347,7 @@ def install_head_groups(module: nn.Module, attention: FPDTAttention, *, rope: Op
             f"(nn.Linear) and head_dim, as Llama, Qwen2, Qwen3 and Mistral have; {type(module).__name__} has not: "
             f"set head_chunks=1"
         )
-    if isinstance(attention.group, tuple):  # (ulysses_group, ring_group): the Ulysses × ring hybrid
-        raise ValueError(f"head_chunks={attention.head_chunks} is not composed with a ring (ring_size > 1) yet: "
-                         f"set head_chunks=1 or ring_size=1")
+    check_ring(attention.ring_size, head_chunks=attention.head_chunks)
     q_proj, k_proj = projections[:2]
     layout = _Layout(num_heads=q_proj.out_features // head_dim, num_kv_heads=k_proj.out_features // head_dim,
                      head_dim=head_dim, num_groups=attention.head_chunks)

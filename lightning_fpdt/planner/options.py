@@ -10,6 +10,7 @@ from typing import Any, Literal, Optional, Union
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner.geometry import PRECISIONS, attention_geometry, total_parameters
 from lightning_fpdt.sequence.options import FPDTOptions
+from lightning_fpdt.sequence.ring_rules import check_ring
 from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry
 from lightning_fpdt.sequence.sizes import resolve_sequence_sizes
 
@@ -73,12 +74,7 @@ class PlanOptions:
         if self.kept_inputs < 0 or (self.kept_inputs and not self.activation_checkpointing):
             raise ValueError(f"kept_inputs={self.kept_inputs} needs checkpointed blocks and a count >= 0 (0: all "
                              f"kept): set activation_checkpointing=True with it, or kept_inputs=0")
-        if self.ring_size > 1 and (self.chunks > 1 or self.offload_dq):
-            raise ValueError(
-                f"ring_size={self.ring_size} with chunks={self.chunks}, offload_dq={self.offload_dq}: FPDT chunks are "
-                f"not composed with the ring yet and it has no partial dQ sums to offload; use chunks=1 and "
-                f"offload_dq off with a ring, or ring_size=1"
-            )
+        check_ring(self.ring_size, chunks=self.chunks, offload_dq=self.offload_dq, head_chunks=self.head_chunks)
 
     def describe(self) -> str:
         def on(flag: bool) -> str:

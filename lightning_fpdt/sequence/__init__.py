@@ -1,7 +1,13 @@
 """The sequence-parallel core: plain PyTorch, no Lightning, no model knowledge (docs/design.md §2)."""
 
 from lightning_fpdt.sequence.all_to_all import all_to_all_head_to_seq, all_to_all_seq_to_head
-from lightning_fpdt.sequence.attention import FPDTAttention, LayerAttention, fpdt_attention
+from lightning_fpdt.sequence.attention import (
+    FPDTAttention,
+    LayerAttention,
+    fpdt_attention,
+    plan_attention,
+    ring_attention,
+)
 from lightning_fpdt.sequence.blocks import check_heads, merge_partial
 from lightning_fpdt.sequence.documents import DocumentBoundaries
 from lightning_fpdt.sequence.host_stash import ChunkStash, HostBufferPool, HostStash, StashFactory
@@ -9,7 +15,7 @@ from lightning_fpdt.sequence.kernels import make_kernel, supported_backends
 from lightning_fpdt.sequence.layout import IGNORE_INDEX, RingBlock, SequenceLayout
 from lightning_fpdt.sequence.loss import sequence_parallel_loss, shift_labels, token_cross_entropy
 from lightning_fpdt.sequence.options import FPDTOptions
-from lightning_fpdt.sequence.ring import RingComm, new_sequence_groups, ring_attention
+from lightning_fpdt.sequence.ring import RingComm, new_sequence_groups
 from lightning_fpdt.sequence.sizes import check_head_groups
 from lightning_fpdt.sequence.ulysses import ulysses_attention
 
@@ -34,6 +40,7 @@ __all__ = [
     "make_kernel",
     "merge_partial",
     "new_sequence_groups",
+    "plan_attention",
     "ring_attention",
     "sequence_parallel_loss",
     "shift_labels",

@@ -1,11 +1,14 @@
-"""The attention models call: :func:`fpdt_attention` and the handles a strategy installs (docs/design.md §4).
+"""The attention models call, and the one place an algorithm is chosen (docs/design.md §4, docs/ring.md).
 
-:func:`fpdt_attention` takes the sequence-parallel group as one process group (FPDT's chunk pipeline,
-:mod:`lightning_fpdt.sequence.fpdt`) or as a ``(ulysses_group, ring_group)`` pair (the Ulysses × ring hybrid,
-:mod:`lightning_fpdt.sequence.ring`). :class:`FPDTAttention` binds it to a group and options for a whole model, and
-receives the per-batch layout from the strategy (:meth:`FPDTAttention.begin_batch`) instead of rebuilding it;
-each attention layer calls it through a :class:`LayerAttention` handle, which under activation checkpointing keeps
-the first forward's output and chunks for the recompute, so the attention never runs twice.
+:func:`plan_attention` is the dispatch: from the group (and the batch's layout) it validates the call for FPDT's
+chunk pipeline (:mod:`lightning_fpdt.sequence.fpdt`; one chunk is Ulysses) or for the Ulysses × ring hybrid
+(:mod:`lightning_fpdt.sequence.ring`), and returns that algorithm's plan; a plan runs itself (``plan.apply``: the
+attention with its backward; ``plan.forward``: the forward alone, for a checkpoint's first pass). Every caller goes
+through it: :func:`fpdt_attention`, :func:`ring_attention`, ``ulysses_attention``, and :class:`FPDTAttention`, which
+binds it to a group and options for a whole model and receives the per-batch layout from the strategy
+(:meth:`FPDTAttention.begin_batch`); each attention layer calls that through a :class:`LayerAttention` handle, which
+under activation checkpointing keeps the first forward's output and chunks for the recompute, so the attention never
+runs twice.
 """
 
 from __future__ import annotations
@@ -23,12 +26,54 @@ from lightning_fpdt.sequence.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.kernels import check_backend_name
 from lightning_fpdt.sequence.layout import SequenceLayout
 from lightning_fpdt.sequence.options import check_positive_int
+from lightning_fpdt.sequence.ring_rules import check_ring
 
 SequenceGroup = Union[dist.ProcessGroup, tuple[dist.ProcessGroup, dist.ProcessGroup], None]
 """A process group (FPDT over it), a ``(ulysses_group, ring_group)`` pair (the hybrid) or ``None`` (the default
 group, or one process)."""
 
 Plan = Union[fpdt.FPDTPlan, ring.RingPlan]
+"""One validated call of one algorithm: ``plan.apply(q, k, v, stashes, save, first_pass)`` runs it with its
+backward, ``plan.forward(q, k, v, stash, save_for_backward)`` its forward alone."""
+
+
+def ring_size_of(group: SequenceGroup) -> int:
+    """``R``: ranks of the group's ring; 1 for one process group (or ``None``)."""
+    return ring.split_groups(group)[3] if isinstance(group, tuple) else 1
+
+
+def plan_attention(
+    query: Tensor, key: Tensor, value: Tensor, *, causal: bool, scale: Optional[float], group: SequenceGroup,
+    num_chunks: int, backend: str, documents: Optional[DocumentBoundaries] = None,
+    layout: Optional[SequenceLayout] = None,
+) -> Plan:
+    """The one dispatch: the plan of the algorithm that runs this call.
+
+    - ``group`` a ``(ulysses_group, ring_group)`` pair whose ring has ``R > 1`` ranks: the Ulysses × ring hybrid,
+      after the ring's rules (:data:`~lightning_fpdt.sequence.ring_rules.RING_RULES`) refuse what it does not compose
+      with (packed documents here; chunks in its layout);
+    - otherwise FPDT's chunk pipeline over the group (over the Ulysses group of a pair with ``R = 1``); ``u = 1`` is
+      Ulysses.
+
+    ``layout``: the batch's layout (the strategy builds it once per batch; its chunks then win); ``None``: built from
+    the group and ``num_chunks``."""
+    ring_size = ring_size_of(group)
+    if ring_size > 1:
+        check_ring(ring_size, documents=documents)
+        return ring.make_ring_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
+                                   backend=backend, layout=layout)
+    if isinstance(group, tuple):
+        group = group[0]
+    return fpdt.make_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
+                          backend=backend, documents=documents, layout=layout)
+
+
+def attend(query: Tensor, key: Tensor, value: Tensor, plan: Plan, stashes: StashFactory,
+           first_pass: Optional[FirstPass] = None) -> Tensor:
+    """Run ``plan`` with its backward; what the backward needs is kept when autograd will ask for it."""
+    # decided here: inside Function.forward grad mode is always off
+    save = first_pass is not None or (torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)))
+    return plan.apply(query, key, value, stashes, save, first_pass)
 
 
 def fpdt_attention(
@@ -52,8 +97,8 @@ def fpdt_attention(
         causal: must be ``True``: FPDT's schedule is the causal one.
         scale: softmax scale, ``D ** -0.5`` by default.
         group: the sequence-parallel process group (``None``: the default group, or one process), or a
-            ``(ulysses_group, ring_group)`` pair: the Ulysses × ring hybrid (:func:`~lightning_fpdt.sequence.ring.
-            ring_attention`) for more ranks than heads.
+            ``(ulysses_group, ring_group)`` pair: the Ulysses × ring hybrid (:func:`ring_attention`) for more ranks
+            than heads.
         num_chunks: FPDT chunks per rank ``u``; ``1`` is Ulysses.
         backend: block kernel, one of ``"auto"``, ``"math"``, ``"flash"``, ``"cudnn"``.
         stashes: where chunks wait for the backward (:class:`StashFactory`; default: device memory).
@@ -63,24 +108,47 @@ def fpdt_attention(
     Returns:
         ``(B, S/P, H, D)``, this rank's tokens of the attention output.
     """
-    if isinstance(group, tuple):
-        _refuse_ring_documents(documents)
-        return ring.ring_attention(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
-                                   backend=backend, stashes=stashes)
-    return fpdt.fpdt_chunk_attention(query, key, value, causal=causal, scale=scale, group=group,
-                                     num_chunks=num_chunks, backend=backend, stashes=stashes, documents=documents)
+    plan = plan_attention(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
+                          backend=backend, documents=documents)
+    return attend(query, key, value, plan, stashes or StashFactory())
 
 
-def _refuse_ring_documents(documents: Optional[DocumentBoundaries]) -> None:
-    if documents is not None:
-        raise ValueError("packed documents are not supported with ring_size > 1 yet: use ring_size=1")
+def ring_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    causal: bool = True,
+    scale: Optional[float] = None,
+    group: ring.SequenceGroups,
+    num_chunks: int = 1,
+    backend: str = "auto",
+    stashes: Optional[StashFactory] = None,
+    layout: Optional[SequenceLayout] = None,
+) -> Tensor:
+    """Exact causal attention of a sequence-sharded batch over a 2-D ``(ulysses_group, ring_group)``.
 
+    Args:
+        query: ``(B, S/P, H, D)``, this rank's tokens in :class:`SequenceLayout` order with ``ring_size = R``
+            (``P = U·R``, ring-major ranks), RoPE applied.
+        key, value: ``(B, S/P, Hkv, D)``.
+        causal: must be ``True``.
+        scale: softmax scale, ``D ** -0.5`` by default.
+        group: ``(ulysses_group, ring_group)`` (``new_sequence_groups``, or the strategy's mesh axes).
+        num_chunks: FPDT chunks; only ``1`` composes with ``R > 1`` so far. With ``R = 1`` this is
+            FPDT's chunk pipeline over the Ulysses group.
+        backend: block kernel, as for FPDT.
+        stashes: where the shares wait for the backward (:class:`StashFactory`; default: device memory; with
+            ``offload=True`` pinned host memory).
+        layout: the batch's :class:`SequenceLayout`; ``None``: built from the groups.
 
-def _run(query: Tensor, key: Tensor, value: Tensor, plan: Plan, stashes: StashFactory, save: bool,
-         first_pass: Optional[FirstPass] = None) -> Tensor:
-    """The autograd function of ``plan``: FPDT's, or the ring hybrid's."""
-    run = fpdt.run_plan if isinstance(plan, fpdt.FPDTPlan) else ring.run_ring_plan
-    return run(query, key, value, plan, stashes, save, first_pass)
+    Returns:
+        ``(B, S/P, H, D)``, this rank's tokens of the attention output.
+    """
+    ring.split_groups(group)  # a pair, or a ValueError naming new_sequence_groups
+    plan = plan_attention(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
+                          backend=backend, layout=layout)
+    return attend(query, key, value, plan, stashes or StashFactory())
 
 
 class FPDTAttention:
@@ -148,21 +216,21 @@ class FPDTAttention:
         self.stashes.offload = offload
         self.stashes.offload_dq = offload_dq
 
+    @property
+    def ring_size(self) -> int:
+        """``R``: ranks of the group's ring (1: FPDT over one group)."""
+        return ring_size_of(self.group)
+
     def plan(self, query: Tensor, key: Tensor, value: Tensor, causal: bool, scale: Optional[float]) -> Plan:
-        """FPDT's plan, or the ring hybrid's for a ``(ulysses_group, ring_group)`` pair."""
-        if isinstance(self.group, tuple):
-            _refuse_ring_documents(self.documents)
-            return ring.make_ring_plan(query, key, value, causal=causal, scale=scale, group=self.group,
-                                       num_chunks=self.num_chunks, backend=self.backend, layout=self.layout)
-        return fpdt.make_plan(query, key, value, causal=causal, scale=scale, group=self.group,
+        """The plan of this call (:func:`plan_attention`) with the batch's layout and documents."""
+        return plan_attention(query, key, value, causal=causal, scale=scale, group=self.group,
                               num_chunks=self.num_chunks, backend=self.backend, documents=self.documents,
                               layout=self.layout)
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, causal: bool = True,
                  scale: Optional[float] = None) -> Tensor:
         self.kernel_calls += 1
-        save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
-        return _run(query, key, value, self.plan(query, key, value, causal, scale), self.stashes, save)
+        return attend(query, key, value, self.plan(query, key, value, causal, scale), self.stashes)
 
     def for_layer(self) -> "LayerAttention":
         return LayerAttention(self)
@@ -216,8 +284,7 @@ class LayerAttention:
         shared.kernel_calls += 1
         plan = shared.plan(query, key, value, causal, scale)
         stash = shared.stashes.chunks(query.device)
-        forward = fpdt.fpdt_forward if isinstance(plan, fpdt.FPDTPlan) else ring.hybrid_forward
-        out = forward(query, key, value, plan, stash, save_for_backward=True)
+        out = plan.forward(query, key, value, stash, save_for_backward=True)
         self._kept_out = shared.stashes.chunks(out.device)  # host memory when offloading
         self._kept_out.put("out", out)
         self._first_pass = FirstPass(plan=plan, stash=stash, out=None)  # out comes back from _kept_out in _replay
@@ -243,7 +310,7 @@ class LayerAttention:
         first_pass.out = kept.get("out")
         kept.release("out")
         kept.free("out")
-        return _run(query, key, value, first_pass.plan, self.shared.stashes, True, first_pass)
+        return attend(query, key, value, first_pass.plan, self.shared.stashes, first_pass)
 
     def discard(self) -> None:
         """Drop what a first pass kept (its graph was discarded without a backward)."""

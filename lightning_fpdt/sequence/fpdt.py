@@ -9,8 +9,8 @@ Packed documents (:class:`~lightning_fpdt.sequence.documents.DocumentBoundaries`
 whole, or cut into per-document segments (:func:`_block_forward`, :func:`_block_backward`); the loops are unchanged.
 
 Three layers: the loops (:func:`fpdt_forward`, :func:`fpdt_backward`), a thin ``autograd.Function`` that only
-handles ``ctx``, and :func:`fpdt_chunk_attention`. Models call it through :mod:`lightning_fpdt.sequence.attention`
-(``fpdt_attention``, ``FPDTAttention``), which also dispatches to the Ulysses × ring hybrid.
+handles ``ctx``, and the public ``fpdt_attention`` in :mod:`lightning_fpdt.sequence.attention`, whose one dispatch
+(``plan_attention``) validates a call here (:func:`make_plan`) or in ``ring.py`` and runs the plan it gets.
 """
 
 from __future__ import annotations
@@ -48,6 +48,15 @@ class FPDTPlan:
     kv_repeat: int  # replication of each kv head before the all-to-all (GQA with P > Hkv)
     documents: Optional[DocumentBoundaries] = None  # packed documents: per-document causal masking
     varlen: Optional[VarlenFlashKernel] = None  # packed documents on CUDA: a block's segments in one call
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, stash: ChunkStash, save_for_backward: bool) -> Tensor:
+        """The forward loop alone (:func:`fpdt_forward`): what a checkpoint's first pass records."""
+        return fpdt_forward(q, k, v, self, stash, save_for_backward)
+
+    def apply(self, query: Tensor, key: Tensor, value: Tensor, stashes: StashFactory, save: bool,
+              first_pass: Optional[FirstPass] = None) -> Tensor:
+        """The attention with its backward (:class:`_FPDTAttentionFunction`)."""
+        return _FPDTAttentionFunction.apply(query, key, value, self, stashes, save, first_pass)
 
 
 def _block_plans(plan: FPDTPlan, q_chunk: int, kv_chunk: int, chunk_len: int) -> Optional[list[BlockPlan]]:
@@ -398,34 +407,3 @@ def make_plan(
 def varlen_kernel_for(backend: str, device: torch.device, dtype: torch.dtype) -> Optional[VarlenFlashKernel]:
     """The varlen kernel packed documents use on CUDA in fp16/bf16 (not under ``backend="math"``, the reference)."""
     return VarlenFlashKernel() if backend != "math" and VarlenFlashKernel.usable(device, dtype) else None
-
-
-def run_plan(query: Tensor, key: Tensor, value: Tensor, plan: FPDTPlan, stashes: StashFactory, save: bool,
-             first_pass: Optional[FirstPass] = None) -> Tensor:
-    """Apply :class:`_FPDTAttentionFunction` to a validated call."""
-    return _FPDTAttentionFunction.apply(query, key, value, plan, stashes, save, first_pass)
-
-
-def fpdt_chunk_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    causal: bool = True,
-    scale: Optional[float] = None,
-    group: Optional[dist.ProcessGroup] = None,
-    num_chunks: int = 1,
-    backend: str = "auto",
-    stashes: Optional[StashFactory] = None,
-    documents: Optional[DocumentBoundaries] = None,
-    layout: Optional[SequenceLayout] = None,
-) -> Tensor:
-    """Exact causal attention of a sequence-sharded batch over one process group, in FPDT's chunk pipeline: the
-    arguments of :func:`~lightning_fpdt.sequence.attention.fpdt_attention` with ``group`` one process group (or
-    ``None``), and ``layout`` the batch's :class:`SequenceLayout` (its ``num_chunks`` then wins; ``None``: built from
-    the group). Returns ``(B, S/P, H, D)``, this rank's tokens of the attention output."""
-    plan = make_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
-                     backend=backend, documents=documents, layout=layout)
-    # decided here: inside Function.forward grad mode is always off
-    save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
-    return run_plan(query, key, value, plan, stashes or StashFactory(), save)

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from lightning_fpdt.sequence import loss
 from lightning_fpdt.sequence.loss import IGNORE_INDEX
+from lightning_fpdt.sequence.ring_rules import check_ring
 
 
 class RingBlock(NamedTuple):
@@ -70,11 +71,7 @@ class SequenceLayout:
             raise ValueError(
                 f"ring_size ({self.ring_size}) must be a positive divisor of sequence_parallel_size ({self.sp_size})"
             )
-        if self.ring_size > 1 and self.num_chunks > 1:
-            raise ValueError(
-                f"FPDT chunks (num_chunks={self.num_chunks}) are not composed with ring attention "
-                f"(ring_size={self.ring_size}) yet: use chunks=1 with ring_size > 1, or ring_size=1"
-            )
+        check_ring(self.ring_size, chunks=self.num_chunks)
 
     # ---- the ring dimension ---------------------------------------------------------------------------------------
     @property

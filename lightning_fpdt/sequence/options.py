@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple, Optional, Union
 
 from lightning_fpdt.sequence.kernels import check_backend_name
+from lightning_fpdt.sequence.ring_rules import RING_RULES, check_ring
 from lightning_fpdt.sequence.planning import (
     MAX_CHUNK_TOKENS,
     AttentionGeometry,
@@ -82,19 +83,9 @@ class FPDTOptions:
             self.check_ring(self.ring_size)
 
     def check_ring(self, ring_size: int) -> None:
-        """Options the ring does not compose with yet are refused, not silently ignored."""
-        if ring_size <= 1:
-            return
-        if isinstance(self.chunks, int) and self.chunks > 1:
-            raise ValueError(
-                f"chunks={self.chunks} with ring_size={ring_size}: FPDT chunks are not composed with the ring (ring "
-                f"attention) yet; use chunks=1 (or 'auto') with a ring, or ring_size=1"
-            )
-        if self.offload_dq is True:
-            raise ValueError(
-                f"offload_dq=True with ring_size={ring_size}: the ring has no partial dQ sums across chunks to "
-                f"offload (its dQ is one share, on the device); use offload_dq='auto' or False with a ring"
-            )
+        """Options the ring does not compose with yet are refused (:data:`~lightning_fpdt.sequence.ring_rules.
+        RING_RULES`), not silently ignored."""
+        check_ring(ring_size, chunks=self.chunks, offload_dq=self.offload_dq)
 
     @property
     def fixed_head_chunks(self) -> int:
@@ -114,7 +105,7 @@ class FPDTOptions:
         chunks = self.chunks
         if chunks == "auto":
             if ring_size > 1:
-                chunks = 1
+                chunks = RING_RULES["chunks"].with_ring
             elif planned:
                 chunks = choose_chunks(geometry, free_bytes=free_bytes, **size)
             else:
@@ -124,6 +115,6 @@ class FPDTOptions:
             offload = planned and choose_offload(geometry, free_bytes=free_bytes, ring_size=ring_size, **size)
         offload_dq = self.offload_dq
         if offload_dq == "auto":
-            offload_dq = (ring_size == 1 and offload and planned
-                          and choose_offload_dq(geometry, free_bytes=free_bytes, **size))
+            offload_dq = (RING_RULES["offload_dq"].with_ring if ring_size > 1 else
+                          offload and planned and choose_offload_dq(geometry, free_bytes=free_bytes, **size))
         return ResolvedOptions(chunks=chunks, offload=bool(offload), offload_dq=bool(offload_dq))

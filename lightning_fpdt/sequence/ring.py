@@ -16,14 +16,15 @@ accumulator travels with it (ring-flash-attention's scheme), arriving home compl
 
 Three layers, as in the rest of ``sequence/``: the loops (:func:`ring_forward`, :func:`ring_backward`, and
 :func:`hybrid_forward` / :func:`hybrid_backward` around them with the all-to-alls), a thin ``autograd.Function``,
-and the public :func:`ring_attention`. The kernels are ``kernels.py``'s block kernels (forward returns the LSE; the
+and the public ``ring_attention`` in :mod:`lightning_fpdt.sequence.attention`, whose one dispatch
+(``plan_attention``) validates a call here (:func:`make_ring_plan`) when the ring has more than one rank. The kernels are ``kernels.py``'s block kernels (forward returns the LSE; the
 backward takes the final ``out, lse``), so every backend of FPDT runs here too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,6 @@ from lightning_fpdt.sequence.blocks import (
     softmax_scale,
     sum_kv_replicas,
 )
-from lightning_fpdt.sequence.fpdt import FPDTPlan, fpdt_chunk_attention, make_plan
 from lightning_fpdt.sequence.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.kernels import BlockKernel, accumulation_dtype, make_kernel
 from lightning_fpdt.sequence.layout import SequenceLayout
@@ -50,7 +50,9 @@ SequenceGroups = tuple[dist.ProcessGroup, dist.ProcessGroup]
 KV_TAG, DKV_TAG = 71, 72  # point-to-point tags: kv shares and dK/dV accumulators travel side by side in backward
 
 
-def _split(group: SequenceGroups) -> tuple[dist.ProcessGroup, dist.ProcessGroup, int, int]:
+def split_groups(group: SequenceGroups) -> tuple[dist.ProcessGroup, dist.ProcessGroup, int, int]:
+    """``(ulysses_group, ring_group, U, R)`` of a ``(ulysses_group, ring_group)`` pair; ``ValueError`` for anything
+    else."""
     if len(group) != 2 or not all(isinstance(g, dist.ProcessGroup) for g in group):
         raise ValueError(
             f"group must be a (ulysses_group, ring_group) pair of process groups, got {group!r}; "
@@ -135,6 +137,15 @@ class RingPlan:
     kernel: BlockKernel
     scale: float
     kv_repeat: int  # replication of each kv head before the Ulysses all-to-all (GQA with U > Hkv)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, stash: ChunkStash, save_for_backward: bool) -> Tensor:
+        """The forward path alone (:func:`hybrid_forward`): what a checkpoint's first pass records."""
+        return hybrid_forward(q, k, v, self, stash, save_for_backward)
+
+    def apply(self, query: Tensor, key: Tensor, value: Tensor, stashes: StashFactory, save: bool,
+              first_pass: Optional[FirstPass] = None) -> Tensor:
+        """The attention with its backward (:class:`_RingAttentionFunction`)."""
+        return _RingAttentionFunction.apply(query, key, value, self, stashes, save, first_pass)
 
 
 def _rows(x: Tensor, rows: slice) -> Tensor:
@@ -293,14 +304,10 @@ class _RingAttentionFunction(torch.autograd.Function):
 def make_ring_plan(
     query: Tensor, key: Tensor, value: Tensor, *, causal: bool, scale: Optional[float], group: SequenceGroups,
     num_chunks: int, backend: str, layout: Optional[SequenceLayout] = None,
-) -> Union[RingPlan, FPDTPlan]:
-    """Validate the call (ValueErrors print every factor) and fix what the loops need; with ``R = 1`` FPDT's own
-    plan over the Ulysses group (chunks and everything else of FPDT apply). ``layout``: the batch's layout (the
-    strategy builds it once per batch); ``None`` builds it from the two groups."""
-    ulysses_group, ring_group, ulysses_size, ring_size = _split(group)
-    if ring_size == 1:
-        return make_plan(query, key, value, causal=causal, scale=scale, group=ulysses_group, num_chunks=num_chunks,
-                         backend=backend, layout=layout)
+) -> RingPlan:
+    """Validate the call (ValueErrors print every factor) and fix what the loops need. ``layout``: the batch's
+    layout (the strategy builds it once per batch); ``None`` builds it from the two groups."""
+    ulysses_group, ring_group, ulysses_size, ring_size = split_groups(group)
     sp_size = ulysses_size * ring_size
     try:
         check_heads(query.shape[2], key.shape[2], ulysses_size)
@@ -323,52 +330,3 @@ def make_ring_plan(
     return RingPlan(ulysses_group=ulysses_group, ring_group=ring_group, layout=layout,
                     kernel=make_kernel(backend, query.device, query.dtype), scale=softmax_scale(query, scale),
                     kv_repeat=kv_repeat)
-
-
-def run_ring_plan(query: Tensor, key: Tensor, value: Tensor, plan: RingPlan, stashes: StashFactory, save: bool,
-                  first_pass: Optional[FirstPass] = None) -> Tensor:
-    """Apply :class:`_RingAttentionFunction` to a validated call."""
-    return _RingAttentionFunction.apply(query, key, value, plan, stashes, save, first_pass)
-
-
-def ring_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    causal: bool = True,
-    scale: Optional[float] = None,
-    group: SequenceGroups,
-    num_chunks: int = 1,
-    backend: str = "auto",
-    stashes: Optional[StashFactory] = None,
-    layout: Optional[SequenceLayout] = None,
-) -> Tensor:
-    """Exact causal attention of a sequence-sharded batch over a 2-D ``(ulysses_group, ring_group)``.
-
-    Args:
-        query: ``(B, S/P, H, D)``, this rank's tokens in :class:`SequenceLayout` order with ``ring_size = R``
-            (``P = U·R``, ring-major ranks), RoPE applied.
-        key, value: ``(B, S/P, Hkv, D)``.
-        causal: must be ``True``.
-        scale: softmax scale, ``D ** -0.5`` by default.
-        group: ``(ulysses_group, ring_group)`` (:func:`new_sequence_groups`, or the strategy's mesh axes).
-        num_chunks: FPDT chunks; only ``1`` composes with ``R > 1`` so far. With ``R = 1`` this is
-            FPDT's chunk pipeline over the Ulysses group.
-        backend: block kernel, as for FPDT.
-        stashes: where the shares wait for the backward (:class:`StashFactory`; default: device memory; with
-            ``offload=True`` pinned host memory).
-        layout: the batch's :class:`SequenceLayout`; ``None``: built from the groups.
-
-    Returns:
-        ``(B, S/P, H, D)``, this rank's tokens of the attention output.
-    """
-    ulysses_group, ring_group, _, ring_size = _split(group)
-    if ring_size == 1:
-        return fpdt_chunk_attention(query, key, value, causal=causal, scale=scale, group=ulysses_group,
-                                    num_chunks=num_chunks, backend=backend, stashes=stashes, layout=layout)
-    plan = make_ring_plan(query, key, value, causal=causal, scale=scale, group=group, num_chunks=num_chunks,
-                          backend=backend, layout=layout)
-    # decided here: inside Function.forward grad mode is always off
-    save = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
-    return run_ring_plan(query, key, value, plan, stashes or StashFactory(), save)

@@ -14,6 +14,7 @@ from typing import Optional, Union
 
 from lightning_fpdt.sequence.blocks import check_heads, heads_allow
 from lightning_fpdt.sequence.options import check_auto_or_positive_int, check_positive_int
+from lightning_fpdt.sequence.ring_rules import check_ring
 
 
 def resolve_sizes(
@@ -87,9 +88,7 @@ def resolve_sequence_sizes(
                            data_parallel_size=data_parallel_size, sequence_parallel_size=sequence_parallel_size,
                            heads=heads, ring_size=ring_size)
     ring = resolve_ring_size(sequence_parallel_size=sp, ring_size=ring_size, heads=heads)
-    if ring > 1 and head_chunks > 1:
-        raise ValueError(f"head_chunks ({head_chunks}) is not composed with a ring (ring_size {ring}) yet: set "
-                         f"head_chunks=1, or a sequence_parallel_size the head groups allow without a ring")
+    check_ring(ring, head_chunks=head_chunks)
     return dp, sp, ring
 
 

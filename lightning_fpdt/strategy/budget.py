@@ -24,6 +24,7 @@ from lightning_fpdt.sequence.disk_stash import DiskTier, SpillDirectory, check_f
 from lightning_fpdt.sequence.host_memory import HostAllocator, HostMemoryGuard, available_host_memory, resident_bytes
 from lightning_fpdt.sequence.host_stash import StashFactory
 from lightning_fpdt.sequence.options import ResolvedOptions
+from lightning_fpdt.sequence.ring_rules import ring_refusal
 
 HOST_RESERVE_FRACTION = 0.03
 """Share of the host's memory no plan may take (at least :data:`HOST_RESERVE_MIN_BYTES`): the kernel, page cache, other
@@ -178,7 +179,7 @@ def choice_message(plan: MemoryPlan) -> str:
 
 def head_groups_possible(strategy: Any) -> bool:
     """Whether ``head_chunks="auto"`` may choose head groups for the strategy's model."""
-    return supports_head_groups(find_model(strategy.model)) and strategy.ring_size == 1
+    return supports_head_groups(find_model(strategy.model)) and ring_refusal(strategy.ring_size, head_chunks=2) is None
 
 
 class MemoryBudget:

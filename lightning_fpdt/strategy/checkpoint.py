@@ -25,9 +25,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
+
+from lightning_fpdt.lightning_private import _METADATA_FILENAME
 
 RNG_KEY = "fpdt_rng_states"
 """The checkpoint key of the list of every rank's random states."""

@@ -9,23 +9,23 @@ import uuid
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_fpdt.flops import attention_heads
 from lightning_fpdt.integrations import SequenceParallelContext, attention_geometry
 from lightning_fpdt.integrations.attributes import DEVICE_MESH
+from lightning_fpdt.lightning_private import _optimizers_to_device, wrapped_closure
 from lightning_fpdt.memory.surgery import find_model
 from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.sequence.attention import FPDTAttention
@@ -212,15 +212,20 @@ class FPDTStrategy(ModelParallelStrategy):
         return None if self.batch_plan is None else self.batch_plan.attention_length
 
     @property
+    @override
     def precision_plugin(self) -> Precision:
         return self._precision_plugin if self._precision_plugin is not None else FPDTPrecision()
 
     @precision_plugin.setter
+    @override
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         # also reached when the strategy is given as a string, where Lightning itself checks nothing
         self._precision_plugin = to_fpdt_precision(plugin)
 
+    @override
     def setup_environment(self) -> None:
+        # not super().setup_environment(): it would build a (data, tensor) mesh, process groups included, that the
+        # (data, sequence) mesh below replaces; _setup_distributed is the rest of it (device, ranks, process group)
         self._setup_distributed()
         run = self.broadcast(uuid.uuid4().hex[:12])  # this run's keys in a store that may outlive it
         self._watchdog = RankWatchdog(self.global_rank, self.world_size, stale_after=self._heartbeat_timeout,
@@ -238,7 +243,10 @@ class FPDTStrategy(ModelParallelStrategy):
         setattr(self.lightning_module, DEVICE_MESH, self._device_mesh)
 
     # ---- model ----------------------------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: "pl.Trainer") -> None:
+        # not super().setup(): ModelParallelStrategy's requires configure_model and materializes meta parameters on the
+        # GPU before apply_fpdt could shard them; Strategy.setup's order is kept, with the FPDT steps in between
         self.accelerator.setup(trainer)
         # DTensor parameters do not work under inference_mode; evaluation runs under no_grad instead
         loops = (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop)
@@ -334,6 +342,7 @@ class FPDTStrategy(ModelParallelStrategy):
         """FPDT chunks for a global sequence of ``seq_len`` tokens (the option, or the plan for ``"auto"``)."""
         return self.resolved_options(seq_len, batch_size).chunks
 
+    @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Move the batch, then shard its sequence (:func:`~lightning_fpdt.strategy.batch.shard_batch`): this rank's
         tokens, ``position_ids`` and the globally shifted ``labels``/``shift_labels``. A packed batch
@@ -375,19 +384,21 @@ class FPDTStrategy(ModelParallelStrategy):
             self._padding_logged = True
             rank_zero_info(padding_message(plan))
 
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         """Training loaders resume mid-epoch at the checkpointed position (``strategy/checkpoint.py``)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         return checkpointing.resumable_loader(dataloader, trainer)
 
     # ---- steps ----------------------------------------------------------------------------------------------------
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """With host-resident states the step's arithmetic runs on all cores of this rank's share of the host, during
         the backward where it can (``strategy/host_optimizer.py``)."""
         threads = host_threads(self.num_processes) if self.cpu_offload_params else torch.get_num_threads()
         if self._in_backward is not None and optimizer is self._in_backward.optimizer:
             model = model or self.lightning_module
-            return self._in_backward.run(partial(self.precision_plugin._wrap_closure, model, optimizer, closure),
+            return self._in_backward.run(wrapped_closure(self.precision_plugin, model, optimizer, closure),
                                          threads)
         return host_step(lambda c: super(FPDTStrategy, self).optimizer_step(optimizer, c, model, **kwargs), closure,
                          threads)
@@ -405,6 +416,7 @@ class FPDTStrategy(ModelParallelStrategy):
             return output
         return with_loss(output, self.reduce_loss(loss))
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = self._sequence_parallel_output(super().training_step(*args, **kwargs))
         if self._nonfinite_loss == "raise":
@@ -416,13 +428,16 @@ class FPDTStrategy(ModelParallelStrategy):
                 rank_zero_warn(no_target_message(trainer.global_step))
         return output
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._sequence_parallel_output(super().validation_step(*args, **kwargs))
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._sequence_parallel_output(super().test_step(*args, **kwargs))
 
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No FSDP2 gradient reduce-scatter on gradient-accumulation micro-steps."""
         with no_gradient_sync(self.model):
@@ -436,6 +451,7 @@ class FPDTStrategy(ModelParallelStrategy):
         every rank refuses together, so none waits in a collective for a rank that raised."""
         self.memory.plan_length(self, seq_len, batch_size, collective=collective)
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """Name the rank that died or hung when a collective failed (``strategy/watchdog.py``); a host that ran short
         of memory ends every rank with its message."""
@@ -445,6 +461,7 @@ class FPDTStrategy(ModelParallelStrategy):
                 self._watchdog.post_abort(f"rank {self.global_rank}: {exception}")
             self._watchdog.report(exception)
 
+    @override
     def teardown(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()
@@ -455,6 +472,7 @@ class FPDTStrategy(ModelParallelStrategy):
             self._in_backward.close()  # kept: what its last step did stays readable
         super().teardown()
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         started = time.monotonic()
         checkpointing.gather_rng_states(checkpoint, self.world_size)
@@ -465,6 +483,7 @@ class FPDTStrategy(ModelParallelStrategy):
         if self._preemption is not None:
             self._preemption.progress(save_seconds=time.monotonic() - started)
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         checkpointing.check_checkpoint_complete(path)
@@ -475,6 +494,7 @@ class FPDTStrategy(ModelParallelStrategy):
         return checkpoint
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(cls.strategy_name, cls, description="lightning_fpdt sequence parallelism")

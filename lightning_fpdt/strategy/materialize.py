@@ -8,9 +8,9 @@ from collections.abc import Generator
 from contextlib import contextmanager
 
 import torch
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from torch import nn
 
+from lightning_fpdt.lightning_private import _materialize_distributed_module
 from lightning_fpdt.memory.surgery import find_model
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import RichProgressBar
 
+from lightning_fpdt.lightning_private import set_train_description
+
 ADVERTISING = "💡 Tip:"
 LEAFSPEC_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
@@ -43,7 +45,7 @@ def steps_only_epochs(trainer: Any) -> None:
         return
     for callback in trainer.callbacks:
         if isinstance(callback, RichProgressBar):
-            callback._get_train_description = partial(_epoch_description, callback)
+            set_train_description(callback, partial(_epoch_description, callback))
 
 
 def _epoch_description(bar: RichProgressBar, current_epoch: int) -> str:

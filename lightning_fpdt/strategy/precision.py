@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from typing_extensions import override
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
@@ -34,10 +35,12 @@ class FPDTPrecision(Precision):
             return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         return None
 
+    @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module.to(torch.bfloat16) if self.precision == "bf16-true" else module
 
     @contextmanager
+    @override
     def tensor_init_context(self) -> Generator[None, None, None]:
         if self.precision != "bf16-true":
             yield
@@ -50,10 +53,12 @@ class FPDTPrecision(Precision):
             torch.set_default_dtype(default)
 
     @contextmanager
+    @override
     def module_init_context(self) -> Generator[None, None, None]:
         with self.tensor_init_context():
             yield
 
+    @override
     def convert_input(self, data: Any) -> Any:
         return data  # FSDP2 casts floating inputs to param_dtype itself (cast_forward_inputs)
 

@@ -8,10 +8,10 @@ import torch.distributed as dist
 
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
-from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, StashFactory
+from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, StashFactory, ring_attention
 from lightning_fpdt.integrations import SequenceParallelContext, install_reference_llama
 from lightning_fpdt.memory import find_blocks
-from lightning_fpdt.sequence.ring import RingComm, new_sequence_groups, ring_attention
+from lightning_fpdt.sequence.ring import RingComm, new_sequence_groups
 from tests.dist.attention_checks import assert_matches_reference, draw_inputs, reference
 from tests.reference import causal_attention
 

@@ -245,3 +245,24 @@ def test_strategy_with_preemption_pickles_and_copies():
     strategy = FPDTStrategy(preemption_timeout=7.5)
     for clone in (pickle.loads(pickle.dumps(strategy)), copy.deepcopy(strategy)):
         assert clone._preemption is not strategy._preemption and clone._preemption.timeout == 7.5
+
+
+def test_every_lightning_hook_override_is_marked():
+    """FPDTStrategy and FPDTPrecision mark with ``@override`` every method and property they override from
+    Lightning's classes."""
+    from lightning_fpdt.strategy.precision import FPDTPrecision
+
+    unmarked = []
+    for cls in (FPDTStrategy, FPDTPrecision):
+        for name, attribute in vars(cls).items():
+            if name.startswith("__") or not any(name in vars(base) for base in cls.__mro__[1:]):
+                continue
+            if not callable(attribute) and not isinstance(attribute, (property, classmethod, staticmethod)):
+                continue  # a class attribute, not a hook
+            functions = ([attribute.fget, attribute.fset] if isinstance(attribute, property) else
+                         [getattr(attribute, "__func__", attribute)])
+            for function in filter(None, functions):
+                function = getattr(function, "__wrapped__", function)  # under @contextmanager
+                if not getattr(function, "__override__", False):
+                    unmarked.append(f"{cls.__name__}.{name}")
+    assert not unmarked, unmarked

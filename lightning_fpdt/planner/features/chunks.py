@@ -10,6 +10,7 @@ from lightning_fpdt.planner.cost import attention_seconds
 from lightning_fpdt.planner.features.base import MemoryFeature
 from lightning_fpdt.planner.sizes import StepSizes
 from lightning_fpdt.sequence.planning import MAX_CHUNK_TOKENS
+from lightning_fpdt.sequence.ring_rules import ring_choices
 
 MIN_CHUNK_TOKENS = 8192
 """The search halves chunks down to this many global tokens per chunk, not further (a choice: smaller attention
@@ -25,7 +26,7 @@ class Chunks(MemoryFeature):
 
     def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
         if s.o.ring_size > 1:
-            return (1,)  # not composed with the ring
+            return ring_choices("chunks", s.o.ring_size, ())
         chunks = max(1, math.ceil(s.seq_len / MAX_CHUNK_TOKENS))
         values = [chunks]
         while s.seq_len / (2 * chunks) >= max(MIN_CHUNK_TOKENS, s.P):

@@ -9,6 +9,7 @@ from typing import Any
 from lightning_fpdt.planner.cost import attention_seconds, dense_forward_seconds
 from lightning_fpdt.planner.features.base import MemoryFeature
 from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.sequence.ring_rules import ring_choices
 from lightning_fpdt.sequence.sizes import valid_head_chunks
 
 GROUP_SLOWDOWN = 0.02
@@ -19,9 +20,7 @@ class HeadGroups(MemoryFeature):
     fields = ("head_chunks",)
 
     def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
-        if s.o.ring_size > 1:
-            return (1,)  # not composed with the ring
-        return tuple(valid_head_chunks(s.g.num_heads, s.g.num_kv_heads, s.P))
+        return ring_choices("head_chunks", s.o.ring_size, tuple(valid_head_chunks(s.g.num_heads, s.g.num_kv_heads, s.P)))
 
     def extra_seconds(self, s: StepSizes) -> float:
         if s.G == 1:

@@ -66,7 +66,8 @@ def _peers(records: list[dict[str, Any]], commands: Commands, plots: Optional[li
     lines += [f"- **{system}**: {name}." for system, name in SYSTEM_NAMES.items()]
     lines += ["", "The example configurations run through `lightning_fpdt.cli` are fpdt runs too.", ""]
     lines += [*lengths.section(records, commands), ""]
-    for section in (training.DEPTH, training.THROUGHPUT, training.PROFILES, training.HOST, training.PLAN):
+    for section in (training.DEPTH, training.THROUGHPUT, training.PROFILES, training.HOST, training.PLAN,
+                    training.FULL_DEPTH):
         lines += [*section.render(records, commands), ""]
     lines += _plots(plots, commands, doc_dir, plot_note)
     return lines + training.RUNS.render(records, commands)
@@ -105,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--plots", default="docs/plots", help="folder of the PNG plots")
     parser.add_argument("--no-regions", action="store_true",
                         help="leave the results regions of README.md, docs/planner.md and docs/head_chunks.md as they "
-                             "are (bench/report/regions.py)")
+                             "are (bench/report/regions.py; they are rewritten only when --doc is this checkout's "
+                             "docs/benchmarks.md)")
     return parser
 
 
@@ -125,7 +127,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 plot_note=note))
     print(f"bench.report: {len(records)} records -> {args.doc}" + (f", {len(plots)} plots in {args.plots}" if plots
                                                                     else ""))
-    if not args.no_regions:  # the figures of the other pages, from the same records
+    # the figures of the other pages, from the same records: only beside the repository's own results page (a page
+    # written elsewhere, from other records, leaves the repository's pages alone)
+    if not args.no_regions and os.path.abspath(args.doc) == str(REPO_ROOT / "docs" / "benchmarks.md"):
         changed = regions.fill_pages(REPO_ROOT, records)
         print("bench.report: results regions rewritten in " + (", ".join(changed) if changed else "no page"))
     return 0

@@ -8,7 +8,7 @@ from typing import Iterator
 
 from bench.report.markdown import (HOST_COLUMNS, NONE, Record, Section, gib, host_cells, length, number,
                                    percent, plan_ratio, ratio)
-from bench.report.records import card_name, latest, model_name, of_kind, timed
+from bench.report.records import ballast_kind, card_name, latest, model_name, of_kind, timed
 
 SYSTEMS = ("fpdt", "fpdt-hf", "modelparallel", "ring", "alst")
 """The training systems of bench.peers, in the order the tables show them."""
@@ -176,7 +176,9 @@ RUNS = Section(
 
 
 def _plan_rows(records: list[Record]) -> Iterator[Row]:
-    for r in [r for r in of_kind(records, "run") if r.get("planned_peak_gpu_bytes") is not None]:
+    # a full-depth ballast's host memory is not in the plan of the layers run: those runs are FULL_DEPTH's
+    for r in [r for r in of_kind(records, "run")
+              if r.get("planned_peak_gpu_bytes") is not None and ballast_kind(r) != "full"]:
         measured_gpu = r.get("peak_gpu_bytes_minus_ballast")
         yield r, [r["system"], card_name(r), str(r["gpus"]), model_name(r), length(r["seq_len"]),
                   r.get("plan_options") or NONE,
@@ -200,4 +202,44 @@ PLAN = Section(
              "GPU plan / measured", "host peak GiB", "planned host GiB", "host plan / measured", "pinned GiB",
              "planned pinned GiB", "pinned plan / measured"),
     rows=_plan_rows, empty="No run carries its memory plan yet.",
+)
+
+
+def _full_depth_rows(records: list[Record]) -> Iterator[Row]:
+    for r in of_kind(records, "run"):
+        full = r.get("full_depth")
+        at_depth = r.get("layers") == r.get("full_layers") and r.get("planned_peak_gpu_bytes") is not None
+        if r.get("status") != "ok" or not (full and full.get("planned_peak_gpu_bytes") or at_depth):
+            continue
+        if full:
+            held = full["held"]
+            pinned = None if r.get("pinned_host_bytes") is None else r["pinned_host_bytes"] + held["pinned_bytes"]
+            planned = (full["planned_peak_gpu_bytes"], full["planned_resident_bytes"], full["planned_pinned_bytes"])
+            inputs = f"{full['kept_inputs']} kept, {full['disk_inputs']} on disk"
+            disk, step = gib(held["disk_bytes"]), f"{number(full.get('step_time_s'), 0)} (estimate)"
+        else:
+            pinned = r.get("pinned_host_bytes")
+            planned = (r["planned_peak_gpu_bytes"], r.get("planned_resident_host_bytes"),
+                       r.get("planned_pinned_host_bytes"))
+            kept = (r.get("options") or {}).get("keep_inputs", "all")
+            inputs, disk, step = f"{kept} kept", NONE, _step_time(r)
+        yield r, [r["system"], card_name(r), str(r["gpus"]), model_name(r), length(r["seq_len"]), inputs,
+                  gib(r.get("peak_gpu_bytes")), gib(planned[0]), plan_ratio(planned[0], r.get("peak_gpu_bytes")),
+                  gib(r.get("peak_host_rss_bytes")), gib(planned[1]), plan_ratio(planned[1], r.get("peak_host_rss_bytes")),
+                  gib(pinned), gib(planned[2]), disk, step]
+
+
+FULL_DEPTH = Section(
+    title="### Full depth: GPU, host and disk against the plan",
+    intro="fpdt runs that stand for the whole model on the machine they ran on, host memory and disk included: "
+          "steps at full depth, and runs of a few layers with the full-depth ballast (`--ballast full`: the full "
+          "depth planned there, its options trained, and what it keeps for the layers not run held on the GPU, in "
+          "host memory and on disk). Measured peaks (ballast included) against the full depth's plan; pinned: the "
+          "strategy's page-locked bytes and the ballast's. Full-depth step: measured at full depth; with the ballast "
+          "the measured step times the planner's ratio of the two depths' step times (every layer's work and the "
+          "regenerating forwards of the inputs the plan drops).",
+    columns=("system", "card", "GPUs", "model", "S", "block inputs", "GPU GiB", "planned GPU GiB", "GPU plan / measured",
+             "host peak GiB", "planned host GiB", "host plan / measured", "pinned GiB", "planned pinned GiB",
+             "disk GiB", "full-depth step s"),
+    rows=_full_depth_rows, empty="No full-depth runs.",
 )

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
-from bench.report.markdown import length, number, table
-from bench.report.records import of_kind
+from bench.report.markdown import NONE, gib, length, number, percent, ratio, table
+from bench.report.records import card_name, model_name, of_kind
 
 PAGES = ("README.md", "docs/planner.md", "docs/head_chunks.md")
 """The pages, relative to the repository root, whose figures come from the records."""
@@ -46,7 +47,97 @@ def head_chunks(records: list[dict[str, Any]]) -> list[str]:
     return [intro, "", *table(header, rows, "No head-chunking records.")]
 
 
-REGIONS: dict[str, Callable[[list[dict[str, Any]]], list[str]]] = {"head_chunks": head_chunks}
+@dataclass(frozen=True)
+class Headline:
+    """One row of the README's measured table: the latest successful run whose fields equal ``match`` (``options.x``
+    names a field of the record's options), and where ``against`` is given the run it is compared with."""
+
+    what: str
+    match: dict[str, Any]
+    against: Optional[dict[str, Any]] = None
+
+
+def _field(record: dict[str, Any], name: str) -> Any:
+    if name.startswith("options."):
+        return (record.get("options") or {}).get(name.split(".", 1)[1])
+    if name == "card":
+        return card_name(record)
+    return record.get(name)
+
+
+def _latest_run(records: list[dict[str, Any]], match: dict[str, Any]) -> Optional[dict[str, Any]]:
+    found = [r for r in of_kind(records, "run") if r.get("status") == "ok"
+             and all(_field(r, name) == value for name, value in match.items())]
+    return found[-1] if found else None
+
+
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+H100_79, H200_79 = f"{H100}, capped to 79 GiB", f"{H200}, capped to 79 GiB"
+GPU_STATES = {"options.cpu_offload_params": False}
+HOST_STATES = {"options.cpu_offload_params": True}
+HEADLINES = (
+    Headline("full depth, Llama-3-8B", dict(system="fpdt", card=H200, gpus=4, model="llama3-8b", layers=32,
+                                           seq_len=524288)),
+    Headline("longest sequence, 4 GPUs of 79 GiB", dict(system="fpdt", card=H200_79, gpus=4, seq_len=2097152)),
+    Headline("longest sequence, one GPU, states on the host", dict(system="fpdt", card=H100_79, gpus=1,
+                                                                  seq_len=1572864)),
+    Headline("full depth, Llama-3.2-3B, every option auto", dict(system="fpdt-hf", card=H100_79, model="llama3-3b",
+                                                                layers=28, seq_len=131072, **GPU_STATES,
+                                                                **{"options.keep_inputs": "all"})),
+    Headline("the same, 7 of 28 block inputs kept", dict(system="fpdt-hf", card=H100_79, model="llama3-3b",
+                                                         layers=28, seq_len=131072, **{"options.keep_inputs": "7"})),
+    Headline("the same, states on the host", dict(system="fpdt-hf", card=H100_79, model="llama3-3b", layers=28,
+                                                  seq_len=131072, **HOST_STATES)),
+    Headline("full depth, Llama-3.2-3B, one H200", dict(system="fpdt-hf", card=H200, model="llama3-3b", layers=28,
+                                                        seq_len=524288)),
+    Headline("Llama-3.2-3B, full-depth ballast (host and disk)", dict(system="fpdt-hf", card=H200, model="llama3-3b",
+                                                                     seq_len=1048576, **{"options.ballast": "full"})),
+    Headline("against ALST, states on the GPU", dict(system="fpdt-hf", card=H100_79, gpus=4, seq_len=131072,
+                                                     **GPU_STATES),
+             against=dict(system="alst", card=H100_79, gpus=4, seq_len=131072, **GPU_STATES)),
+    Headline("against ALST, states on the host", dict(system="fpdt", card=H100_79, gpus=4, seq_len=131072,
+                                                      **HOST_STATES),
+             against=dict(system="alst", card=H100_79, gpus=4, seq_len=131072, **HOST_STATES)),
+    Headline("against ALST, states on the GPU", dict(system="fpdt-hf", card=H100_79, gpus=4, seq_len=524288,
+                                                     **GPU_STATES),
+             against=dict(system="alst", card=H100_79, gpus=4, seq_len=524288, **GPU_STATES)),
+    Headline("against ALST, states on the host", dict(system="fpdt-hf", card=H100_79, gpus=4, seq_len=524288,
+                                                      **HOST_STATES),
+             against=dict(system="alst", card=H100_79, gpus=4, seq_len=524288, **HOST_STATES)),
+    Headline("states on the host, stepping in the backward", dict(system="fpdt", card=H100, gpus=4, seq_len=131072,
+                                                                  **{"options.host_step": "in backward"}),
+             against=dict(system="fpdt", card=H100, gpus=4, seq_len=131072, layers=2, **GPU_STATES)),
+    Headline("a Hugging Face family beside Llama: Qwen3-4B", dict(system="fpdt-hf", card=H100, model="qwen3-4b",
+                                                                  seq_len=131072),
+             against=dict(system="fpdt-hf", card=H100, model="llama3-3b", layers=2, seq_len=131072)),
+)
+"""The README's measured runs, each the latest record of its kind."""
+
+
+def measured(records: list[dict[str, Any]]) -> list[str]:
+    """The README's table of headline runs, from the records (each figure with its card, geometry and commit; every
+    run's command in docs/benchmarks.md). Against another run: that run's step time over this one's."""
+    rows = []
+    for headline in HEADLINES:
+        r = _latest_run(records, headline.match)
+        if r is None:
+            continue
+        peer = _latest_run(records, headline.against) if headline.against else None
+        versus = NONE if peer is None else (f"{ratio(peer.get('step_time_s'), r.get('step_time_s'))} "
+                                            f"({peer['system']}, {number(peer.get('step_time_s'), 3)} s)")
+        step = number(r.get("step_time_s"), 3) + ("" if r.get("timed_steps", 1) else " (first step)")
+        full = r.get("full_depth") or {}
+        if full.get("step_time_s"):
+            step += f"; full depth about {number(full['step_time_s'], 0)} (estimate)"
+        rows.append([headline.what, r["system"], card_name(r), str(r.get("gpus")), model_name(r),
+                     length(r.get("seq_len")), step, number(r.get("tokens_per_s"), 0), percent(r.get("mfu")),
+                     gib(r.get("peak_gpu_bytes")), gib(r.get("peak_host_rss_bytes")), versus, f"`{r['commit']}`"])
+    header = ["run", "system", "card", "GPUs", "model (layers run)", "S", "step s", "tokens/s", "MFU", "GPU GiB",
+              "host GiB", "against", "commit"]
+    return table(header, rows, "No runs recorded.")
+
+
+REGIONS: dict[str, Callable[[list[dict[str, Any]]], list[str]]] = {"head_chunks": head_chunks, "measured": measured}
 """Each region's renderer: the records in, the region's lines out."""
 
 

@@ -44,8 +44,12 @@ class ModelGeometry:
     tie_word_embeddings: bool = False
     """Whether the lm_head shares the embedding table. It does not change the FLOPs: the lm_head matmul runs anyway."""
     num_parameters_nonembedding: Optional[int] = None
-    """Override for ``N``, the parameters doing matmul work per token (e.g. the active parameters of a
-    mixture-of-experts model, which the Llama-style count below gets wrong). ``None``: counted from the sizes."""
+    """Override for ``N``, the parameters doing matmul work per token. ``None``: counted from the sizes."""
+    num_experts: int = 1
+    """Gated MLPs of ``intermediate_size`` per layer that hold parameters: a mixture of experts' experts (its router,
+    ``hidden_size x num_experts``, beside them); 1 for a dense model."""
+    experts_per_token: int = 1
+    """Of those, the MLPs each token runs through (a router's top-k); 1 for a dense model."""
 
     def __post_init__(self) -> None:
         sizes = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
@@ -57,6 +61,13 @@ class ModelGeometry:
             raise ValueError(
                 f"ModelGeometry.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        for name in ("num_experts", "experts_per_token"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelGeometry.{name} ({value!r}) must be a positive int")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"ModelGeometry.experts_per_token ({self.experts_per_token}) must not exceed "
+                             f"num_experts ({self.num_experts})")
         if self.num_parameters_nonembedding is not None and self.num_parameters_nonembedding <= 0:
             raise ValueError(
                 f"ModelGeometry.num_parameters_nonembedding ({self.num_parameters_nonembedding}) must be positive, "
@@ -72,16 +83,18 @@ class ModelGeometry:
     def nonembedding_parameters(self) -> int:
         """``N``: the override if given, else every parameter that does matmul (or norm) work per token.
 
-        Per layer: q, k, v, o projections, the three gated-MLP matrices, two RMSNorm weights; then the
-        final norm and the lm_head, which is counted even when tied to the embedding because it is a
+        Per layer: q, k, v, o projections, the three gated-MLP matrices (of each of the ``experts_per_token`` MLPs a
+        token runs through, and a router where there are experts), two RMSNorm weights; then the final norm and the
+        lm_head, which is counted even when tied to the embedding because it is a
         matmul. The input embedding is a lookup (no FLOPs) and is left out. Biases are not counted.
         """
         if self.num_parameters_nonembedding is not None:
             return self.num_parameters_nonembedding
         h, q_width, kv_width = self.hidden_size, self.attention_width, self.num_kv_heads * self.head_dim
         attention = h * q_width + 2 * h * kv_width + q_width * h  # q, k + v, o
-        mlp = 3 * h * self.intermediate_size  # gate, up, down
-        per_layer = attention + mlp + 2 * h  # + input and post-attention norms
+        mlp = 3 * h * self.intermediate_size * self.experts_per_token  # gate, up, down of each MLP a token runs
+        router = h * self.num_experts if self.num_experts > 1 else 0
+        per_layer = attention + mlp + router + 2 * h  # + input and post-attention norms
         return self.num_layers * per_layer + h + h * self.vocab_size  # + final norm + lm_head
 
     @classmethod
@@ -128,6 +141,13 @@ class ModelGeometry:
                 )
             head_dim = values["hidden_size"] // values["num_heads"]
         tied = bool(getattr(config, "tie_word_embeddings", False))
+        # a mixture of experts: Mixtral's num_local_experts, Qwen-MoE's num_experts (whose experts are
+        # moe_intermediate_size wide); top-k from num_experts_per_tok
+        experts = read("num_local_experts", "num_experts")
+        if isinstance(experts, int) and experts > 1:
+            values["intermediate_size"] = read("moe_intermediate_size") or values["intermediate_size"]
+            return cls(**values, num_kv_heads=num_kv_heads, head_dim=head_dim, tie_word_embeddings=tied,
+                       num_experts=experts, experts_per_token=read("num_experts_per_tok") or 1)
         return cls(**values, num_kv_heads=num_kv_heads, head_dim=head_dim, tie_word_embeddings=tied)
 
     @classmethod

@@ -7,8 +7,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-import dataclasses
-
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.models.llama import NAMED_CONFIGS, LlamaConfig
 from lightning_fpdt.models.module import CausalLM
@@ -56,20 +54,12 @@ def named_vocab(name: str) -> int:
 
 
 def named_geometry(name: str) -> ModelGeometry:
-    """The :class:`ModelGeometry` of a ``--model`` geometry at full depth; a mixture of experts counts its active
-    parameters (``top_k`` experts' MLPs and the router per token), which the dense count gets wrong."""
+    """The :class:`ModelGeometry` of a ``--model`` geometry at full depth (a mixture of experts with its experts:
+    :meth:`ModelGeometry.from_config` reads them)."""
     if name not in HF_GEOMETRIES:
         return ModelGeometry.from_config(LlamaConfig.from_name(name))
     _, fields = HF_GEOMETRIES[name]
-    config = SimpleNamespace(**fields)
-    geometry = ModelGeometry.from_config(config)
-    experts = fields.get("num_local_experts")
-    if experts is None:
-        return geometry
-    dense_mlp = 3 * geometry.hidden_size * geometry.intermediate_size
-    active = geometry.nonembedding_parameters + geometry.num_layers * (
-        (fields["num_experts_per_tok"] - 1) * dense_mlp + geometry.hidden_size * experts)
-    return dataclasses.replace(geometry, num_parameters_nonembedding=active)
+    return ModelGeometry.from_config(SimpleNamespace(**fields))
 
 
 def hf_llama_config(name: str, *, num_layers: int, max_seq_len: int) -> Any:

@@ -75,11 +75,13 @@ def geometry_name(geometry: ModelGeometry) -> str:
 
 
 def parameter_counts(geometry: ModelGeometry) -> tuple[int, int]:
-    """``(Θ_block, Θ_rest)``: the parameters of one block (q, k, v, o, gate, up, down, two norms) and of the rest
-    (embedding, the lm_head unless tied, the final norm)."""
+    """``(Θ_block, Θ_rest)``: the parameters of one block (q, k, v, o, gate, up, down of every expert and a router
+    where there are experts, two norms) and of the rest (embedding, the lm_head unless tied, the final norm)."""
     g = geometry
     q_width, kv_width = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
-    block = 2 * g.hidden_size * q_width + 2 * g.hidden_size * kv_width + 3 * g.hidden_size * g.intermediate_size
+    block = 2 * g.hidden_size * q_width + 2 * g.hidden_size * kv_width
+    block += 3 * g.hidden_size * g.intermediate_size * g.num_experts
+    block += g.hidden_size * g.num_experts if g.num_experts > 1 else 0  # the router
     block += 2 * g.hidden_size
     rest = g.vocab_size * g.hidden_size * (1 if g.tie_word_embeddings else 2) + g.hidden_size
     return block, rest

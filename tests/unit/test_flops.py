@@ -216,3 +216,26 @@ def test_validation_errors(build, message):
     """Invalid geometry and arguments raise ValueError naming the offending values."""
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_mixture_of_experts_counts_every_expert_for_memory_and_the_routed_ones_for_flops():
+    """Mixtral-8x7B: 46.7B parameters held (every expert, the planner's states) and 12.9B active per token less the
+    input embedding's 0.13B doing work (two experts and the router, the FLOP count); Qwen-MoE's experts are
+    moe_intermediate_size wide."""
+    from types import SimpleNamespace
+
+    from lightning_fpdt.planner import total_parameters
+
+    mixtral = ModelGeometry.from_config(SimpleNamespace(
+        num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+        vocab_size=32000, num_local_experts=8, num_experts_per_tok=2))
+    assert (mixtral.num_experts, mixtral.experts_per_token) == (8, 2)
+    assert 46.6e9 < total_parameters(mixtral) < 46.8e9
+    assert 12.7e9 < mixtral.nonembedding_parameters < 12.8e9
+    qwen = ModelGeometry.from_config(SimpleNamespace(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+        moe_intermediate_size=32, vocab_size=100, num_experts=4, num_experts_per_tok=2))
+    assert (qwen.intermediate_size, qwen.num_experts, qwen.experts_per_token) == (32, 4, 2)
+    with pytest.raises(ValueError, match="experts_per_token"):
+        ModelGeometry(num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=2, head_dim=4, intermediate_size=8,
+                      vocab_size=10, num_experts=2, experts_per_token=3)

@@ -8,7 +8,7 @@ from lightning_fpdt.integrations.context import (
     shared_attentions,
 )
 from lightning_fpdt.integrations.head_groups import HeadGroupedAttention, install_head_groups
-from lightning_fpdt.integrations.huggingface import install_hf_model, register_hf_attention
+from lightning_fpdt.integrations.huggingface import check_router_loss, install_hf_model, register_hf_attention
 from lightning_fpdt.integrations.install import (
     apply_tiled_loss,
     attention_geometry,
@@ -25,6 +25,7 @@ __all__ = [
     "SequenceParallelContext",
     "apply_tiled_loss",
     "attention_geometry",
+    "check_router_loss",
     "install",
     "install_head_groups",
     "install_hf_model",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Sequence
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -135,6 +136,23 @@ def family_rope(family: Optional[Family], module: nn.Module) -> Optional[Any]:
 
 
 # ---- a mixture of experts' load-balancing loss ----------------------------------------------------------------------
+def check_router_loss(model: nn.Module, *, forward_without_grad: Sequence[str]) -> None:
+    """At setup: a model that adds its routers' load-balancing loss (``output_router_logits``) cannot be trained with
+    transforms that run the experts' first forward without gradients (``forward_without_grad``: the callbacks that
+    do), since its routers would then get no gradient from that loss. ``ValueError`` naming both ways out."""
+    family = family_of(model) if is_hf_model(model) else None
+    if family is None or family.router is None or not forward_without_grad:
+        return
+    if not getattr(text_config(model.config), "output_router_logits", False):
+        return
+    raise ValueError(
+        f"{type(model).__name__} adds its routers' load-balancing loss (output_router_logits=True), and "
+        f"{' and '.join(forward_without_grad)} run the experts' first forward without gradients, so that loss "
+        f"would train no router: set output_router_logits=False in the model's config, or train without "
+        f"{' and '.join(forward_without_grad)}"
+    )
+
+
 def router_loss(model: nn.Module, family: Family, context: Optional[SequenceParallelContext]) -> Any:
     """``loss(router_logits)``: the family's load-balancing loss, over the sequence group under the strategy
     (``context``), else of the local tokens as Hugging Face computes it."""

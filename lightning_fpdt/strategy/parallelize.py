@@ -17,7 +17,7 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from lightning_fpdt.integrations import SequenceParallelContext, install
+from lightning_fpdt.integrations import SequenceParallelContext, check_router_loss, install
 from lightning_fpdt.integrations.attributes import APPLIED, STEP_METHODS
 from lightning_fpdt.integrations.head_loss import loss_head
 from lightning_fpdt.memory.surgery import find_blocks, find_model, has_parameters
@@ -76,6 +76,9 @@ def apply_fpdt(module: nn.Module, mesh: DeviceMesh, *, config: ParallelizeConfig
     model = find_model(module)
     blocks = find_blocks(model, config.layer_classes)
 
+    without_grad = [name for name, transforms in (("ActivationOffload", config.activation_checkpointing),
+                                                  ("TiledMLP", config.tiled_mlp)) if transforms]
+    check_router_loss(model, forward_without_grad=without_grad)
     # 1. the attention (and loss) swap first: later wrappers (tiling, checkpointing, FSDP2) wrap the swapped modules
     install(model, blocks, config.context)
     # 2. tiled MLP inside the blocks, before checkpointing wraps them

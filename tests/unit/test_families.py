@@ -123,3 +123,19 @@ def test_bench_builds_other_families_by_named_geometry(name, model_type, checks)
     args = argparse.Namespace(model=name, layers=2, system="fpdt", seq_len=131072, steps=1)
     with pytest.raises(ValueError, match="--system fpdt-hf"):
         validate(args, 1)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_a_router_loss_with_gradient_free_first_forwards_is_refused_at_setup(model_type):
+    """output_router_logits with ActivationOffload or TiledMLP (their first forward records no router gradient): a
+    ValueError at setup naming both fixes; without the router loss, or without those callbacks, nothing is refused."""
+    from lightning_fpdt.integrations import check_router_loss
+
+    torch.manual_seed(0)
+    model = build(model_type)
+    assert model.config.output_router_logits
+    with pytest.raises(ValueError, match="output_router_logits=False.*or train without ActivationOffload and TiledMLP"):
+        check_router_loss(model, forward_without_grad=["ActivationOffload", "TiledMLP"])
+    check_router_loss(model, forward_without_grad=[])
+    model.config.output_router_logits = False
+    check_router_loss(model, forward_without_grad=["ActivationOffload"])

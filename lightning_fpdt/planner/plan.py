@@ -158,20 +158,33 @@ def plan_memory(
     return dataclasses.replace(plan, recommended=recommended, recommendation=said(changes, free))
 
 
+DISK_SEARCH_ROUNDS = 6
+"""Searches at most for the least disk a refused plan would fit with (each one below the last one's disk bytes)."""
+
+
 def _disk_would_need(plan: MemoryPlan, run: Optional[Run], explicit: Optional[dict[str, Any]]) -> str:
     """With a disk tier: ``; it fits with N GiB per host on disk ...`` when a larger disk would make the run fit (the
-    search again, the disk's room unbounded), else nothing. Without one: that the disk tier may help (the search is
+    search again: the least disk any configuration fits with), else nothing. Without one: that the disk tier may help (the search is
     not run again: a refusal without a disk stays as fast as it was)."""
     if run is None or not plan.options.activation_offload:
         return ""
     if run.disk_memory_bytes is None:
         return "; block inputs may also go to a local disk: FPDTStrategy(offload_dir=...), `lightning-fpdt plan --disk-gib N`"
-    wider = fastest_fitting(dataclasses.replace(run, disk_memory_bytes=2**62), plan.options, SEARCHED, explicit)
-    if wider is None:
+    # the least disk that fits: the fastest plan with the disk's room unbounded, then again below what it put on disk
+    # (keeping fewer block inputs, say), until nothing fits
+    least, room = None, 2**62
+    for _ in range(DISK_SEARCH_ROUNDS):
+        wider = fastest_fitting(dataclasses.replace(run, disk_memory_bytes=room), plan.options, SEARCHED, explicit)
+        if wider is None:
+            break
+        least, room = wider, wider.disk_bytes_per_node - 1
+        if room < 0:
+            break
+    if least is None:
         return ""
-    return (f"; it fits with {wider.options.disk_inputs} block inputs per GPU on disk, "
-            f"{gib(wider.disk_bytes_per_node)} GiB per host (the disk tier has {gib(run.disk_memory_bytes)} GiB "
-            f"free), with {wider.options.describe()}")
+    return (f"; it fits with {least.options.disk_inputs} block inputs per GPU on disk, "
+            f"{gib(least.disk_bytes_per_node)} GiB per host (the disk tier has {gib(run.disk_memory_bytes)} GiB "
+            f"free), with {least.options.describe()}")
 
 
 def said(changes: dict[str, Any], auto: set[str]) -> str:

@@ -105,3 +105,17 @@ def test_format_plan_and_command_print_the_disk(capsys):
     nothing = plan_memory(**{**RUN, "gpu_memory_gib": 80}, host_memory_gib=30)  # the GPU cannot take the inputs
     assert "--disk-gib N" in nothing.recommendation  # nothing fits: the disk named
     assert "disk per host" in format_plan(plan_memory(**RUN, host_memory_gib=118, disk_memory_gib=60))
+
+
+def test_a_refusal_names_the_least_disk_that_fits():
+    """Too small a disk: the refusal names the least disk any configuration fits with (5 inputs beside partial
+    residency, 10 GiB), not the fastest plan's with an unbounded disk (every input kept, 14 on disk, 28 GiB)."""
+    kw = dict(geometry="llama3-1b", seq_len=2**19, num_gpus=1, activation_offload=True, tiled_mlp=True, tiled_loss=True,
+              gpu_memory_gib=40, host_memory_gib=12, chunks="auto", offload="auto", offload_dq="auto",
+              head_chunks="auto", recompute_attention="auto", reload_input="auto", input_prefetch="auto",
+              keep_inputs="auto")
+    refused = plan_memory(**kw, disk_memory_gib=4)
+    assert not refused.fits
+    assert "it fits with 5 block inputs per GPU on disk, 10.00 GiB per host" in refused.recommendation
+    assert plan_memory(**kw, disk_memory_gib=10).fits
+    assert plan_memory(**kw, disk_memory_gib=1000).disk_bytes_per_node == 28 * 2**30

@@ -41,9 +41,7 @@ from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner import PRECISIONS, MemoryPlan, parameter_counts, plan_memory
 from lightning_fpdt.planner.arguments import arguments
 from lightning_fpdt.planner.components import expandable_segments, plannable_gpu_bytes
-from lightning_fpdt.planner.phases import padded_length
-from lightning_fpdt.planner.search import step_seconds
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.search import plan_sizes, step_seconds
 from lightning_fpdt.sequence.host_memory import HostAllocator
 from lightning_fpdt.strategy.budget import host_reserve_bytes
 
@@ -65,8 +63,6 @@ class FullDepth:
     """fpdt: the full depth's plan on this machine, its options resolved."""
     run_plan: Optional[MemoryPlan] = None
     """fpdt: the plan of the layers run with the same options, every input kept, nothing on disk."""
-    disk_rate: float = 0.0
-    """The disk's rate per GPU the full plan was made with, bytes/s (its step estimate's disk term)."""
 
     def strategy_arguments(self) -> dict[str, dict[str, Any]]:
         """``{"FPDTStrategy": {...}, "ActivationOffload": {...}}`` the run trains with: the full plan's options,
@@ -83,7 +79,7 @@ class FullDepth:
         if self.plan is None:
             return {"held": held}
         full, run = self.plan, self.run_plan
-        ratio = _seconds(full, self.disk_rate) / _seconds(run, 0.0)
+        ratio = step_seconds(plan_sizes(full)) / step_seconds(plan_sizes(run))
         o = full.options
         return {
             "held": held,
@@ -96,13 +92,6 @@ class FullDepth:
             "estimated_step_ratio": ratio,
             "step_time_s": None if step_time_s is None else step_time_s * ratio,
         }
-
-
-def _seconds(plan: MemoryPlan, disk_rate: float) -> float:
-    """The planner's estimate of the plan's step (only the ratio of two is used)."""
-    o = plan.options
-    return step_seconds(StepSizes(plan.geometry, o, padded_length(o, plan.seq_len), plan.batch_size, plan.num_gpus,
-                                  disk_rate=disk_rate))
 
 
 def _keep_inputs(args: argparse.Namespace) -> Any:
@@ -164,8 +153,7 @@ def full_depth_ballast(args: argparse.Namespace, geometry: ModelGeometry, *, wor
             gpu_bytes=max(0, full.peak_gpu_bytes - run.peak_gpu_bytes),
             pinned_bytes=max(0, full.host_bytes_per_gpu - run.host_bytes_per_gpu),
             pageable_bytes=max(0, _pageable(full) - _pageable(run)),
-            disk_bytes=full.disk_bytes_per_node // gpus_per_node, plan=full, run_plan=run,
-            disk_rate=args.disk_gbps * 1e9 / gpus_per_node)
+            disk_bytes=full.disk_bytes_per_node // gpus_per_node, plan=full, run_plan=run)
     if args.system != "alst":
         raise ValueError(f"--ballast full plans the host and disk of fpdt, fpdt-hf and alst; {args.system} keeps its "
                          f"block inputs on the GPU: use --ballast auto")

@@ -17,6 +17,7 @@ from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, resolve_geometry
 from lightning_fpdt.planner.host import available_host_memory, gib
 from lightning_fpdt.planner.plan import plan_memory
+from lightning_fpdt.planner.search import step_estimate
 
 CALLBACK_NAMES = ("mlp", "loss", "offload", "checkpoint")
 
@@ -76,6 +77,11 @@ def format_plan(plan: MemoryPlan) -> str:
                      f"GiB per host ({gib(r.host_bytes_per_node)} pinned)"
                      + (f", {gib(r.disk_bytes_per_node)} GiB per host on disk" if r.disk_bytes_per_node else ""))
     if chosen.fits:
+        estimate = step_estimate(chosen)
+        total = sum(seconds for _, seconds in estimate)
+        lines += ["", f"step time by the cost model, {'recommended' if chosen is not plan else 'these'} options "
+                      f"(an H100's rates; it ranks configurations, it does not predict): {total:,.1f} s"]
+        lines += [f"  {what:<90} {seconds:>9,.1f} s" for what, seconds in estimate]
         lines += ["", "as arguments:", *("  " + line for line in python_arguments(chosen).splitlines()),
                   "as YAML:", *("  " + line for line in yaml_arguments(chosen).splitlines())]
     lines.append("(a model, not a measurement; the GPU it fills is the card less the CUDA context and the allocator's "

@@ -144,6 +144,8 @@ class MemoryPlan:
     disk_memory_bytes: Optional[int] = None
     """Free space of the disk tier's directory on one host; ``None``: no disk tier (a plan with disk bytes does not
     fit)."""
+    disk_bytes_per_second: float = 0.0
+    """The disk's read and write rate per host the plan was made with (its disk tier's time)."""
     recommended: Optional["MemoryPlan"] = field(default=None, compare=False)
     """A plan that fits, found by the search in :data:`SEARCH_ORDER` (``None`` if this one fits or none was found)."""
     recommendation: str = ""

@@ -108,6 +108,7 @@ def build_plan(
     geometry: ModelGeometry, model: str, *, seq_len: int, batch_size: int, num_gpus: int, gpus_per_node: int,
     options: PlanOptions, gpu_memory_bytes: int, host_memory_bytes: Optional[int],
     host_baseline_bytes: int = PROCESS_BASELINE_BYTES, disk_memory_bytes: Optional[int] = None,
+    disk_bytes_per_second: float = 0.0,
 ) -> MemoryPlan:
     """The plan of these resolved options: the components of the padded sequence and the limits."""
     padded = padded_length(options, seq_len)
@@ -117,6 +118,7 @@ def build_plan(
         model=model, geometry=geometry, seq_len=seq_len, padded_seq_len=padded, batch_size=batch_size,
         num_gpus=num_gpus, gpus_per_node=gpus_per_node, options=options, components=tuple(parts),
         gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes, disk_memory_bytes=disk_memory_bytes,
+        disk_bytes_per_second=disk_bytes_per_second,
     )
 
 

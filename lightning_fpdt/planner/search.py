@@ -65,12 +65,32 @@ class Run:
         return build_plan(self.geometry, self.model, seq_len=self.seq_len, batch_size=self.batch_size,
                           num_gpus=self.num_gpus, gpus_per_node=self.gpus_per_node, options=options,
                           gpu_memory_bytes=self.gpu_memory_bytes, host_memory_bytes=self.host_memory_bytes,
-                          host_baseline_bytes=self.host_baseline_bytes, disk_memory_bytes=self.disk_memory_bytes)
+                          host_baseline_bytes=self.host_baseline_bytes, disk_memory_bytes=self.disk_memory_bytes,
+                          disk_bytes_per_second=self.disk_bytes_per_second)
 
 
 def step_seconds(s: StepSizes) -> float:
     """The estimated step time of one configuration: the work every configuration does and each feature's own."""
     return base_seconds(s) + sum(feature.extra_seconds(s) for feature in FEATURES)
+
+
+def plan_sizes(plan: MemoryPlan) -> StepSizes:
+    """The sizes of a plan, its disk's rate included."""
+    return StepSizes(plan.geometry, plan.options, padded_length(plan.options, plan.seq_len), plan.batch_size,
+                     plan.num_gpus, disk_rate=plan.disk_bytes_per_second / plan.gpus_per_node)
+
+
+def step_estimate(plan: MemoryPlan) -> list[tuple[str, float]]:
+    """What the plan's step costs by the cost model (:mod:`~lightning_fpdt.planner.cost`): the work every
+    configuration does, then each feature that adds time, in words (``partial residency: 14 block forwards
+    regenerated``), with its seconds."""
+    s = plan_sizes(plan)
+    parts = [("the layers' dense and attention work", base_seconds(s))]
+    for feature in FEATURES:
+        seconds = feature.extra_seconds(s)
+        if seconds > 0:
+            parts.append((feature.describe_cost(s), seconds))
+    return parts
 
 
 def candidates(run: Run, base: PlanOptions, free: Iterable[str]) -> list[PlanOptions]:

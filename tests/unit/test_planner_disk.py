@@ -119,3 +119,17 @@ def test_a_refusal_names_the_least_disk_that_fits():
     assert "it fits with 5 block inputs per GPU on disk, 10.00 GiB per host" in refused.recommendation
     assert plan_memory(**kw, disk_memory_gib=10).fits
     assert plan_memory(**kw, disk_memory_gib=1000).disk_bytes_per_node == 28 * 2**30
+
+
+def test_the_plan_states_the_time_each_feature_costs():
+    """The printed plan breaks its step estimate down by feature: partial residency names the block forwards it
+    regenerates, and the parts add up to the estimate the search ranks by."""
+    from lightning_fpdt.planner.search import plan_sizes, step_estimate
+
+    plan = plan_memory(geometry="llama3-3b", seq_len=2**20, num_gpus=1, activation_offload=True, tiled_mlp=True,
+                       tiled_loss=True, gpu_memory_gib=123, host_memory_gib=116, chunks=16, offload=True,
+                       offload_dq=False, recompute_attention=True, keep_inputs=14)
+    estimate = dict(step_estimate(plan))
+    assert "partial residency: 14 block forwards regenerated in the backward (their attention too)" in estimate
+    assert sum(estimate.values()) == pytest.approx(step_seconds(plan_sizes(plan)))
+    assert "partial residency: 14 block forwards regenerated" in format_plan(plan)

@@ -23,6 +23,12 @@ OFFLOAD_DQ_SLOWDOWN = 0.03
 class AttentionStash(MemoryFeature):
     fields = ("offload", "offload_dq", "recompute_attention")
 
+    def describe_cost(self, s: StepSizes) -> str:
+        o = s.o
+        parts = (["each attention forward run again in its backward"] if o.recompute_attention else []) + \
+            (["chunks through host memory"] if o.offload else []) + (["partial dQ through host memory"] if o.offload_dq else [])
+        return "attention stash: " + ", ".join(parts)
+
     def normalise(self, changes: dict[str, Any]) -> Optional[dict[str, Any]]:
         if changes["recompute_attention"] and not changes["activation_checkpointing"]:
             return None  # there is no recompute to run the attention in

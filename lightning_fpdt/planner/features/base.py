@@ -18,6 +18,8 @@ class MemoryFeature:
 
     fields: tuple[str, ...] = ()
     """The plan options this feature owns."""
+    label: str = ""
+    """The feature in words, as a plan's step estimate names it."""
 
     def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
         """The values the search tries for ``field``, cheapest first (``s``: the sizes of the run as given); by default
@@ -37,6 +39,10 @@ class MemoryFeature:
     def extra_seconds(self, s: StepSizes) -> float:
         """Step time this feature adds (an estimate for ranking the runs that fit; see :mod:`..cost`)."""
         return 0.0
+
+    def describe_cost(self, s: StepSizes) -> str:
+        """What the time of :meth:`extra_seconds` pays for, in words (by default the feature's label)."""
+        return self.label or type(self).__name__
 
     def relieve(self, plan: MemoryPlan, s: StepSizes) -> Optional[dict[str, Any]]:
         """For a plan that does not fit: changes of this feature's options that make it need less of the memory it

@@ -18,6 +18,12 @@ RELOAD_EXPOSED = 0.25
 class BlockInputs(MemoryFeature):
     fields = ("activation_checkpointing", "activation_offload", "reload_input", "input_prefetch")
 
+    def describe_cost(self, s: StepSizes) -> str:
+        o = s.o
+        return (f"block checkpointing: {s.L} block forwards recomputed"
+                + (", inputs back without prefetch" if o.activation_offload and not o.input_prefetch else "")
+                + (", inputs reloaded for their backward" if o.activation_offload and o.reload_input else ""))
+
     def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
         return (True, False) if field == "input_prefetch" else (False, True)
 

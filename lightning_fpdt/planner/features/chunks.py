@@ -23,6 +23,7 @@ HALVING_SLOWDOWN = 0.05
 
 class Chunks(MemoryFeature):
     fields = ("chunks",)
+    label = "chunks smaller than the kernels' full speed"
 
     def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
         if s.o.ring_size > 1:

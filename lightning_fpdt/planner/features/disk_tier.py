@@ -44,6 +44,9 @@ OFFLOAD_DIR_ARGUMENT = "<a directory on a local disk>"
 class DiskTier(MemoryFeature):
     fields = ("disk_inputs",)
 
+    def describe_cost(self, s: StepSizes) -> str:
+        return f"disk tier: {s.o.disk_inputs} block inputs written and read, the time compute does not cover"
+
     def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
         return (s.o.disk_inputs,)  # resolved from the plan by relieve, not enumerated
 

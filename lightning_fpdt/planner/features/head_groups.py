@@ -19,6 +19,9 @@ GROUP_SLOWDOWN = 0.02
 class HeadGroups(MemoryFeature):
     fields = ("head_chunks",)
 
+    def describe_cost(self, s: StepSizes) -> str:
+        return f"head groups: {s.G} smaller attention calls, each group's projections run again"
+
     def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
         return ring_choices("head_chunks", s.o.ring_size, tuple(valid_head_chunks(s.g.num_heads, s.g.num_kv_heads, s.P)))
 

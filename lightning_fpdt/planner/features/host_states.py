@@ -22,6 +22,7 @@ PAGEABLE_COPY_BYTES = 19e9
 
 class HostStates(MemoryFeature):
     fields = ("cpu_offload_params",)
+    label = "states on the host: weights in, gradients out, the optimizer step on the CPU"
 
     def components(self, s: StepSizes) -> list[Component]:
         d, W, on_host = s.dtypes, s.W, s.o.cpu_offload_params

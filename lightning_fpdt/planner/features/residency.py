@@ -38,6 +38,11 @@ def kept_input_choices(num_layers: int) -> tuple[int, ...]:
 class Residency(MemoryFeature):
     fields = ("kept_inputs",)
 
+    def describe_cost(self, s: StepSizes) -> str:
+        regenerated = s.L - s.o.kept_inputs
+        return (f"partial residency: {regenerated} block forwards regenerated in the backward"
+                + (" (their attention too)" if s.o.recompute_attention else ""))
+
     def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
         given = (s.o.kept_inputs,) if s.o.kept_inputs else ()
         return (0, *sorted(set(kept_input_choices(s.L)) | set(given), reverse=True))

@@ -12,6 +12,7 @@ from lightning_fpdt.planner.sizes import StepSizes
 
 class TiledLossFeature(MemoryFeature):
     fields = ("tiled_loss",)
+    label = "tiled loss"
 
     def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
         return (False, True)

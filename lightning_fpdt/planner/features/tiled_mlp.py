@@ -12,6 +12,7 @@ from lightning_fpdt.planner.sizes import StepSizes
 
 class TiledMLPFeature(MemoryFeature):
     fields = ("tiled_mlp",)
+    label = "tiled MLP: each tile's forward run again in its backward"
 
     def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
         return (False, True)

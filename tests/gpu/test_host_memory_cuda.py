@@ -75,3 +75,37 @@ def test_strategy_pins_host_states_exactly_and_plans_the_run():
     assert strategy.memory_plan is not None and strategy.memory_plan.fits
     assert strategy.memory_plan.component("parameters").host_bytes == parameter_bytes
     assert min(pinned) >= parameter_bytes and pinned[0] == pinned[-1]  # allocated once, in the first step
+
+
+def _host_used_bytes() -> int:
+    """The host's memory in use (MemTotal - MemAvailable)."""
+    fields = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            name, value = line.split(":", 1)
+            fields[name] = int(value.split()[0]) * 1024
+    return fields["MemTotal"] - fields["MemAvailable"]
+
+
+def test_a_forked_child_does_not_copy_the_pinned_buffers():
+    """Linux copies page-locked pages of a private mapping at fork(): the buffers, made and registered, are not
+    inherited (MADV_DONTFORK), so a child process started while 4 GiB are pinned adds nothing like 4 GiB."""
+    import os
+    import time
+
+    torch.empty(1, device="cuda")
+    allocator = HostAllocator(pin=True)
+    held = allocator.empty(4 * GIB, torch.uint8)
+    shard = torch.empty(GIB, dtype=torch.uint8)
+    allocator.register(shard)  # a tensor another allocator made, page-locked the same way
+    before = _host_used_bytes()
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(3)
+        os._exit(0)
+    time.sleep(2)
+    grown = _host_used_bytes() - before
+    os.waitpid(pid, 0)
+    assert grown < GIB // 2, grown / GIB
+    assert held.is_pinned()
+    allocator.close()

@@ -4,7 +4,9 @@ None is Lightning's public API: a Lightning release that renames or moves one br
 these, ``FPDTStrategy`` reads and sets state it inherits from ``ModelParallelStrategy``: ``_setup_distributed()``
 (process group init, in ``setup_environment``), ``_data_parallel_size`` and ``_device_mesh`` (the mesh it builds in
 place of the parent's), ``_precision_plugin`` (its ``precision_plugin`` property) and
-``_save_distributed_checkpoint`` (the constructor's option, in ``save_checkpoint``).
+``_save_distributed_checkpoint`` (the constructor's option, in ``save_checkpoint``); and it overrides
+``Strategy._setup_model``, the hook of ``Strategy.setup`` where a strategy wraps the model (its FPDT steps:
+``apply_fpdt``, a meta model allocated, the host guard and the disk tier).
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ from lightning.fabric.utilities.init import _materialize_distributed_module  # n
 from lightning.fabric.utilities.load import _METADATA_FILENAME  # noqa: F401
 # ^ "meta.pt": the file of a distributed checkpoint that holds its non-tensor state
 #   (strategy/checkpoint.py checks it is there; export.py reads it)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device  # noqa: F401
-# ^ moves optimizer states to a device, as ModelParallelStrategy.setup does (strategy/fpdt.py)
 
 
 def batches_that_stepped(trainer: Any) -> int:

@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_fpdt.flops import attention_heads
 from lightning_fpdt.integrations import SequenceParallelContext, attention_geometry
 from lightning_fpdt.integrations.attributes import DEVICE_MESH
-from lightning_fpdt.lightning_private import _optimizers_to_device, wrapped_closure
+from lightning_fpdt.lightning_private import wrapped_closure
 from lightning_fpdt.memory.surgery import find_model
 from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.sequence.attention import FPDTAttention
@@ -245,9 +245,10 @@ class FPDTStrategy(ModelParallelStrategy):
     # ---- model ----------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        # not super().setup(): ModelParallelStrategy's requires configure_model and materializes meta parameters on the
-        # GPU before apply_fpdt could shard them; Strategy.setup's order is kept, with the FPDT steps in between
-        self.accelerator.setup(trainer)
+        # Lightning's base sequence (Strategy.setup: the accelerator, the precision's module conversion,
+        # model_to_device, _setup_model, the optimizers, the precision plugin, the optimizers' states to the device),
+        # the FPDT steps in its hooks below; not ModelParallelStrategy.setup, which requires configure_model and puts
+        # a meta model on the GPU before apply_fpdt could shard it
         # DTensor parameters do not work under inference_mode; evaluation runs under no_grad instead
         loops = (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop)
         for loop in loops:
@@ -260,34 +261,7 @@ class FPDTStrategy(ModelParallelStrategy):
             )
             # the loss is reduced over all P ranks
             self._context = SequenceParallelContext(group=self.sequence_parallel_group, attention=attention)
-        self.model = self.precision_plugin.convert_module(self.model)
-        on_meta = has_meta_parameters(self.model)
-        if not on_meta:
-            self.model_to_device()  # FSDP2 shards what is on the mesh's device
-        apply_fpdt(self.model, self.device_mesh, config=self._parallelize_config(trainer))
-        self._geometry = attention_geometry(find_model(self.model), self.precision_plugin.precision)
-        self._vocabulary = tokens.model_vocabulary(self.model)
-        tokens.check_pad_token(self._pad_token_id, self._vocabulary)
-        tokens.check_data_vocabulary(trainer.datamodule, self._vocabulary)
-        if on_meta:
-            # FSDP2 offloading keeps the sharded parameters in host memory and refuses them anywhere else
-            materialize(self.model, torch.device("cpu") if self.cpu_offload_params else self.root_device,
-                        rank=self.global_rank)
-        if not self.cpu_offload_params:
-            self.model_to_device()
-        self.memory.guard_host_memory(self)
-        self.memory.open_disk(rank=self.global_rank, local_rank=self.local_rank,
-                              pin_memory=self.root_device.type == "cuda")
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            if self.cpu_offload_params:
-                self._in_backward = prepare_host_step(self.optimizers, trainer, in_backward=self._host_step_in_backward,
-                                                      threads=host_threads(self.num_processes),
-                                                      replaces=self._in_backward)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload_params:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        Strategy.setup(self, trainer)
         if trainer.state.fn == TrainerFn.FITTING:  # a folder that cannot take a checkpoint fails now, not hours in
             self._checkpoint_size = storage.check_at_setup(self, trainer, preemption=self._preemption is not None)
         known = budget.known_length(trainer)
@@ -296,6 +270,42 @@ class FPDTStrategy(ModelParallelStrategy):
         if self._preemption is not None and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
             trainer.callbacks.append(PreemptionCheckpoint(self._preemption))
         noise.steps_only_epochs(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        if has_meta_parameters(self.model):
+            return  # allocated shard by shard once sharded (_setup_model)
+        super().model_to_device()  # FSDP2 shards what is on the mesh's device
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The FPDT steps of setup: the model transforms and FSDP2 (``apply_fpdt``), the vocabulary checks, a meta
+        model allocated shard by shard, the host memory guard and the disk tier."""
+        trainer = self.lightning_module.trainer
+        on_meta = has_meta_parameters(model)
+        apply_fpdt(model, self.device_mesh, config=self._parallelize_config(trainer))
+        self._geometry = attention_geometry(find_model(model), self.precision_plugin.precision)
+        self._vocabulary = tokens.model_vocabulary(model)
+        tokens.check_pad_token(self._pad_token_id, self._vocabulary)
+        tokens.check_data_vocabulary(trainer.datamodule, self._vocabulary)
+        if on_meta:
+            # FSDP2 offloading keeps the sharded parameters in host memory and refuses them anywhere else
+            materialize(model, torch.device("cpu") if self.cpu_offload_params else self.root_device,
+                        rank=self.global_rank)
+        if not self.cpu_offload_params:
+            super().model_to_device()
+        self.memory.guard_host_memory(self)
+        self.memory.open_disk(rank=self.global_rank, local_rank=self.local_rank,
+                              pin_memory=self.root_device.type == "cuda")
+        self.barrier()
+        return model
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        super().setup_optimizers(trainer)
+        if self.cpu_offload_params:
+            self._in_backward = prepare_host_step(self.optimizers, trainer, in_backward=self._host_step_in_backward,
+                                                  threads=host_threads(self.num_processes), replaces=self._in_backward)
 
     @property
     def memory_plan(self) -> Optional[MemoryPlan]:

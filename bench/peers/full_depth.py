@@ -41,7 +41,8 @@ from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner import PRECISIONS, MemoryPlan, parameter_counts, plan_memory
 from lightning_fpdt.planner.arguments import arguments
 from lightning_fpdt.planner.components import expandable_segments, plannable_gpu_bytes
-from lightning_fpdt.planner.search import plan_sizes, step_seconds
+from lightning_fpdt.planner.phases import plan_sizes
+from lightning_fpdt.planner.search import step_seconds
 from lightning_fpdt.sequence.host_memory import HostAllocator
 from lightning_fpdt.strategy.budget import host_reserve_bytes
 
@@ -88,7 +89,7 @@ class FullDepth:
             "regenerated_block_forwards": full.geometry.num_layers - o.kept_inputs if o.kept_inputs else 0,
             "planned_peak_gpu_bytes": full.peak_gpu_bytes, "planned_pinned_bytes": full.host_bytes_per_gpu,
             "planned_resident_bytes": full.host_resident_bytes_per_gpu,
-            "planned_disk_bytes": full.disk_bytes_per_node // full.gpus_per_node,
+            "planned_disk_bytes": full.disk_bytes_per_gpu,
             "estimated_step_ratio": ratio,
             "step_time_s": None if step_time_s is None else step_time_s * ratio,
         }
@@ -153,7 +154,7 @@ def full_depth_ballast(args: argparse.Namespace, geometry: ModelGeometry, *, wor
             gpu_bytes=max(0, full.peak_gpu_bytes - run.peak_gpu_bytes),
             pinned_bytes=max(0, full.host_bytes_per_gpu - run.host_bytes_per_gpu),
             pageable_bytes=max(0, _pageable(full) - _pageable(run)),
-            disk_bytes=full.disk_bytes_per_node // gpus_per_node, plan=full, run_plan=run)
+            disk_bytes=full.disk_bytes_per_gpu, plan=full, run_plan=run)
     if args.system != "alst":
         raise ValueError(f"--ballast full plans the host and disk of fpdt, fpdt-hf and alst; {args.system} keeps its "
                          f"block inputs on the GPU: use --ballast auto")
@@ -174,7 +175,7 @@ class HeldBallast:
     def __init__(self, ballast: FullDepth, *, device: torch.device, offload_dir: Optional[str], rank: int) -> None:
         self.gpu = torch.empty(ballast.gpu_bytes, dtype=torch.uint8, device=device) if ballast.gpu_bytes else None
         self.allocator = HostAllocator(pin=device.type == "cuda")
-        # in pieces of at most a block input's size or so, as the pools it stands for allocate
+        # in buffers of PINNED_PIECE bytes, as the pools it stands for hold many buffers, not one
         pieces = [min(PINNED_PIECE, ballast.pinned_bytes - start) for start in range(0, ballast.pinned_bytes,
                                                                                      PINNED_PIECE)]
         self.pinned = [self.allocator.empty(n, torch.uint8, "the full-depth ballast") for n in pieces]

@@ -7,17 +7,15 @@ from typing import Any
 
 from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.planner.features import FEATURES
-from lightning_fpdt.planner.phases import padded_length
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.phases import plan_sizes
 
 CALLBACK_ORDER = ("ActivationOffload", "TiledMLP", "TiledLoss")
 
 
 def arguments(plan: MemoryPlan) -> dict[str, dict[str, Any]]:
     """``{"FPDTStrategy": {...}, "ActivationOffload": {...}, "TiledMLP": {}, ...}`` of the plan's options."""
-    o = plan.options
-    s = StepSizes(plan.geometry, o, padded_length(o, plan.seq_len), plan.batch_size, plan.num_gpus)
-    chosen: dict[str, dict[str, Any]] = {"FPDTStrategy": {"sequence_parallel_size": o.sequence_parallel_size}}
+    s = plan_sizes(plan)
+    chosen: dict[str, dict[str, Any]] = {"FPDTStrategy": {"sequence_parallel_size": s.o.sequence_parallel_size}}
     for feature in FEATURES:
         for owner, kwargs in feature.arguments(s).items():
             chosen.setdefault(owner, {}).update(kwargs)

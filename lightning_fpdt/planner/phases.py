@@ -122,6 +122,12 @@ def build_plan(
     )
 
 
+def plan_sizes(plan: MemoryPlan) -> StepSizes:
+    """The sizes of a plan (of its padded sequence), its disk's rate included."""
+    return StepSizes(plan.geometry, plan.options, padded_length(plan.options, plan.seq_len), plan.batch_size,
+                     plan.num_gpus, disk_rate=plan.disk_bytes_per_second / plan.gpus_per_node)
+
+
 def padded_length(options: PlanOptions, seq_len: int) -> int:
     """``S`` padded as the strategy pads it, to a multiple of ``P·u`` (with a ring, of its block count)."""
     layout = SequenceLayout(options.sequence_parallel_size, 0, options.chunks, ring_size=options.ring_size)

@@ -27,7 +27,7 @@ from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.planner.cost import base_seconds
 from lightning_fpdt.planner.features import FEATURES
 from lightning_fpdt.planner.options import PlanOptions
-from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES, build_plan, padded_length
+from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES, build_plan, padded_length, plan_sizes
 from lightning_fpdt.planner.sizes import StepSizes
 
 SEARCHED = tuple(field for feature in FEATURES for field in feature.fields)
@@ -72,12 +72,6 @@ class Run:
 def step_seconds(s: StepSizes) -> float:
     """The estimated step time of one configuration: the work every configuration does and each feature's own."""
     return base_seconds(s) + sum(feature.extra_seconds(s) for feature in FEATURES)
-
-
-def plan_sizes(plan: MemoryPlan) -> StepSizes:
-    """The sizes of a plan, its disk's rate included."""
-    return StepSizes(plan.geometry, plan.options, padded_length(plan.options, plan.seq_len), plan.batch_size,
-                     plan.num_gpus, disk_rate=plan.disk_bytes_per_second / plan.gpus_per_node)
 
 
 def step_estimate(plan: MemoryPlan) -> list[tuple[str, float]]:

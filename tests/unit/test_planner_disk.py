@@ -124,7 +124,8 @@ def test_a_refusal_names_the_least_disk_that_fits():
 def test_the_plan_states_the_time_each_feature_costs():
     """The printed plan breaks its step estimate down by feature: partial residency names the block forwards it
     regenerates, and the parts add up to the estimate the search ranks by."""
-    from lightning_fpdt.planner.search import plan_sizes, step_estimate
+    from lightning_fpdt.planner.phases import plan_sizes
+    from lightning_fpdt.planner.search import step_estimate
 
     plan = plan_memory(geometry="llama3-3b", seq_len=2**20, num_gpus=1, activation_offload=True, tiled_mlp=True,
                        tiled_loss=True, gpu_memory_gib=123, host_memory_gib=116, chunks=16, offload=True,

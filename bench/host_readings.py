@@ -102,23 +102,29 @@ def pinned_bytes(strategy: Any, *, fpdt: bool) -> dict[str, Optional[int]]:
     }
 
 
-PLAN_FIELDS = ("planned_peak_gpu_bytes", "planned_pinned_host_bytes", "planned_resident_host_bytes", "plan_options")
+PLAN_FIELDS = ("planned_peak_gpu_bytes", "planned_pinned_host_bytes", "planned_resident_host_bytes", "planned_disk_bytes",
+               "peak_disk_bytes", "plan_options")
 
 
 def plan_fields(strategy: Any) -> dict[str, Any]:
     """The plan the run was accepted on (``strategy.memory_plan``), per GPU, as record fields (all ``None`` without
     one): ``planned_peak_gpu_bytes`` (``MemoryPlan.peak_gpu_bytes``), ``planned_pinned_host_bytes``
     (``host_bytes_per_gpu``: the pinned host bytes of one GPU's process), ``planned_resident_host_bytes``
-    (``host_resident_bytes_per_gpu``: pinned, pageable and the process baseline of one GPU's process) and
-    ``plan_options`` (``options.describe()``: the options the plan resolved)."""
+    (``host_resident_bytes_per_gpu``: pinned, pageable and the process baseline of one GPU's process),
+    ``planned_disk_bytes`` (``disk_bytes_per_gpu``: the block inputs the plan puts in ``offload_dir``) and
+    ``plan_options`` (``options.describe()``: the options the plan resolved); and, measured, ``peak_disk_bytes``: the
+    most bytes this process's spill files held at once (``None`` without a disk tier)."""
     plan = getattr(strategy, "memory_plan", None)
     if plan is None:
         return dict.fromkeys(PLAN_FIELDS)
     resident = getattr(plan, "host_resident_bytes_per_gpu", None)
+    disk = getattr(getattr(strategy, "memory", None), "disk", None)
     return {
         "planned_peak_gpu_bytes": int(plan.peak_gpu_bytes),
         "planned_pinned_host_bytes": int(plan.host_bytes_per_gpu),
         "planned_resident_host_bytes": None if resident is None else int(resident),
+        "planned_disk_bytes": int(plan.disk_bytes_per_gpu),
+        "peak_disk_bytes": None if disk is None else int(disk.peak_bytes_on_disk),
         "plan_options": plan.options.describe(),
     }
 

@@ -57,13 +57,16 @@ def test_pinned_bytes_are_the_strategys_and_pytorchs():
 
 
 def test_plan_fields_are_the_plans_per_gpu_figures():
-    """The record carries the accepted plan's GPU peak, pinned and resident host bytes per GPU and its options."""
-    gpu, pinned, resident = (int(v) for v in torch.randint(1, 2**40, (3,)))
+    """The record carries the accepted plan's GPU peak, pinned and resident host bytes and disk bytes per GPU and its
+    options, and the most bytes the disk tier's files held (none without a disk tier)."""
+    gpu, pinned, resident, disk, peak_disk = (int(v) for v in torch.randint(1, 2**40, (5,)))
     plan = SimpleNamespace(peak_gpu_bytes=gpu, host_bytes_per_gpu=pinned, host_resident_bytes_per_gpu=resident,
-                           options=SimpleNamespace(describe=lambda: "sp=4 dp=1 chunks=8"))
-    assert host_readings.plan_fields(SimpleNamespace(memory_plan=plan)) == {
-        "planned_peak_gpu_bytes": gpu, "planned_pinned_host_bytes": pinned, "planned_resident_host_bytes": resident,
-        "plan_options": "sp=4 dp=1 chunks=8"}
+                           disk_bytes_per_gpu=disk, options=SimpleNamespace(describe=lambda: "sp=4 dp=1 chunks=8"))
+    planned = {"planned_peak_gpu_bytes": gpu, "planned_pinned_host_bytes": pinned,
+               "planned_resident_host_bytes": resident, "planned_disk_bytes": disk, "plan_options": "sp=4 dp=1 chunks=8"}
+    assert host_readings.plan_fields(SimpleNamespace(memory_plan=plan)) == {**planned, "peak_disk_bytes": None}
+    tiered = SimpleNamespace(memory_plan=plan, memory=SimpleNamespace(disk=SimpleNamespace(peak_bytes_on_disk=peak_disk)))
+    assert host_readings.plan_fields(tiered) == {**planned, "peak_disk_bytes": peak_disk}
     assert host_readings.plan_fields(SimpleNamespace()) == dict.fromkeys(host_readings.PLAN_FIELDS)
 
 

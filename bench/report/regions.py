@@ -89,7 +89,12 @@ HEADLINES = (
     Headline("the same, states on the host", dict(system="fpdt-hf", card=H100_79, model="llama3-3b", layers=28,
                                                   seq_len=131072, **HOST_STATES)),
     Headline("full depth, Llama-3.2-3B, one H200", dict(system="fpdt-hf", card=H200, model="llama3-3b", layers=28,
-                                                        seq_len=524288)),
+                                                        seq_len=524288, held_host_bytes=0)),
+    Headline("the same with 50 GiB of the host held: inputs spill to disk (host GiB counts the 50)",
+             dict(system="fpdt-hf", card=H200, model="llama3-3b", layers=28, seq_len=524288,
+                  held_host_bytes=50 * 2**30, **{"options.offload_dir": True}),
+             against=dict(system="fpdt-hf", card=H200, model="llama3-3b", layers=28, seq_len=524288,
+                          held_host_bytes=0)),
     Headline("Llama-3.2-3B, full-depth ballast (host and disk)", dict(system="fpdt-hf", card=H200, model="llama3-3b",
                                                                      seq_len=1048576, **{"options.ballast": "full"})),
     Headline("against ALST, states on the GPU", dict(system="fpdt-hf", card=H100_79, gpus=4, seq_len=131072,
@@ -110,6 +115,9 @@ HEADLINES = (
     Headline("a Hugging Face family beside Llama: Qwen3-4B", dict(system="fpdt-hf", card=H100, model="qwen3-4b",
                                                                   seq_len=131072),
              against=dict(system="fpdt-hf", card=H100, model="llama3-3b", layers=2, seq_len=131072)),
+    Headline("a mixture of experts beside Llama: Mixtral-8x7B", dict(system="fpdt-hf", card=H200, model="mixtral-8x7b",
+                                                                     seq_len=131072),
+             against=dict(system="fpdt-hf", card=H200, model="llama3-3b", layers=2, seq_len=131072)),
 )
 """The README's measured runs, each the latest record of its kind."""
 

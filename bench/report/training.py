@@ -4,7 +4,7 @@ and MFU at equal length, where a profiled step spends its time, the host memory 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterator
+from typing import Iterator, Optional
 
 from bench.report.markdown import (HOST_COLUMNS, NONE, Record, Section, gib, host_cells, length, number,
                                    percent, plan_ratio, ratio)
@@ -205,6 +205,22 @@ PLAN = Section(
 )
 
 
+def plan_inputs(record: Record) -> tuple[Optional[int], int]:
+    """``(kept, on disk)``: the block inputs the run's plan keeps (``None``: every one) and puts in ``offload_dir``,
+    read from the plan's options (``keep_inputs=K``, ``disk_inputs=D``); ``(None, 0)`` without them."""
+    words = dict(w.split("=", 1) for w in (record.get("plan_options") or "").split() if "=" in w)
+    kept = words.get("keep_inputs")
+    return (int(kept) if kept and kept.isdigit() else None), int(words.get("disk_inputs", 0))
+
+
+def inputs_placement(kept: Optional[int], disk: int, layers: int) -> str:
+    """Where a plan's block inputs wait, in words: ``"28 in host memory"``, ``"20 in host memory, 8 on disk"``,
+    ``"14 kept (14 regenerated), in host memory"``."""
+    held = layers if kept is None else kept
+    where = f"{held - disk} in host memory" + (f", {disk} on disk" if disk else "")
+    return where if kept is None else f"{kept} kept ({layers - kept} regenerated): {where}"
+
+
 def _full_depth_rows(records: list[Record]) -> Iterator[Row]:
     for r in of_kind(records, "run"):
         full = r.get("full_depth")
@@ -214,19 +230,20 @@ def _full_depth_rows(records: list[Record]) -> Iterator[Row]:
         if full:
             held = full["held"]
             pinned = None if r.get("pinned_host_bytes") is None else r["pinned_host_bytes"] + held["pinned_bytes"]
-            planned = (full["planned_peak_gpu_bytes"], full["planned_resident_bytes"], full["planned_pinned_bytes"])
+            planned = (full["planned_peak_gpu_bytes"], full["planned_resident_bytes"], full["planned_pinned_bytes"],
+                       full.get("planned_disk_bytes"))
             inputs = f"{full['kept_inputs']} kept, {full['disk_inputs']} on disk"
-            disk, step = gib(held["disk_bytes"]), f"{number(full.get('step_time_s'), 0)} (estimate)"
+            disk, step = held["disk_bytes"], f"{number(full.get('step_time_s'), 0)} (estimate)"
         else:
             pinned = r.get("pinned_host_bytes")
             planned = (r["planned_peak_gpu_bytes"], r.get("planned_resident_host_bytes"),
-                       r.get("planned_pinned_host_bytes"))
-            kept = (r.get("options") or {}).get("keep_inputs", "all")
-            inputs, disk, step = f"{kept} kept", NONE, _step_time(r)
+                       r.get("planned_pinned_host_bytes"), r.get("planned_disk_bytes"))
+            inputs = inputs_placement(*plan_inputs(r), r["layers"])
+            disk, step = r.get("peak_disk_bytes"), _step_time(r)
         yield r, [r["system"], card_name(r), str(r["gpus"]), model_name(r), length(r["seq_len"]), inputs,
                   gib(r.get("peak_gpu_bytes")), gib(planned[0]), plan_ratio(planned[0], r.get("peak_gpu_bytes")),
                   gib(r.get("peak_host_rss_bytes")), gib(planned[1]), plan_ratio(planned[1], r.get("peak_host_rss_bytes")),
-                  gib(pinned), gib(planned[2]), disk, step]
+                  gib(pinned), gib(planned[2]), gib(disk), gib(planned[3]), step]
 
 
 FULL_DEPTH = Section(
@@ -240,6 +257,38 @@ FULL_DEPTH = Section(
           "regenerating forwards of the inputs the plan drops).",
     columns=("system", "card", "GPUs", "model", "S", "block inputs", "GPU GiB", "planned GPU GiB", "GPU plan / measured",
              "host peak GiB", "planned host GiB", "host plan / measured", "pinned GiB", "planned pinned GiB",
-             "disk GiB", "full-depth step s"),
+             "disk GiB", "planned disk GiB", "full-depth step s"),
     rows=_full_depth_rows, empty="No full-depth runs.",
+)
+
+
+def _placement_rows(records: list[Record]) -> Iterator[Row]:
+    groups: dict[tuple, list[Record]] = defaultdict(list)
+    for r in of_kind(records, "run"):
+        if r.get("status") == "ok" and r.get("layers") == r.get("full_layers") and r.get("plan_options") \
+                and r.get("step_time_s") is not None and not r.get("full_depth"):
+            options = r.get("options") or {}
+            groups[(r["system"], card_name(r), r["gpus"], r.get("gpu_memory_cap_bytes"), r["model"], r["seq_len"],
+                    bool(options.get("cpu_offload_params")))].append(r)
+    for (system, card, gpus, _cap, _model, seq_len, _states), group in groups.items():
+        in_memory = [r for r in group if plan_inputs(r) == (None, 0) and not r.get("held_host_bytes")]
+        if not in_memory or len(group) < 2:
+            continue
+        base = in_memory[-1]
+        for r in [base, *(r for r in group if r is not base and r not in in_memory)]:
+            yield r, [system, card, str(gpus), model_name(r), length(seq_len),
+                      gib(r.get("held_host_bytes") or 0, 0), inputs_placement(*plan_inputs(r), r["layers"]),
+                      gib(r.get("peak_disk_bytes")), number(r["step_time_s"], 1), number(base["step_time_s"], 1),
+                      f"{100 * (r['step_time_s'] / base['step_time_s'] - 1):+.1f}%"]
+
+
+PLACEMENT = Section(
+    title="### Where the block inputs wait: the step against all in host memory",
+    intro="Full-depth fpdt steps of one length on one card, every option \"auto\": the run with every block input in "
+          "host memory, and runs on a host made smaller by a held allocation (`--hold-host-gib`) where the plan "
+          "puts some inputs on disk (`offload_dir`) or keeps only some and regenerates the others in the backward "
+          "(partial residency). The step times are single steps (the first of the run) of the same code.",
+    columns=("system", "card", "GPUs", "model", "S", "host held GiB", "block inputs", "disk GiB", "step s",
+             "all in host memory s", "against all in host memory"),
+    rows=_placement_rows, empty="No length was run with its block inputs in more than one place.",
 )

@@ -535,3 +535,25 @@ def test_alst_has_its_maximum_and_is_set_against_at_equal_placement():
     assert throughput_row("| 524,288 | fpdt-hf | host, step after backward |")[-4:-2] == ["–", "1.25×"]
     assert throughput_row("| 524,288 | fpdt-hf | GPU |")[-4:-2] == ["–", "1.40×"]
     assert throughput_row("| 524,288 | alst | host |")[-4:-2] == ["–", "–"]
+
+
+def test_block_input_placements_are_set_against_all_in_host_memory():
+    """Full-depth steps of one length and card: the run with every block input in host memory is the baseline; runs
+    whose plan spills inputs to disk or keeps only some are shown with their step against it, and where each plan put
+    the inputs; a length run in one place only has no row."""
+    from bench.report import training
+
+    def step(seconds: float, plan: str, held_gib: int = 0, seq_len: int = 262_144) -> dict:
+        r = run_record("fpdt-hf", gpus=1, layers=32, seq_len=seq_len, card="NVIDIA H200")
+        r.update(step_time_s=seconds, plan_options=f"sp=1 dp=1 chunks=4 bf16-mixed adamw{plan}",
+                 held_host_bytes=held_gib * GIB, peak_disk_bytes=None if "disk" not in plan else 21 * GIB)
+        return r
+
+    records = [step(100.0, ""), step(103.0, " disk_inputs=14", 92), step(106.0, " keep_inputs=8", 105),
+               step(50.0, "", seq_len=131_072)]
+    assert training.plan_inputs(records[1]) == (None, 14) and training.plan_inputs(records[2]) == (8, 0)
+    rows = [cells for _, cells in training.PLACEMENT.rows(records)]
+    assert [row[6] for row in rows] == ["32 in host memory", "18 in host memory, 14 on disk",
+                                        "8 kept (24 regenerated): 8 in host memory"]
+    assert [row[-1] for row in rows] == ["+0.0%", "+3.0%", "+6.0%"]
+    assert [row[5] for row in rows] == ["0", "92", "105"] and rows[1][7] == "21.0"

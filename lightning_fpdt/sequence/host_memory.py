@@ -12,6 +12,9 @@ memory, copied to and from the GPU asynchronously at the same rates, and counted
 - The mappings are not inherited by child processes (``MADV_DONTFORK``): a fork would otherwise copy every
   page-locked page at once, and a job holding most of the host in pinned buffers would be killed by the first
   process it starts.
+- A registration that cannot be ended (``cudaHostUnregister`` fails) keeps its memory mapped until the process ends,
+  with a warning: unmapping memory the driver still has registered would let a later mapping at the same address be
+  written through the old pages.
 - :class:`HostMemoryGuard` refuses a buffer that would leave the host with less than its reserve, with a
   :class:`HostMemoryError` naming the plan the run was accepted on and the change that fits: the kernel's
   out-of-memory killer ends a process without a word, and pinned pages cannot be swapped.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -132,12 +136,28 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**27 else f"{nbytes / 2**20:.2f} MiB"
 
 
+_STILL_REGISTERED: list[tuple[int, Tensor]] = []
+"""Buffers whose registration could not be ended, kept alive (mapped) until the process ends."""
+
+
+def _end_registration(address: int, tensor: Tensor) -> None:
+    """``cudaHostUnregister`` of ``tensor``'s memory at ``address``; where it fails, the tensor is kept for the life of
+    the process (its memory must not be unmapped while the driver may still have it registered) and a warning says
+    so."""
+    error = int(torch.cuda.cudart().cudaHostUnregister(address))
+    if error:
+        _STILL_REGISTERED.append((address, tensor))
+        warnings.warn(f"fpdt: cudaHostUnregister of the {_size(tensor.untyped_storage().nbytes())} host buffer at "
+                      f"{address:#x} failed with CUDA error {error}; it stays mapped until the process ends",
+                      RuntimeWarning, stacklevel=3)
+
+
 def _unregister(held: list[tuple[int, Tensor]], pinned: bool) -> None:
     """End the registrations of ``held`` (address, tensor), then let the tensors go: unregistered before unmapped."""
     while held:
-        address, _ = held.pop()
+        address, tensor = held.pop()
         if pinned:
-            torch.cuda.cudart().cudaHostUnregister(address)
+            _end_registration(address, tensor)
 
 
 class HostAllocator:
@@ -188,7 +208,7 @@ class HostAllocator:
             for index, (held, _) in enumerate(self._held):
                 if held == address:
                     if self.pin:
-                        torch.cuda.cudart().cudaHostUnregister(address)
+                        _end_registration(address, tensor)
                     del self._held[index]
                     break
             self.allocated_bytes -= nbytes

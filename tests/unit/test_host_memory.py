@@ -154,3 +154,25 @@ def test_host_buffers_are_not_inherited_by_child_processes():
     allocator = HostAllocator(pin=False)
     buffer = allocator.empty(3 * 2**20 + 7, torch.uint8)
     assert "dc" in _vm_flags(buffer.data_ptr())
+
+
+def test_a_registration_that_cannot_end_keeps_its_memory_mapped(cudart, monkeypatch):
+    """cudaHostUnregister failing (released, or at close): the buffer stays alive, so its memory is not unmapped while
+    the driver may still have it registered, and a warning names it; a registration that ends lets its buffer go."""
+    from lightning_fpdt.sequence import host_memory
+
+    monkeypatch.setattr(host_memory, "_STILL_REGISTERED", [])
+    allocator = HostAllocator(pin=True)
+    released, closed, ended = (allocator.empty(n, torch.float32) for n in (1000, 2000, 3000))
+    addresses = [t.untyped_storage().data_ptr() for t in (released, closed, ended)]
+    failing = {addresses[0], addresses[1]}
+    unregister = cudart.cudaHostUnregister
+    monkeypatch.setattr(cudart, "cudaHostUnregister", lambda address: 801 if address in failing else unregister(address))
+    with pytest.warns(RuntimeWarning, match="failed with CUDA error 801"):
+        allocator.release(released)
+    with pytest.warns(RuntimeWarning, match="stays mapped until the process ends"):
+        allocator.close()
+    kept = [address for address, _ in host_memory._STILL_REGISTERED]
+    assert sorted(kept) == sorted(failing)
+    assert all(t.untyped_storage().nbytes() for _, t in host_memory._STILL_REGISTERED)
+    assert addresses[2] not in cudart.registered  # the third's registration ended normally

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import threading
 import warnings
 import weakref
@@ -129,7 +130,11 @@ def _not_inherited(address: int, nbytes: int) -> None:
     end = (address + nbytes) // PAGE_BYTES * PAGE_BYTES
     if end > start:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTFORK)
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTFORK):
+            error = ctypes.get_errno()
+            warnings.warn(f"fpdt: madvise(MADV_DONTFORK) of the {_size(end - start)} at {start:#x} failed "
+                          f"({os.strerror(error)}): a child process started while they are page-locked copies them",
+                          RuntimeWarning, stacklevel=3)
 
 
 def _size(nbytes: int) -> str:

@@ -176,3 +176,11 @@ def test_a_registration_that_cannot_end_keeps_its_memory_mapped(cudart, monkeypa
     assert sorted(kept) == sorted(failing)
     assert all(t.untyped_storage().nbytes() for _, t in host_memory._STILL_REGISTERED)
     assert addresses[2] not in cudart.registered  # the third's registration ended normally
+
+
+def test_memory_that_cannot_be_kept_from_a_child_is_named():
+    """MADV_DONTFORK refused (here: pages nobody mapped) is a warning naming the range, not silence."""
+    from lightning_fpdt.sequence.host_memory import _not_inherited
+
+    with pytest.warns(RuntimeWarning, match=f"MADV_DONTFORK.*{PAGE:#x} failed"):
+        _not_inherited(PAGE, PAGE)

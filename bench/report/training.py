@@ -8,7 +8,7 @@ from typing import Iterator, Optional
 
 from bench.report.markdown import (HOST_COLUMNS, NONE, Record, Section, gib, host_cells, length, number,
                                    percent, plan_ratio, ratio)
-from bench.report.records import ballast_kind, card_name, latest, model_name, of_kind, timed
+from bench.report.records import ballast_kind, card_name, latest, model_name, of_kind, stands_for_full_depth, timed
 
 SYSTEMS = ("fpdt", "fpdt-hf", "modelparallel", "ring", "alst")
 """The training systems of bench.peers, in the order the tables show them."""
@@ -20,7 +20,8 @@ Row = tuple[Record, list[str]]
 
 def _depth_rows(records: list[Record]) -> Iterator[Row]:
     groups: dict[tuple, list[Record]] = defaultdict(list)
-    ran = [r for r in of_kind(records, "run") if r.get("status") == "ok" and r.get("peak_gpu_bytes") is not None]
+    ran = [r for r in of_kind(records, "run") if r.get("status") == "ok" and r.get("peak_gpu_bytes") is not None
+           and stands_for_full_depth(r)]
     for record in latest(ran, key=lambda r: (r["system"], card_name(r), r["gpus"], r["model"], r["seq_len"],
                                              r["layers"])):
         groups[(record["system"], card_name(record), record["gpus"], record["model"], record["seq_len"])].append(record)
@@ -215,7 +216,7 @@ def plan_inputs(record: Record) -> tuple[Optional[int], int]:
 
 def inputs_placement(kept: Optional[int], disk: int, layers: int) -> str:
     """Where a plan's block inputs wait, in words: ``"28 in host memory"``, ``"20 in host memory, 8 on disk"``,
-    ``"14 kept (14 regenerated), in host memory"``."""
+    ``"14 kept (14 regenerated): 14 in host memory"``."""
     held = layers if kept is None else kept
     where = f"{held - disk} in host memory" + (f", {disk} on disk" if disk else "")
     return where if kept is None else f"{kept} kept ({layers - kept} regenerated): {where}"

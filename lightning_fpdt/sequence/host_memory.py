@@ -210,10 +210,10 @@ class HostAllocator:
         address = tensor.untyped_storage().data_ptr()
         nbytes = tensor.untyped_storage().nbytes()
         with self._lock:
-            for index, (held, _) in enumerate(self._held):
+            for index, (held, kept) in enumerate(self._held):
                 if held == address:
                     if self.pin:
-                        _end_registration(address, tensor)
+                        _end_registration(address, kept)
                     del self._held[index]
                     break
             self.allocated_bytes -= nbytes

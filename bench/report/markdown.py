@@ -31,6 +31,11 @@ def ratio(a: Optional[float], b: Optional[float]) -> str:
     return NONE if not a or not b else f"{a / b:.2f}×"
 
 
+def percent_change(value: float, base: float, digits: int = 0) -> str:
+    """``value`` against ``base`` as a signed change: ``"+3%"``, ``"-12.5%"`` (``digits`` decimals)."""
+    return f"{100 * (value / base - 1):+.{digits}f}%"
+
+
 def plan_ratio(planned: Optional[float], measured: Optional[float]) -> str:
     """A planned figure over the measured one, three decimals (above 1: the plan is the larger)."""
     return NONE if not planned or not measured else f"{planned / measured:.3f}"

@@ -11,17 +11,13 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from bench.report.markdown import NONE, gib, length, number, percent, ratio, table
+from bench.report.markdown import NONE, gib, length, number, percent, percent_change, ratio, table
 from bench.report.records import card_name, model_name, of_kind
 
 PAGES = ("README.md", "docs/planner.md", "docs/head_chunks.md")
 """The pages, relative to the repository root, whose figures come from the records."""
 
 REGION = re.compile(r"(<!-- results:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.DOTALL)
-
-
-def _percent_change(value: float, base: float) -> str:
-    return f"{100 * (value / base - 1):+.0f}%"
 
 
 def head_chunks(records: list[dict[str, Any]]) -> list[str]:
@@ -38,8 +34,8 @@ def head_chunks(records: list[dict[str, Any]]) -> list[str]:
         base = next(row for row in ok if row["case"] == case and row["head_chunks"] == 1)
         top = next(row for row in ok if row["case"] == case and row["head_chunks"] == groups)
         rows.append([case, number(base["peak_gib"], 2),
-                     f"{number(top['peak_gib'], 2)} ({_percent_change(top['peak_gib'], base['peak_gib'])})",
-                     _percent_change(top["step_s"], base["step_s"])])
+                     f"{number(top['peak_gib'], 2)} ({percent_change(top['peak_gib'], base['peak_gib'])})",
+                     percent_change(top["step_s"], base["step_s"])])
     intro = (f"Measured on one {r['card']} ({r['gpus']} GPU), {r['geometry']}, {length(r['seq_len'])} tokens, chunks "
              f"{r['chunks']}, attention offload {r['offload']}, forward + backward (`bench/head_chunks.py`, commit "
              f"`{r['commit']}`; every G in [benchmarks.md](benchmarks.md#head-group-chunking)):")

@@ -7,7 +7,7 @@ from collections import defaultdict
 from typing import Iterator, Optional
 
 from bench.report.markdown import (HOST_COLUMNS, NONE, Record, Section, gib, host_cells, length, number,
-                                   percent, plan_ratio, ratio)
+                                   percent, percent_change, plan_ratio, ratio)
 from bench.report.records import ballast_kind, card_name, latest, model_name, of_kind, stands_for_full_depth, timed
 
 SYSTEMS = ("fpdt", "fpdt-hf", "modelparallel", "ring", "alst")
@@ -280,7 +280,7 @@ def _placement_rows(records: list[Record]) -> Iterator[Row]:
             yield r, [system, card, str(gpus), model_name(r), length(seq_len),
                       gib(r.get("held_host_bytes") or 0, 0), inputs_placement(*plan_inputs(r), r["layers"]),
                       gib(r.get("peak_disk_bytes")), number(r["step_time_s"], 1), number(base["step_time_s"], 1),
-                      f"{100 * (r['step_time_s'] / base['step_time_s'] - 1):+.1f}%"]
+                      percent_change(r["step_time_s"], base["step_time_s"], 1)]
 
 
 PLACEMENT = Section(

@@ -23,6 +23,13 @@ Convention = Literal["causal", "megatron"]
 CONVENTIONS: tuple[str, ...] = ("causal", "megatron")
 
 
+def text_config(config: Any) -> Any:
+    """The language model's config: a multimodal Hugging Face config keeps its sizes in a sub-config
+    (``get_text_config()``); any other config is itself."""
+    get_text_config = getattr(config, "get_text_config", None)
+    return get_text_config() if callable(get_text_config) else config
+
+
 @dataclass
 class ModelGeometry:
     """The sizes of a dense decoder-only transformer (Llama-style: gated MLP, GQA) that FLOPs depend on."""
@@ -105,10 +112,7 @@ class ModelGeometry:
         reference names (``num_layers``, ``num_heads``, ``num_kv_heads``) are both accepted. A missing or
         ``None`` ``head_dim`` means ``hidden_size // num_heads``; missing kv heads mean no GQA.
         """
-        # Multimodal Hugging Face configs keep the language model's sizes in a sub-config.
-        get_text_config = getattr(config, "get_text_config", None)
-        if callable(get_text_config):
-            config = get_text_config()
+        config = text_config(config)
 
         def read(*names: str) -> Any:
             for name in names:
@@ -173,9 +177,7 @@ def config_heads(config: Any) -> Optional[tuple[int, int]]:
     """``(num_heads, num_kv_heads)`` of a reference ``LlamaConfig`` or a Hugging Face config (either naming), kv heads
     defaulting to the query heads (no GQA); ``None`` when the config names no heads. A multimodal config is read
     through its text config."""
-    get_text_config = getattr(config, "get_text_config", None)
-    if callable(get_text_config):
-        config = get_text_config()
+    config = text_config(config)
     heads = getattr(config, "num_heads", None) or getattr(config, "num_attention_heads", None)
     if not heads:
         return None

@@ -19,6 +19,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_fpdt.flops import text_config
 from lightning_fpdt.integrations.attributes import (
     ATTENTION_HANDLE,
     LOSS_FUNCTION,
@@ -28,7 +29,6 @@ from lightning_fpdt.integrations.attributes import (
 )
 from lightning_fpdt.integrations.context import SequenceParallelContext, inject_position_ids, loss_reduction
 from lightning_fpdt.integrations.families import Family, check_model, family_of, is_attention, tiled_norm_classes
-from lightning_fpdt.integrations.families.base import text_config
 from lightning_fpdt.integrations.families.router_loss import load_balancing_loss
 from lightning_fpdt.integrations.head_groups import install_head_groups
 from lightning_fpdt.integrations.head_loss import give_head_the_loss

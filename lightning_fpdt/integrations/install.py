@@ -8,11 +8,10 @@ from typing import Literal, Optional, Union
 
 from torch import nn
 
-from lightning_fpdt.flops import attention_heads
+from lightning_fpdt.flops import attention_heads, text_config
 from lightning_fpdt.integrations.attributes import TILED_LOSS
 from lightning_fpdt.integrations.context import SequenceParallelContext, installed_attentions
 from lightning_fpdt.integrations.families import FAMILIES, family_of, is_attention, residual_mlp_blocks
-from lightning_fpdt.integrations.families.base import text_config
 from lightning_fpdt.integrations.head_groups import HeadGroupedAttention
 from lightning_fpdt.integrations.huggingface import (
     install_hf_model,

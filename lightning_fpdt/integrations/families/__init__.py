@@ -25,7 +25,8 @@ from lightning_fpdt.integrations.families import (
     qwen3,
     qwen3_moe,
 )
-from lightning_fpdt.integrations.families.base import Family, Router, check_config, text_config
+from lightning_fpdt.flops import text_config
+from lightning_fpdt.integrations.families.base import Family, Router, check_config
 
 FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     llama.FAMILY,

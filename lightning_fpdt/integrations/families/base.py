@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
 
+from lightning_fpdt.flops import text_config
+
 ConfigCheck = Callable[[Any, str], None]
 """``check(text_config, model_name)``: raises ``ValueError`` for a setting the fpdt attention cannot compute."""
 
@@ -96,12 +98,6 @@ def module_rope(module: nn.Module) -> Callable[[Tensor, Tensor, Sequence[Tensor]
         return rotate(q, k, cos, sin, unsqueeze_dim=2)  # (B, S/P, heads, D)
 
     return rope
-
-
-def text_config(config: Any) -> Any:
-    """The language model's config: a multimodal config keeps its sizes in a sub-config."""
-    get_text_config = getattr(config, "get_text_config", None)
-    return get_text_config() if callable(get_text_config) else config
 
 
 def check_config(config: Any, model_name: str) -> None:

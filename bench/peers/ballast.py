@@ -33,6 +33,15 @@ def layers_run(args: argparse.Namespace) -> int:
     return args.layers if args.layers is not None else full_depth(args.model)
 
 
+def keep_inputs_option(args: argparse.Namespace) -> Any:
+    """``ActivationOffload(keep_inputs=...)`` of ``--keep-inputs``: ``"all"``, ``"auto"`` or a count; ``"auto"`` for
+    ``"all"`` under ``--auto-options`` (a count given stays)."""
+    keep = getattr(args, "keep_inputs", "all")
+    if getattr(args, "auto_options", False) and keep == "all":
+        return "auto"
+    return keep if keep in ("all", "auto") else int(keep)
+
+
 def state_bytes_per_parameter(precision: str, optimizer: str = "adamw") -> int:
     """Bytes of master weight, gradient and optimizer moments per parameter (16 for bf16-mixed AdamW)."""
     dtypes = PRECISIONS[precision]

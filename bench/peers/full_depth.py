@@ -36,7 +36,8 @@ from typing import Any, Optional
 
 import torch
 
-from bench.peers.ballast import GIB, ON_OFF_AUTO, layers_run, run_ballast, state_bytes_per_parameter
+from bench.peers.ballast import (GIB, ON_OFF_AUTO, keep_inputs_option, layers_run, run_ballast,
+                                 state_bytes_per_parameter)
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner import PRECISIONS, MemoryPlan, parameter_counts, plan_memory
 from lightning_fpdt.planner.arguments import arguments
@@ -95,13 +96,6 @@ class FullDepth:
         }
 
 
-def _keep_inputs(args: argparse.Namespace) -> Any:
-    keep = getattr(args, "keep_inputs", "all")
-    if getattr(args, "auto_options", False) and keep == "all":
-        return "auto"
-    return keep if keep in ("all", "auto") else int(keep)
-
-
 def plan_fpdt(args: argparse.Namespace, geometry: ModelGeometry, *, num_gpus: int, gpus_per_node: int,
               gpu_memory_bytes: Optional[int], available_host: Optional[int],
               disk_free: Optional[int]) -> tuple[MemoryPlan, MemoryPlan]:
@@ -124,7 +118,7 @@ def plan_fpdt(args: argparse.Namespace, geometry: ModelGeometry, *, num_gpus: in
         recompute_attention="auto" if auto else args.recompute_attention,
         reload_input="auto" if auto else args.reload_input,
         input_prefetch="auto" if auto else args.prefetch > 0,
-        keep_inputs=_keep_inputs(args),
+        keep_inputs=keep_inputs_option(args),
     )
     if not full.fits:
         raise ValueError(f"{args.model} at full depth ({geometry.num_layers} layers), {args.seq_len:,} tokens: "

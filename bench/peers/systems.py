@@ -25,7 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from bench.host_readings import ResidentPeaks, pinned_bytes, plan_fields
-from bench.peers.ballast import ON_OFF_AUTO, layers_run
+from bench.peers.ballast import ON_OFF_AUTO, keep_inputs_option, layers_run
 from bench.step_profile import StepProfiler
 from lightning_fpdt import ActivationOffload, FPDTStrategy, MFUMonitor, TiledLoss, TiledMLP
 from lightning_fpdt.models.llama import IGNORE_INDEX, LlamaForCausalLM, sdpa_attention
@@ -244,8 +244,6 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
             from bench.peers.hf_llama import HFLlamaLM  # transformers is imported when the model is built
 
             module = HFLlamaLM(args.model, num_layers=layers, max_seq_len=args.seq_len, seed=args.seed, lr=args.lr)
-        keep = getattr(args, "keep_inputs", "all")
-        count = None if keep in ("all", "auto") else int(keep)
         planned = getattr(args, "full_depth_arguments", None)  # --ballast full: the full depth's plan, explicit
         if planned is not None:
             memory = {k: v for k, v in planned["FPDTStrategy"].items()
@@ -254,12 +252,12 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
         elif getattr(args, "auto_options", False):  # the strategy chooses every memory option but a count given
             memory: dict[str, Any] = dict(chunks="auto", offload="auto", offload_dq="auto", head_chunks="auto")
             blocks: dict[str, Any] = dict(recompute_attention="auto", reload_input="auto", prefetch="auto",
-                                          keep_inputs="auto" if count is None else count)
+                                          keep_inputs=keep_inputs_option(args))
         else:
             memory = dict(chunks=args.chunks, offload=ON_OFF_AUTO[args.offload],
                           offload_dq=ON_OFF_AUTO[args.offload_dq], head_chunks=args.head_chunks)
             blocks = dict(recompute_attention=args.recompute_attention, reload_input=args.reload_input,
-                          prefetch=args.prefetch, keep_inputs=keep if count is None else count)
+                          prefetch=args.prefetch, keep_inputs=keep_inputs_option(args))
         strategy = FPDTStrategy(**memory, attention_backend=args.attention_backend,
                                 cpu_offload_params=args.cpu_offload_params, offload_dir=args.offload_dir,
                                 host_step_in_backward=not args.host_step_after_backward)

@@ -31,8 +31,10 @@ def test_registered_buffers_are_pinned_exactly_and_copy_back():
     assert all(b.is_pinned() for b in buffers)
     x = torch.randn(3 * GIB // 8, device="cuda", dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
+    # the copies wait for x on the stream that made it: inside the `with`, current_stream() is the copy stream itself
+    # (waiting on it orders nothing, and the first copy would read x while randn still writes it)
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        stream.wait_stream(torch.cuda.current_stream())
         buffers[0].copy_(x, non_blocking=True)
         back = buffers[0].to("cuda", non_blocking=True)
     torch.cuda.current_stream().wait_stream(stream)

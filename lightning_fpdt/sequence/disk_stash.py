@@ -5,20 +5,24 @@ The life cycle is :class:`~lightning_fpdt.sequence.host_stash.ChunkStash`'s (``p
 while the pool's bytes stay within :attr:`DiskTier.host_budget_bytes` (an idle buffer of the entry's size is reused
 at no cost); past that, the entry goes to a file:
 
-- ``put`` copies the tensor into a staging buffer (device to host on the copy stream, after a CUDA event of the
-  compute stream, as :class:`HostStash` does) and hands the buffer to a writer thread, which waits for the copy's
-  event and writes the bytes behind (``os.pwrite``, then ``fdatasync`` and ``POSIX_FADV_DONTNEED``: the spilled bytes
-  must not stay in the page cache, the host memory the tier exists to spare). The buffer goes back to the ring when
-  written.
-- ``prefetch`` allocates the device copy (on the host-to-device stream, as :class:`HostStash`) and hands a staging
-  buffer to a reader thread, which reads the file into it (``os.preadv``) and issues the host-to-device copy on the
-  same stream, recording an event; ``get`` waits for the read and makes the compute stream wait for that event.
+- ``put`` hands the tensor to a writer thread and returns. The thread streams it to the file through its staging
+  buffers, a piece at a time: the device-to-host copy of a piece (on the copy stream, after a CUDA event of the compute
+  stream recorded by ``put``) overlaps the write of the piece before (``os.pwrite``; each piece's pages are pushed to
+  the disk and dropped from the page cache, ``sync_file_range`` and ``POSIX_FADV_DONTNEED``: the spilled bytes must
+  not stay in host memory, the memory the tier exists to spare). The write holds the tensor until its last piece is
+  copied; a ``put`` to disk first waits for the write before it, so a written-behind tensor outlives its block's
+  forward only where the disk is slower than that forward (the time the planner counts), never into the next one.
+- ``prefetch`` allocates the device copy (on the host-to-device stream, as :class:`HostStash`) and hands the entry to
+  a reader thread, which reads the file a piece at a time into its staging buffers (``os.preadv``) and issues each
+  piece's host-to-device copy on that stream, recording an event; the read of a piece overlaps the copy of the piece
+  before. ``get`` waits for the read and makes the compute stream wait for the last event.
 - ``free`` removes the file: its space is free again at once.
 
-Staging buffers (:class:`StagingRing`) are exactly the size of an entry (anonymous mappings registered with CUDA,
-``host_memory.HostAllocator``), at most :data:`STAGING_DEPTH` of each size: a ``put`` that finds all of them in
-flight waits for the writer, which bounds what the tier holds in host memory. On CPU the same threads, files and
-buffers run with plain tensors and no streams, so the tests cover the logic.
+Staging buffers (:class:`StagingBuffers`) are each thread's own: :data:`STAGING_DEPTH` buffers of
+``min(piece_bytes, the largest entry)`` (anonymous mappings registered with CUDA, ``host_memory.HostAllocator``), so
+the tier's host memory does not grow with the entry: a 12 GiB block input streams through four 256 MiB buffers
+(:data:`STAGING_PIECE_BYTES`), not two copies of itself. On CPU the same threads, files and buffers run with plain
+tensors and no streams, so the tests cover the logic.
 
 Files. One file per entry (``<serial>.bin``) in one directory per process, ``<offload_dir>/fpdt-<host>-<pid>-rank<r>/``
 (:class:`SpillDirectory`): freeing an entry unlinks its file, so the space comes back at once without bookkeeping of
@@ -37,6 +41,7 @@ trusted.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import errno
 import itertools
 import os
@@ -48,7 +53,7 @@ import weakref
 from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -57,8 +62,13 @@ from lightning_fpdt.sequence.host_memory import HostAllocator, HostMemoryGuard
 from lightning_fpdt.sequence.host_stash import CopyStreams, HostBufferPool, HostStash, _HostChunk
 
 STAGING_DEPTH = 2
-"""Staging buffers of one size at most: one being written to the disk while the next ``put`` copies into the other
-(and, in the backward, one being read while the other feeds the device)."""
+"""Staging buffers of each thread: the writer copies a piece from the device into one while it writes the other to
+the disk; the reader reads a piece into one while the other feeds the device."""
+STAGING_PIECE_BYTES = 256 * 2**20
+"""The largest staging buffer: an entry larger than this streams through pieces of this size (256 MiB: a piece's
+write, about 0.17 s at 1.5 GB/s, dwarfs its copy from the device and the call's own cost)."""
+STAGING_THREADS = 2
+"""Threads with staging buffers of their own: the writer and the reader."""
 DIRECTORY_PATTERN = re.compile(r"^fpdt-(?P<host>.+)-(?P<pid>\d+)-rank(?P<rank>\d+)$")
 
 
@@ -171,57 +181,81 @@ def check_free_space(offload_dir: str, needed_bytes: int, what: str = "") -> Non
     )
 
 
-class StagingRing:
-    """Host buffers between the device and the files, exactly the size of an entry, at most ``depth`` of each size.
+def staging_bytes(entry_bytes: int, piece_bytes: int = STAGING_PIECE_BYTES) -> int:
+    """Host bytes of the tier's staging buffers once entries of ``entry_bytes`` went through it: each thread's
+    buffers of ``min(piece_bytes, entry_bytes)``, as many as an entry has pieces up to :data:`STAGING_DEPTH` (an
+    entry of one piece uses one)."""
+    pieces = -(-entry_bytes // piece_bytes)
+    return STAGING_THREADS * min(STAGING_DEPTH, pieces) * min(piece_bytes, entry_bytes)
 
-    A buffer handed back carries the CUDA event of its last device read (a host-to-device copy); its next user waits
-    on it before writing. :meth:`acquire` waits while all ``depth`` buffers of a size are in flight: the writer and
-    reader threads always hand theirs back, failed or not.
+
+class StagingBuffers:
+    """One thread's host buffers between the device and the files: :data:`STAGING_DEPTH` buffers, used in turn, each
+    ``min(piece_bytes, the largest entry it carried)`` bytes (a larger entry replaces a smaller buffer once).
+
+    Only the owning thread takes them (no lock); each buffer carries the CUDA event of its last host-to-device copy,
+    waited for before the buffer is written again or given back.
     """
 
-    def __init__(self, allocator: HostAllocator, depth: int = STAGING_DEPTH, what: str = "a disk staging buffer"):
+    def __init__(self, allocator: HostAllocator, piece_bytes: int, depth: int = STAGING_DEPTH,
+                 what: str = "a disk staging buffer") -> None:
+        if piece_bytes < 1:
+            raise ValueError(f"piece_bytes must be at least 1 byte, got {piece_bytes}")
         self.allocator = allocator
+        self.piece_bytes = piece_bytes
         self.depth = depth
         self.what = what
-        self._cond = threading.Condition()
-        self._idle: dict[tuple[torch.dtype, int], list[tuple[Tensor, Optional[torch.cuda.Event]]]] = {}
-        self._made: dict[tuple[torch.dtype, int], int] = {}
+        self._buffers: list[Optional[Tensor]] = [None] * depth
+        self._last_read: list[Optional[torch.cuda.Event]] = [None] * depth
+
+    def take(self, turn: int, entry_bytes: int) -> Tensor:
+        """The buffer of piece number ``turn`` of an entry of ``entry_bytes``, once its last device read is done."""
+        index = turn % self.depth
+        self._settle(index)
+        size = min(self.piece_bytes, entry_bytes)
+        buffer = self._buffers[index]
+        if buffer is None or buffer.numel() < size:
+            if buffer is not None:
+                self.allocator.release(buffer)
+                self._buffers[index] = None
+            buffer = self._buffers[index] = self.allocator.empty(size, torch.uint8, what=self.what)
+        return buffer
+
+    def read_by(self, turn: int, event: Optional[torch.cuda.Event]) -> None:
+        """Piece ``turn``'s buffer is read by the host-to-device copy ending with ``event``."""
+        self._last_read[turn % self.depth] = event
+
+    def _settle(self, index: int) -> None:
+        if self._last_read[index] is not None:
+            self._last_read[index].synchronize()
+            self._last_read[index] = None
+
+    def close(self) -> None:
+        """Free the buffers (their copies done first); the owning thread has ended."""
+        for index, buffer in enumerate(self._buffers):
+            self._settle(index)
+            if buffer is not None:
+                self.allocator.release(buffer)
+        self._buffers = [None] * self.depth
+
+
+class Staging:
+    """The writer's and the reader's :class:`StagingBuffers`, on one allocator (its count is the tier's pinned host
+    memory)."""
+
+    def __init__(self, allocator: HostAllocator, piece_bytes: int = STAGING_PIECE_BYTES,
+                 depth: int = STAGING_DEPTH) -> None:
+        self.allocator = allocator
+        self.writes = StagingBuffers(allocator, piece_bytes, depth, "a disk staging buffer (writes)")
+        self.reads = StagingBuffers(allocator, piece_bytes, depth, "a disk staging buffer (reads)")
 
     @property
     def allocated_bytes(self) -> int:
         return self.allocator.allocated_bytes
 
-    def acquire(self, dtype: torch.dtype, numel: int) -> tuple[Tensor, Optional[torch.cuda.Event]]:
-        key = (dtype, numel)
-        with self._cond:
-            while not self._idle.get(key) and self._made.get(key, 0) >= self.depth:
-                self._cond.wait()
-            if self._idle.get(key):
-                return self._idle[key].pop()
-            self._made[key] = self._made.get(key, 0) + 1
-        try:
-            return self.allocator.empty(numel, dtype, what=self.what), None
-        except BaseException:
-            with self._cond:
-                self._made[key] -= 1
-                self._cond.notify_all()
-            raise
-
-    def give_back(self, buffer: Tensor, last_read: Optional[torch.cuda.Event]) -> None:
-        with self._cond:
-            self._idle.setdefault((buffer.dtype, buffer.numel()), []).append((buffer, last_read))
-            self._cond.notify_all()
-
     def close(self) -> None:
-        """Free the idle buffers (all of them once the threads are done) and end their registration."""
-        with self._cond:
-            for buffers in self._idle.values():
-                for buffer, last_read in buffers:
-                    if last_read is not None:
-                        last_read.synchronize()
-                    self.allocator.release(buffer)
-            self._idle.clear()
-            self._made.clear()
+        self.writes.close()
+        self.reads.close()
         self.allocator.close()
 
 
@@ -238,23 +272,24 @@ atexit.register(_close_open)
 
 
 class SpillDirectory:
-    """The spill files of one process: its directory, one writer and one reader thread, the staging buffers.
+    """The spill files of one process: its directory, one writer and one reader thread, their staging buffers.
 
     Args:
         offload_dir: the directory given by the user (created if missing, :func:`prepare_offload_dir`).
         rank: this process's global rank, in the directory's name.
         pin_memory: page-lock the staging buffers (CUDA runs).
         guard: asked before each new staging buffer (the strategy's host memory guard).
+        piece_bytes: the largest staging buffer (:data:`STAGING_PIECE_BYTES`; the tests stream through small ones).
     """
 
     def __init__(self, offload_dir: str, *, rank: int, pin_memory: bool, guard: Optional[HostMemoryGuard] = None,
-                 staging_depth: int = STAGING_DEPTH) -> None:
+                 piece_bytes: int = STAGING_PIECE_BYTES) -> None:
         self.root = prepare_offload_dir(offload_dir)
         self.path = os.path.join(self.root, directory_name(rank))
         # a directory of this name is ours or a dead process's that had our pid: no live process can own it
         shutil.rmtree(self.path, ignore_errors=True)
         os.makedirs(self.path)
-        self.staging = StagingRing(HostAllocator(pin=pin_memory, guard=guard), staging_depth)
+        self.staging = Staging(HostAllocator(pin=pin_memory, guard=guard), piece_bytes)
         self.failure: Optional[BaseException] = None
         """The first background failure; raised again by every later stash call (module docstring)."""
         self.bytes_on_disk = 0
@@ -264,6 +299,7 @@ class SpillDirectory:
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="fpdt-disk-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="fpdt-disk-read")
+        self._last_write: Optional[Future] = None
         self._pid = os.getpid()  # a forked child (a data loader worker) must not remove its parent's files
         self.closed = False
         _OPEN.add(self)
@@ -290,48 +326,89 @@ class SpillDirectory:
         with self._lock:
             self.bytes_on_disk -= nbytes
 
-    def submit_write(self, path: str, staging: Tensor, nbytes: int, written: Optional[torch.cuda.Event]) -> Future:
-        return self._writer.submit(self._write_job, path, staging, nbytes, written)
+    def submit_write(self, path: str, source: Tensor, produced: Optional[torch.cuda.Event],
+                     streams: Optional[CopyStreams]) -> Future:
+        """Write ``source`` (1-D bytes; on the device, computed at ``produced``) to the new file ``path`` behind,
+        once the write before it is done: the writes hold their tensors, and at most one is in flight."""
+        if self._last_write is not None:
+            _settle(self._last_write)
+        self.check()  # that write may have failed
+        self._last_write = self._writer.submit(self._write_job, path, source, produced, streams)
+        return self._last_write
 
-    def submit_read(self, entry: "_DiskChunk", staging: Tensor, last_read: Optional[torch.cuda.Event],
-                    device_copy: Tensor, streams: Optional[CopyStreams]) -> Future:
-        return self._reader.submit(self._read_job, entry, staging, last_read, device_copy, streams)
+    def submit_read(self, entry: "_DiskChunk", device_copy: Tensor, streams: Optional[CopyStreams]) -> Future:
+        return self._reader.submit(self._read_job, entry, device_copy, streams)
 
     # ---- the threads -------------------------------------------------------------------------------------------
-    def _write_job(self, path: str, staging: Tensor, nbytes: int, written: Optional[torch.cuda.Event]) -> None:
+    def _write_job(self, path: str, source: Tensor, produced: Optional[torch.cuda.Event],
+                   streams: Optional[CopyStreams]) -> None:
+        buffers = self.staging.writes
+        nbytes = source.numel()
+        in_flight: list[tuple[Tensor, int, int, Optional[torch.cuda.Event]]] = []  # buffer, offset, bytes, copied
+        done = turn = offset = 0
         try:
-            if written is not None:
-                written.synchronize()  # the device-to-host copy into the staging buffer has finished
-            write_file(path, staging, nbytes)
+            with _SpillFile(path, "write", nbytes) as file:
+                while offset < nbytes or in_flight:
+                    while offset < nbytes and len(in_flight) < buffers.depth:  # the next piece from the device
+                        buffer = buffers.take(turn, nbytes)
+                        count = min(buffer.numel(), nbytes - offset)
+                        in_flight.append((buffer, offset, count,
+                                          _copy_piece(buffer[:count], source[offset:offset + count], produced,
+                                                      streams and streams.to_host)))
+                        offset += count
+                        turn += 1
+                    buffer, at, count, copied = in_flight.pop(0)
+                    if copied is not None:
+                        copied.synchronize()  # the piece is in the staging buffer
+                    file.write(buffer[:count], at)
+                    done = at + count
+                file.finish()
+        except OSError as error:
+            failure = DiskTierError(
+                f"disk tier: writing {nbytes:,} bytes to {path} failed after {done:,} bytes: "
+                f"{error.strerror or error}" + (" (the disk is full)" if error.errno == errno.ENOSPC else ""))
+            self._failed(failure)
+            raise failure from error
         except BaseException as error:
             self._failed(error)
             raise
         finally:
-            self.staging.give_back(staging, None)  # the disk has read it; no device copy reads it
+            for _, _, _, copied in in_flight:
+                if copied is not None:
+                    copied.synchronize()  # no copy may still read the source, nor write a buffer, after this
+            del source  # the device memory may go (its stream use is recorded)
 
-    def _read_job(self, entry: "_DiskChunk", staging: Tensor, last_read: Optional[torch.cuda.Event],
-                  device_copy: Tensor, streams: Optional[CopyStreams]) -> Optional[torch.cuda.Event]:
+    def _read_job(self, entry: "_DiskChunk", device_copy: Tensor,
+                  streams: Optional[CopyStreams]) -> Optional[torch.cuda.Event]:
+        buffers = self.staging.reads
         loaded = None
+        turn = offset = 0
         try:
             entry.written.result()  # the file is whole (raises the write's failure)
-            if last_read is not None:
-                last_read.synchronize()  # the buffer's previous host-to-device copy has read it
-            read_file(entry.path, staging, entry.nbytes)
-            source = staging.view(entry.shape)
-            if streams is None:
-                device_copy.copy_(source)
-            else:
-                stream = streams.to_device
-                with torch.cuda.stream(stream):
-                    device_copy.copy_(source, non_blocking=True)
-                    loaded = stream.record_event()
+            with _SpillFile(entry.path, "read", entry.nbytes) as file:
+                while offset < entry.nbytes:
+                    buffer = buffers.take(turn, entry.nbytes)  # its previous copy to the device is done
+                    count = min(buffer.numel(), entry.nbytes - offset)
+                    file.read(buffer[:count], offset)
+                    target = device_copy[offset:offset + count]
+                    if streams is None:
+                        target.copy_(buffer[:count])
+                    else:
+                        with torch.cuda.stream(streams.to_device):
+                            target.copy_(buffer[:count], non_blocking=True)
+                            loaded = streams.to_device.record_event()
+                        buffers.read_by(turn, loaded)
+                    offset += count
+                    turn += 1
             return loaded
+        except OSError as error:
+            failure = DiskTierError(f"disk tier: reading {entry.nbytes:,} bytes from {entry.path} failed after "
+                                    f"{offset:,} bytes: {error.strerror or error}")
+            self._failed(failure)
+            raise failure from error
         except BaseException as error:
             self._failed(error)
-            loaded = last_read  # nothing new reads the buffer; the previous copy still might
             raise
-        finally:
-            self.staging.give_back(staging, loaded)
 
     def _failed(self, error: BaseException) -> None:
         with self._lock:
@@ -348,66 +425,118 @@ class SpillDirectory:
         _OPEN.discard(self)
         self._writer.shutdown(wait=True, cancel_futures=True)
         self._reader.shutdown(wait=True, cancel_futures=True)
+        self._last_write = None
         shutil.rmtree(self.path, ignore_errors=True)
         with self._lock:
             self.bytes_on_disk = 0
         self.staging.close()
 
 
-def _bytes_of(buffer: Tensor, nbytes: int) -> memoryview:
-    """The bytes of a contiguous 1-D host buffer as a writable memoryview (no copy)."""
-    return memoryview(buffer.view(torch.uint8).numpy()).cast("B")[:nbytes]
+def _copy_piece(buffer: Tensor, piece: Tensor, produced: Optional[torch.cuda.Event],
+                stream: Optional[torch.cuda.Stream]) -> Optional[torch.cuda.Event]:
+    """Copy ``piece`` into the host ``buffer``: on CUDA on ``stream`` once ``produced`` (returns the copy's end)."""
+    if stream is None:
+        buffer.copy_(piece)
+        return None
+    with torch.cuda.stream(stream):
+        if produced is not None:
+            stream.wait_event(produced)  # the tensor is computed
+        buffer.copy_(piece, non_blocking=True)
+        return stream.record_event()
 
 
-def write_file(path: str, buffer: Tensor, nbytes: int) -> None:
-    """Write the first ``nbytes`` of ``buffer`` to a new file ``path``, to the disk (not the page cache)."""
-    done = 0
+def _bytes_of(buffer: Tensor) -> memoryview:
+    """The bytes of a contiguous 1-D uint8 host buffer as a writable memoryview (no copy)."""
+    return memoryview(buffer.numpy()).cast("B")
+
+
+_SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT = 2, 1 | 2 | 4  # start writeback; wait before, write, wait after
+
+
+def _libc_sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
+    """Linux's ``sync_file_range`` (writeback of a range of a file, without waiting for the whole file), or
+    ``None``."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-        try:
-            view = _bytes_of(buffer, nbytes)
-            while done < nbytes:
-                written = os.pwrite(fd, view[done:], done)
-                if written <= 0:
-                    raise OSError(errno.EIO, "the write returned no bytes")
-                done += written
-            os.fdatasync(fd)
-            if hasattr(os, "posix_fadvise"):  # written: the page cache need not keep it
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    except OSError as error:
-        raise DiskTierError(
-            f"disk tier: writing {nbytes:,} bytes to {path} failed after {done:,} bytes: "
-            f"{error.strerror or error}" + (" (the disk is full)" if error.errno == errno.ENOSPC else "")
-        ) from error
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
+    return function
 
 
-def read_file(path: str, buffer: Tensor, nbytes: int) -> None:
-    """Read ``nbytes`` from file ``path`` into ``buffer``; :class:`DiskTierError` unless the file holds exactly
-    them."""
-    done = 0
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            size = os.fstat(fd).st_size
-            if size != nbytes:
-                raise DiskTierError(
-                    f"disk tier: {path} holds {size:,} bytes where {nbytes:,} were written (truncated or changed "
-                    f"by another process); its contents are not used"
-                )
-            view = _bytes_of(buffer, nbytes)
-            while done < nbytes:
-                got = os.preadv(fd, [view[done:]], done)
-                if got <= 0:
-                    raise DiskTierError(f"disk tier: short read of {path}: {done:,} of {nbytes:,} bytes, then the end "
-                                        f"of the file")
-                done += got
-        finally:
-            os.close(fd)
-    except OSError as error:
-        raise DiskTierError(f"disk tier: reading {nbytes:,} bytes from {path} failed after {done:,} bytes: "
-                            f"{error.strerror or error}") from error
+_sync_file_range = _libc_sync_file_range()
+
+
+class _SpillFile:
+    """One spill file, written or read a piece at a time at given offsets; its pages leave the page cache as it goes.
+
+    Written: each piece's writeback starts at once and is waited for one piece later, then its pages are dropped
+    (``sync_file_range``, ``POSIX_FADV_DONTNEED``; where the call is missing, ``fdatasync`` of the whole file at the
+    end does it), so the page cache holds about two pieces, not the entry. Read: each piece's pages are dropped once
+    read. A file of another size than ``nbytes`` is refused at the read (:class:`DiskTierError`), never used.
+    """
+
+    def __init__(self, path: str, mode: str, nbytes: int) -> None:
+        self.path, self.mode, self.nbytes = path, mode, nbytes
+        self._pending: Optional[tuple[int, int]] = None  # the written piece whose writeback is not yet waited for
+
+    def __enter__(self) -> "_SpillFile":
+        cloexec = getattr(os, "O_CLOEXEC", 0)
+        if self.mode == "write":
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | cloexec, 0o600)
+            return self
+        self.fd = os.open(self.path, os.O_RDONLY | cloexec)
+        size = os.fstat(self.fd).st_size
+        if size != self.nbytes:
+            os.close(self.fd)
+            raise DiskTierError(f"disk tier: {self.path} holds {size:,} bytes where {self.nbytes:,} were written "
+                                f"(truncated or changed by another process); its contents are not used")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        os.close(self.fd)
+
+    def write(self, buffer: Tensor, offset: int) -> None:
+        view, done = _bytes_of(buffer), 0
+        while done < len(view):
+            written = os.pwrite(self.fd, view[done:], offset + done)
+            if written <= 0:
+                raise OSError(errno.EIO, "the write returned no bytes")
+            done += written
+        if _sync_file_range is not None:
+            _sync_file_range(self.fd, offset, len(view), _SYNC_FILE_RANGE_WRITE)  # to the disk, behind
+            if self._pending is not None:
+                self._written(*self._pending)
+            self._pending = (offset, len(view))
+
+    def _written(self, offset: int, count: int) -> None:
+        if _sync_file_range(self.fd, offset, count, _SYNC_FILE_RANGE_WAIT):
+            error = ctypes.get_errno()
+            raise OSError(error, os.strerror(error))
+        _drop_cached(self.fd, offset, count)
+
+    def finish(self) -> None:
+        """The file's last piece on the disk and out of the page cache."""
+        if self._pending is not None:
+            self._written(*self._pending)
+            self._pending = None
+        os.fdatasync(self.fd)  # the size, and every piece where sync_file_range is missing
+        _drop_cached(self.fd, 0, 0)
+
+    def read(self, buffer: Tensor, offset: int) -> None:
+        view, done = _bytes_of(buffer), 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise DiskTierError(f"disk tier: short read of {self.path}: {offset + done:,} of {self.nbytes:,} "
+                                    f"bytes, then the end of the file")
+            done += got
+        _drop_cached(self.fd, offset, len(view))
+
+
+def _drop_cached(fd: int, offset: int, count: int) -> None:
+    if hasattr(os, "posix_fadvise"):  # clean pages: the page cache need not keep them (count 0: to the end)
+        os.posix_fadvise(fd, offset, count, os.POSIX_FADV_DONTNEED)
 
 
 @dataclass
@@ -461,11 +590,14 @@ class DiskStash(HostStash):
         if self._in_host_memory(tensor):
             return super().put(key, tensor)
         nbytes = tensor.numel() * tensor.element_size()
-        staging, last_read = files.staging.acquire(tensor.dtype, tensor.numel())
-        written = self._copy_to_host(staging.view(tensor.shape), tensor, last_read)
+        source = tensor.contiguous().view(-1).view(torch.uint8)  # its bytes (a copy only if it was not contiguous)
+        produced = None
+        if self.streams is not None:
+            produced = torch.cuda.current_stream(self.device).record_event()
+            source.record_stream(self.streams.to_host)  # its memory is not reused before the copies have read it
         path = files.new_file(nbytes)
         self._entries[key] = _DiskChunk(path, tensor.shape, tensor.dtype, nbytes,
-                                        written=files.submit_write(path, staging, nbytes, written))
+                                        written=files.submit_write(path, source, produced, self.streams))
 
     def prefetch(self, key: Hashable) -> None:
         entry = self._check(key, "prefetch")
@@ -475,14 +607,13 @@ class DiskStash(HostStash):
         files.check()
         if entry.device_copy is not None:
             return
-        staging, last_read = files.staging.acquire(entry.dtype, entry.shape.numel())
         if self.streams is None:
             device_copy = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
         else:
             with torch.cuda.stream(self.streams.to_device):  # allocated where the read job's copy runs
                 device_copy = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
         entry.device_copy = device_copy
-        entry.reading = files.submit_read(entry, staging, last_read, device_copy, self.streams)
+        entry.reading = files.submit_read(entry, device_copy.view(-1).view(torch.uint8), self.streams)
 
     def get(self, key: Hashable) -> Tensor:
         entry = self._check(key, "get")

@@ -1,5 +1,5 @@
 """Full depth past host RAM on a CUDA machine (marker gpu; run on the device): the disk tier round-trips multi-GiB
-bf16 chunks bitwise through its registered staging buffers and the copy streams, and a step whose block inputs spill
+bf16 chunks bitwise through its registered staging pieces and the copy streams, and a step whose block inputs spill
 to disk gives the same gradients as one that keeps them in host memory."""
 
 import pytest
@@ -7,17 +7,20 @@ import torch
 
 from lightning_fpdt.memory import apply_block_offload, find_blocks
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
-from lightning_fpdt.sequence.disk_stash import DiskTier, SpillDirectory
+from lightning_fpdt.sequence.disk_stash import STAGING_PIECE_BYTES, DiskTier, SpillDirectory, staging_bytes
 from lightning_fpdt.sequence.host_stash import StashFactory
 
 pytestmark = pytest.mark.gpu
 GIB = 2**30
 
 
-def test_disk_stash_round_trips_gib_chunks_on_cuda(tmp_path):
+@pytest.mark.parametrize("piece_bytes", [None, 100 * 2**20 + 12345])
+def test_disk_stash_round_trips_gib_chunks_on_cuda(tmp_path, piece_bytes):
     """Six 0.5 GiB bf16 chunks put from the GPU, all but one on disk, prefetched two ahead and read back: bitwise the
-    chunks that went in, and no file left once freed."""
-    files = SpillDirectory(str(tmp_path), rank=0, pin_memory=True)
+    chunks that went in (streamed through 256 MiB staging pieces, or through pieces of an odd size that leave every
+    copy at an unaligned offset), and no file left once freed."""
+    kwargs = {} if piece_bytes is None else {"piece_bytes": piece_bytes}
+    files = SpillDirectory(str(tmp_path), rank=0, pin_memory=True, **kwargs)
     factory = StashFactory(offload=True)
     factory.disk = DiskTier(files, host_budget_bytes=GIB // 2)
     stash = factory.chunks(torch.device("cuda"))
@@ -33,6 +36,7 @@ def test_disk_stash_round_trips_gib_chunks_on_cuda(tmp_path):
         stash.free(i)
     torch.cuda.synchronize()
     assert files.bytes_on_disk == 0 and files.peak_bytes_on_disk >= 4 * GIB // 2
+    assert files.staging.allocated_bytes == staging_bytes(GIB // 2, piece_bytes or STAGING_PIECE_BYTES)
     files.close()
 
 

@@ -1,5 +1,5 @@
-"""The disk tier under the host stash: entries beyond the host budget in files, written behind and read ahead through
-exactly-sized staging buffers; files removed when freed and at exit; failures named, never garbage
+"""The disk tier under the host stash: entries beyond the host budget in files, written behind and read ahead a piece
+at a time through a few staging buffers; files removed when freed and at exit; failures named, never garbage
 (sequence/disk_stash.py)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from collections import namedtuple
 
 import pytest
@@ -21,7 +22,6 @@ from lightning_fpdt.memory import find_blocks
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
 from lightning_fpdt.sequence import FPDTAttention, StashFactory, fpdt_attention
 from lightning_fpdt.sequence.disk_stash import (
-    STAGING_DEPTH,
     DiskStash,
     DiskTier,
     DiskTierError,
@@ -29,6 +29,7 @@ from lightning_fpdt.sequence.disk_stash import (
     check_free_space,
     prepare_offload_dir,
     stale_directories,
+    staging_bytes,
 )
 
 
@@ -47,9 +48,14 @@ def _stash(files, budget: int) -> DiskStash:
     return stash
 
 
-def test_round_trip_spills_beyond_the_budget_and_reuses_staging(files):
+@pytest.mark.parametrize("piece_bytes", [None, 40])
+def test_round_trip_spills_beyond_the_budget_through_bounded_staging(tmp_path, piece_bytes):
     """Entries fill the host budget, the rest go to files; every entry comes back bit for bit (prefetched or not,
-    several times), staging buffers are at most STAGING_DEPTH of each size, and freeing removes each file."""
+    several times), also when each streams through staging pieces smaller than itself (40 bytes: entries of 420, 44
+    and 104 bytes in pieces that do not divide them); the staging buffers are each thread's two of at most a piece,
+    and freeing removes each file."""
+    kwargs = {} if piece_bytes is None else {"piece_bytes": piece_bytes}
+    files = SpillDirectory(str(tmp_path / "spill"), rank=3, pin_memory=False, **kwargs)
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     shapes = [((3, 5, 7), torch.float32), ((2, 11), torch.bfloat16), ((13,), torch.int64)]
     entries = {}
@@ -73,15 +79,41 @@ def test_round_trip_spills_beyond_the_budget_and_reuses_staging(files):
             assert got.dtype == value.dtype and torch.equal(got, value), key
             stash.release(key)
     assert stash.resident_bytes == 0
-    sizes = {(t.dtype, t.numel()) for t in entries.values()}
-    assert files.staging.allocated_bytes <= STAGING_DEPTH * sum(n * torch.empty((), dtype=d).element_size()
-                                                                for d, n in sizes)
+    largest = max(t.numel() * t.element_size() for t in entries.values())
+    assert files.staging.allocated_bytes == (staging_bytes(largest, piece_bytes) if piece_bytes else
+                                             staging_bytes(largest))
     for key in on_disk[:5]:
         path = stash._entries[key].path
         stash.free(key)
         assert not os.path.exists(path)
     stash.clear()
     assert len(stash) == 0 and os.listdir(files.path) == [] and files.bytes_on_disk == 0
+    files.close()
+
+
+def test_a_put_to_disk_waits_for_the_write_before_it(files, monkeypatch):
+    """A write holds its tensor until the tensor is on the disk, so a second put to disk waits while the first is
+    still being written (at most one written-behind tensor besides the one being put); both come back whole."""
+    gate = threading.Event()
+    real_pwrite = os.pwrite
+
+    def held(fd, data, offset):
+        gate.wait()
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", held)
+    stash = _stash(files, budget=0)
+    a, b = torch.randn(300), torch.randn(200)
+    stash.put("a", a)  # returns: its write waits behind it
+    second = threading.Thread(target=stash.put, args=("b", b))
+    second.start()
+    second.join(timeout=0.5)
+    assert second.is_alive()  # waiting for "a"'s write
+    gate.set()
+    second.join(timeout=30)
+    assert not second.is_alive()
+    assert torch.equal(stash.get("a"), a) and torch.equal(stash.get("b"), b)
+    stash.clear()
 
 
 def test_host_buffers_are_reused_before_spilling(files):

@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 
 from lightning_fpdt.planner import format_plan, main, plan_memory, step_seconds
-from lightning_fpdt.planner.features.disk_tier import STAGING_DEPTH, DiskTier
+from lightning_fpdt.planner.features.disk_tier import DiskTier
 from lightning_fpdt.planner.search import Run
+from lightning_fpdt.sequence.disk_stash import STAGING_PIECE_BYTES
 
 GIB = 2**30
 AUTO = dict(chunks="auto", offload="auto", offload_dq="auto", head_chunks="auto", recompute_attention="auto",
@@ -38,18 +39,19 @@ def test_disk_only_where_host_memory_does_not_suffice():
 
 
 def test_disk_column_moves_host_bytes():
-    """The block inputs on disk leave the pinned column for the disk column (k·A), and two staging buffers of one
-    input each are pinned; the GPU peak does not change."""
+    """The block inputs on disk leave the pinned column for the disk column (k·A), and the writer's and the reader's
+    two staging pieces of 256 MiB each are pinned (not copies of the 3 GiB input); the GPU peak does not change."""
     tight = plan_memory(**RUN, host_memory_gib=60, disk_memory_gib=60)
     k, L = tight.options.disk_inputs, tight.geometry.num_layers
     A = tight.local_tokens * tight.geometry.hidden_size * 2  # one bf16 block input
     assert tight.component("checkpointed block inputs").host_bytes == (L - k) * A
     assert tight.component("block inputs on disk").disk_bytes == k * A == tight.disk_bytes_per_gpu
-    assert tight.component("disk staging buffers").host_bytes == STAGING_DEPTH * A
+    staging = 4 * STAGING_PIECE_BYTES
+    assert A == 3 * GIB and tight.component("disk staging buffers").host_bytes == staging
     in_ram = Run(tight.geometry, tight.model, tight.seq_len, 1, 1, 1, tight.gpu_memory_bytes, None).plan(
         dataclasses.replace(tight.options, disk_inputs=0))
     assert in_ram.peak_gpu_bytes == tight.peak_gpu_bytes
-    assert in_ram.host_bytes_per_node - tight.host_bytes_per_node == (k - STAGING_DEPTH) * A
+    assert in_ram.host_bytes_per_node - tight.host_bytes_per_node == k * A - staging
 
 
 def test_disk_space_limits_the_plan():
@@ -108,17 +110,17 @@ def test_format_plan_and_command_print_the_disk(capsys):
 
 
 def test_a_refusal_names_the_least_disk_that_fits():
-    """Too small a disk: the refusal names the least disk any configuration fits with (5 inputs beside partial
-    residency, 10 GiB), not the fastest plan's with an unbounded disk (every input kept, 14 on disk, 28 GiB)."""
+    """Too small a disk: the refusal names the least disk any configuration fits with (3 inputs beside partial
+    residency, 6 GiB), not the fastest plan's with an unbounded disk (every input kept, all 16 on disk, 32 GiB)."""
     kw = dict(geometry="llama3-1b", seq_len=2**19, num_gpus=1, activation_offload=True, tiled_mlp=True, tiled_loss=True,
               gpu_memory_gib=40, host_memory_gib=12, chunks="auto", offload="auto", offload_dq="auto",
               head_chunks="auto", recompute_attention="auto", reload_input="auto", input_prefetch="auto",
               keep_inputs="auto")
     refused = plan_memory(**kw, disk_memory_gib=4)
     assert not refused.fits
-    assert "it fits with 5 block inputs per GPU on disk, 10.00 GiB per host" in refused.recommendation
-    assert plan_memory(**kw, disk_memory_gib=10).fits
-    assert plan_memory(**kw, disk_memory_gib=1000).disk_bytes_per_node == 28 * 2**30
+    assert "it fits with 3 block inputs per GPU on disk, 6.00 GiB per host" in refused.recommendation
+    assert plan_memory(**kw, disk_memory_gib=6).fits and not plan_memory(**kw, disk_memory_gib=5).fits
+    assert plan_memory(**kw, disk_memory_gib=1000).disk_bytes_per_node == 32 * 2**30
 
 
 def test_the_plan_states_the_time_each_feature_costs():

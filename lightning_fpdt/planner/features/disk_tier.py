@@ -2,9 +2,12 @@
 budget go to files on a local disk instead of pinned host memory.
 
 Memory: ``disk_inputs = k`` block inputs per GPU move from the pinned host column to the disk column (``k·A``), and
-two staging buffers of one block input each (``STAGING_DEPTH·A``) are pinned beside the rest. At run time the inputs
-that spill are the last ``k`` of the forward: the stash keeps an input in host memory while its buffers stay within
-the budget, the plan's ``(L - k)·A``.
+the writer's and the reader's staging buffers are pinned beside the rest (``disk_stash.staging_bytes(A)``: two each
+of ``min(256 MiB, A)``; an input streams through them a piece at a time). At run time the inputs that spill are the
+last ``k`` of the forward: the stash keeps an input in host memory while its buffers stay within the budget, the
+plan's ``(L - k)·A``. A written-behind input stays on the GPU until it is on the disk, within its own block's forward:
+the next ``put`` to disk waits for it, so the GPU holds no more inputs than without the disk (the wait is the time
+counted below).
 
 Cost: each spilled input is written once, behind its own block's forward, and read once, ahead, during the attention
 backward of the block after it (``ActivationOffload``'s one-block prefetch); a disk slower than that compute shows as
@@ -32,7 +35,7 @@ from lightning_fpdt.planner.components import Component, MemoryPlan
 from lightning_fpdt.planner.cost import attention_forward_seconds, dense_forward_seconds
 from lightning_fpdt.planner.features.base import MemoryFeature
 from lightning_fpdt.planner.sizes import StepSizes
-from lightning_fpdt.sequence.disk_stash import STAGING_DEPTH
+from lightning_fpdt.sequence.disk_stash import STAGING_DEPTH, STAGING_PIECE_BYTES, staging_bytes
 
 DISK_GBPS = 1.5
 """The disk's read and write rate the command plans with by default, GB/s: a local NVMe of an H200 host, measured
@@ -61,8 +64,9 @@ class DiskTier(MemoryFeature):
             return []
         return [Component("block inputs on disk", 0, disk_bytes=k * s.A,
                           formula="the last k of the forward, one file each"),
-                Component("disk staging buffers", 0, STAGING_DEPTH * s.A,
-                          formula=f"{STAGING_DEPTH} x one block input, between the device and the files")]
+                Component("disk staging buffers", 0, staging_bytes(s.A),
+                          formula=f"the writer's and the reader's {STAGING_DEPTH} pieces of at most "
+                                  f"{STAGING_PIECE_BYTES // 2**20} MiB, between the device and the files")]
 
     def extra_seconds(self, s: StepSizes) -> float:
         o, k = s.o, s.o.disk_inputs
@@ -100,6 +104,6 @@ def spilled_inputs(plan: MemoryPlan, s: StepSizes) -> Optional[int]:
     if not o.activation_offload or plan.host_memory_bytes is None or plan.fits_host:
         return None
     over = math.ceil((plan.host_resident_bytes_per_node - plan.host_memory_bytes) / plan.gpus_per_node)
-    staging = 0 if o.disk_inputs else STAGING_DEPTH * s.A  # the first spill adds the staging buffers
+    staging = 0 if o.disk_inputs else staging_bytes(s.A)  # the first spill adds the staging buffers
     k = o.disk_inputs + math.ceil((over + staging) / s.A)
     return None if k > s.resident_inputs else k

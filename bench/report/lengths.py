@@ -134,6 +134,11 @@ def _cell(entry: Optional[Entry], commands: Commands) -> str:
     return f"{outcome} {commands.ref(entry['record'])}"
 
 
+def ours_of(systems: dict[str, Entry]) -> Optional[Entry]:
+    """fpdt's entry: the reference Llama's, or where only the Hugging Face model ran (``fpdt-hf``), that one's."""
+    return systems.get("fpdt") or systems.get("fpdt-hf")
+
+
 def _cited(systems: dict[str, Entry]) -> list[dict[str, Any]]:
     return [record for entry in systems.values() for record in (entry["record"], entry.get("gpu_record")) if record]
 
@@ -148,14 +153,18 @@ def section(records: list[dict[str, Any]], commands: Commands) -> list[str]:
         "(`--max-length`) find the GPU's limit by running steps and the host's with the planner "
         "(`lightning_fpdt.planner.plan_memory` of the full depth against the host's available memory); the maximum "
         "is the smaller. `modelparallel` trains one whole sequence per GPU (data parallel), so its longest sequence "
-        "does not grow with the GPU count.", "",
+        "does not grow with the GPU count. The fpdt column is the reference Llama's, or the Hugging Face model's "
+        "(`fpdt-hf`, the model ALST trains) where only that ran.", "",
     ]
     rows = []
     for (card, gpus, model), systems in sorted(max_lengths(records).items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        if not set(systems) & set(SYSTEMS):
-            continue  # only systems without a column here (fpdt-hf)
-        ours = systems.get("fpdt")
-        rows.append([card, str(gpus), model, *(_cell(systems.get(system), commands) for system in SYSTEMS),
+        ours = ours_of(systems)
+        if ours is None and not set(systems) & set(SYSTEMS):
+            continue
+        cells = [_cell(systems.get(system), commands) for system in SYSTEMS]
+        if "fpdt" not in systems and ours is not None:
+            cells[0] = _cell(ours, commands) + " (fpdt-hf: the Hugging Face model)"
+        rows.append([card, str(gpus), model, *cells,
                      *(both_ratios(ours, systems.get(other)) for other in SYSTEMS[1:]), commits(_cited(systems))])
     header = ["card", "GPUs", "model", *SYSTEMS, *(f"fpdt / {other}" for other in SYSTEMS[1:]), "commit"]
     return lines + table(header, rows, "No maximum-length figures.")

@@ -472,6 +472,19 @@ def test_host_bound_lengths_show_the_gpu_limit_beside_the_hosts():
     assert "| ≥ 1,048,576 (nothing longer run) [1] | 32,768; 49,152 failed (gpu) [2] |" in page.render_markdown(records)
 
 
+def test_a_model_only_fpdt_hf_ran_has_its_length_row_against_alst():
+    """Where fpdt ran only on the Hugging Face model (fpdt-hf), its maximum fills the fpdt column, said so, and is
+    set against ALST's on the same card: 2M ran against ALST's 512K (768K failed), 4×."""
+    records = [run_record("fpdt-hf", gpus=1, layers=1, seq_len=2_097_152, card="NVIDIA H200"),
+               run_record("alst", gpus=1, layers=2, seq_len=524_288, card="NVIDIA H200"),
+               run_record("alst", gpus=1, layers=2, seq_len=786_432, card="NVIDIA H200", status="oom", limit="host")]
+    systems_found = lengths.max_lengths(records)[("NVIDIA H200", 1, "llama3-8b")]
+    assert lengths.ours_of(systems_found)["system"] == "fpdt-hf"
+    doc = page.render_markdown(records)
+    assert ("| NVIDIA H200 | 1 | llama3-8b | ≥ 2,097,152 (nothing longer run) [2] (fpdt-hf: the Hugging Face model) "
+            "| not run | not run | 524,288; 786,432 failed (host) [1] | – | – | ≥ 4.00× |") in doc
+
+
 def test_capped_runs_and_fpdt_variants_are_told_apart():
     """A run capped with --gpu-memory-gib is another card in every table (what fits differs), and so is a search's
     summary (it carries its attempts' cap); fpdt runs that recompute the attention, use head groups or keep the chunks

@@ -148,15 +148,29 @@ def _check_search_options(args: argparse.Namespace) -> None:
                          f"({2 * args.gpus}) so every length tried keeps the load balancing")
 
 
+KILLED = "killed"
+"""The status of an attempt ended by SIGKILL that the search did not send: on a Linux host the kernel's out-of-memory
+killer ends a process so (page-locked host memory cannot be swapped), without a word of its own."""
+KILLED_LIMIT = "host (SIGKILL)"
+
+
+def killed(rc: Optional[int], tail: str) -> bool:
+    """Whether an attempt that exited with ``rc`` and printed ``tail`` died of a SIGKILL (its own, ``rc == -9``, or
+    a rank's, which torchrun reports and then exits 1)."""
+    return rc is not None and (rc == -signal.SIGKILL or "Signal 9 (SIGKILL)" in tail)
+
+
 def _unfinished_record(args: argparse.Namespace, child: list[str], seq_len: int, attempt_id: str,
                        rc: Optional[int], tail: str) -> dict[str, Any]:
-    """The record of an attempt that crashed or was cut by the deadline before writing its own. Its card is not known
-    here: the search process never touches the GPUs, which would take memory from the attempts."""
+    """The record of an attempt that crashed, was killed (:func:`killed`) or was cut by the deadline before writing
+    its own. Its card is not known here: the search process never touches the GPUs, which would take memory from the
+    attempts."""
     command = command_line(child, args.gpus, args.gpus)
+    status = "timeout" if rc is None else KILLED if killed(rc, tail) else "error"
     return {**stamp("run", card=None, gpus=args.gpus, command=command), "system": args.system,
-            "status": "timeout" if rc is None else "error", "seq_len": seq_len, "model": args.model,
-            "layers": layers_run(args), "full_layers": full_depth(args.model), "attempt": attempt_id, "rc": rc,
-            "error": tail}
+            "status": status, "limit": KILLED_LIMIT if status == KILLED else None, "seq_len": seq_len,
+            "model": args.model, "layers": layers_run(args), "full_layers": full_depth(args.model),
+            "attempt": attempt_id, "rc": rc, "error": tail}
 
 
 def _host_maximum(args: argparse.Namespace, records: dict[int, dict[str, Any]]) -> tuple[Optional[int], Any]:

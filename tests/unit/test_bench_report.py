@@ -336,6 +336,23 @@ def test_length_search_doubles_then_bisects_once():
         search.search_lengths(limit(1), 1000, multiple=8192, max_len=10**6)
 
 
+def test_a_killed_attempt_is_recorded_as_killed_on_the_host():
+    """An attempt the kernel ends with SIGKILL (host memory: page-locked pages cannot be swapped) writes no record of
+    its own; the search records it as killed, bound by the host, both when the process itself died (rc -9) and when
+    torchrun reports a killed rank and exits 1. A crash and a deadline are told apart from it."""
+    rc, tail = search.run_attempt([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                                  timeout_s=60)
+    assert rc == -9 and search.killed(rc, tail)
+    assert search.killed(1, "traceback : Signal 9 (SIGKILL) received by PID 2243")
+    assert not search.killed(1, "RuntimeError: NCCL error") and not search.killed(None, "")
+    args = cli.parse_args(["--system", "alst", "--model", "llama3-3b", "--layers", "2", "--max-length", "--gpus", "1"])
+    child = search.attempt_argv(args.argv, 786_432, "a1")
+    record = search._unfinished_record(args, child, 786_432, "a1", rc, tail)
+    assert record["status"] == "killed" and record["limit"] == "host (SIGKILL)" and not shown.fits(record)
+    assert search._unfinished_record(args, child, 786_432, "a1", 1, "NCCL error")["status"] == "error"
+    assert search._unfinished_record(args, child, 786_432, "a1", None, "")["status"] == "timeout"
+
+
 def test_attempt_argv_drops_the_search_options():
     """Each attempt runs the search's own options minus the search ones, at its own length."""
     argv = ["--system", "ring", "--max-length", "--gpus", "4", "--seq-len", "65536", "--deadline-s=500",

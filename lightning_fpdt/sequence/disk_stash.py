@@ -510,9 +510,9 @@ class _SpillFile:
             self._pending = (offset, len(view))
 
     def _written(self, offset: int, count: int) -> None:
-        if _sync_file_range(self.fd, offset, count, _SYNC_FILE_RANGE_WAIT):
-            error = ctypes.get_errno()
-            raise OSError(error, os.strerror(error))
+        # where the file system does not take the call the pages stay cached until finish(); a failed write of the
+        # data is reported there, by fdatasync
+        _sync_file_range(self.fd, offset, count, _SYNC_FILE_RANGE_WAIT)
         _drop_cached(self.fd, offset, count)
 
     def finish(self) -> None:

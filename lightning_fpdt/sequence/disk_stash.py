@@ -504,15 +504,13 @@ class _SpillFile:
                 raise OSError(errno.EIO, "the write returned no bytes")
             done += written
         if _sync_file_range is not None:
-            _sync_file_range(self.fd, offset, len(view), _SYNC_FILE_RANGE_WRITE)  # to the disk, behind
+            _push(self.fd, offset, len(view), _SYNC_FILE_RANGE_WRITE)  # to the disk, behind
             if self._pending is not None:
                 self._written(*self._pending)
             self._pending = (offset, len(view))
 
     def _written(self, offset: int, count: int) -> None:
-        # where the file system does not take the call the pages stay cached until finish(); a failed write of the
-        # data is reported there, by fdatasync
-        _sync_file_range(self.fd, offset, count, _SYNC_FILE_RANGE_WAIT)
+        _push(self.fd, offset, count, _SYNC_FILE_RANGE_WAIT)
         _drop_cached(self.fd, offset, count)
 
     def finish(self) -> None:
@@ -532,6 +530,19 @@ class _SpillFile:
                                     f"bytes, then the end of the file")
             done += got
         _drop_cached(self.fd, offset, len(view))
+
+
+_NOT_TAKEN = {errno.EINVAL, errno.ESPIPE, errno.ENOSYS, errno.EOPNOTSUPP}
+"""sync_file_range errors that say the file system does not take the call: its pages then stay cached until the
+file's fdatasync."""
+
+
+def _push(fd: int, offset: int, count: int, flags: int) -> None:
+    """``sync_file_range`` of a written piece; a write error it reports (it is reported once) raises ``OSError``."""
+    if _sync_file_range(fd, offset, count, flags):
+        error = ctypes.get_errno()
+        if error not in _NOT_TAKEN:
+            raise OSError(error, os.strerror(error))
 
 
 def _drop_cached(fd: int, offset: int, count: int) -> None:

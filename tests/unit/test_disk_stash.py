@@ -183,6 +183,33 @@ def test_failed_write_surfaces_at_the_next_get(files, monkeypatch):
         stash.clear()
 
 
+@pytest.mark.parametrize("error, fails", [(errno.EIO, True), (errno.EINVAL, False)])
+def test_a_write_error_reported_at_writeback_is_not_lost(tmp_path, monkeypatch, error, fails):
+    """Each piece is pushed to the disk as it is written (sync_file_range): a write error reported there (reported
+    once, so fdatasync would not see it again) fails the entry like a failed write; a file system that does not take
+    the call (EINVAL) only leaves the pages to the file's fdatasync."""
+    import ctypes
+
+    from lightning_fpdt.sequence import disk_stash
+
+    def refused(fd, offset, count, flags):
+        ctypes.set_errno(error)
+        return -1
+
+    monkeypatch.setattr(disk_stash, "_sync_file_range", refused)
+    files = SpillDirectory(str(tmp_path), rank=0, pin_memory=False, piece_bytes=64)
+    stash = _stash(files, budget=0)
+    value = torch.randn(100)
+    stash.put("x", value)
+    if fails:
+        with pytest.raises(DiskTierError, match=rf"writing 400 bytes to .* failed after .*{os.strerror(error)}"):
+            stash.get("x")
+    else:
+        assert torch.equal(stash.get("x"), value)
+        stash.clear()
+    files.close()
+
+
 def test_files_removed_at_exit(tmp_path):
     """A process that ends without closing its spill directory leaves no file: the directory is removed at exit."""
     code = (

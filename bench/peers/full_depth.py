@@ -24,6 +24,10 @@ block forwards.
 
 ``alst`` keeps every checkpointed block input in host memory (DeepSpeed's CPU checkpointing): the layers not run hold
 ``S/W·h`` bytes each there, and their offloaded states with ``--cpu-offload-params``.
+
+A full depth this machine cannot hold as planned (the fpdt plan fits nothing; ALST's host memory, as ``--check-host``
+models it, exceeds the host less the reserve) is :class:`FullDepthRefused`, which the run records as out of memory
+at the binding limit without holding anything.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Any, Optional
 
 import torch
 
-from bench.peers.ballast import (GIB, ON_OFF_AUTO, keep_inputs_option, layers_run, run_ballast,
+from bench.peers.ballast import (GIB, ON_OFF_AUTO, host_check, keep_inputs_option, layers_run, run_ballast,
                                  state_bytes_per_parameter)
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner import PRECISIONS, MemoryPlan, parameter_counts, plan_memory
@@ -51,6 +55,21 @@ PINNED_PIECE = 2**30
 """The page-locked ballast is held in buffers of this many bytes at most."""
 BALLAST_FILE = "full-depth-ballast-rank{rank}.bin"
 """The disk ballast's file in ``--offload-dir``, one per rank."""
+
+
+class FullDepthRefused(ValueError):
+    """The full depth does not fit this machine as planned; ``limit`` names the memory that binds (``"gpu"``,
+    ``"host"`` or ``"disk"``). The run records it as out of memory there (planned), without holding or training
+    anything: a length the machine cannot hold is a failed length, and holding it would end with the kernel's
+    out-of-memory killer, which leaves no record."""
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+LIMITS = {"gpu memory": "gpu", "host memory": "host", "disk space": "disk"}
+"""A plan's ``binding_limit`` as a record's ``limit``."""
 
 
 @dataclass(frozen=True)
@@ -121,8 +140,8 @@ def plan_fpdt(args: argparse.Namespace, geometry: ModelGeometry, *, num_gpus: in
         keep_inputs=keep_inputs_option(args),
     )
     if not full.fits:
-        raise ValueError(f"{args.model} at full depth ({geometry.num_layers} layers), {args.seq_len:,} tokens: "
-                         f"{full.recommendation}")
+        raise FullDepthRefused(f"{args.model} at full depth ({geometry.num_layers} layers), {args.seq_len:,} tokens: "
+                               f"{full.recommendation}", LIMITS.get(full.binding_limit, "gpu"))
     o = full.options
     run = plan_memory(
         geometry=dataclasses.replace(geometry, num_layers=layers_run(args)), **common, gpu_memory_gib=gpu_gib,
@@ -157,6 +176,15 @@ def full_depth_ballast(args: argparse.Namespace, geometry: ModelGeometry, *, wor
     block, _rest = parameter_counts(geometry)
     host_states = missing * block * state_bytes_per_parameter(args.precision) // world_size \
         if args.cpu_offload_params else 0
+    if available_host is not None:
+        check = host_check(args, num_gpus=world_size, gpus_per_node=gpus_per_node, resolved={},
+                           gpu_memory_bytes=gpu_memory_bytes,
+                           available_bytes=max(0, available_host - host_reserve_bytes()))
+        if not check["fits"]:
+            raise FullDepthRefused(
+                f"alst at full depth ({geometry.num_layers} layers), {args.seq_len:,} tokens: its host memory "
+                f"(every block input and the offloaded states) is {check['needed_bytes'] / GIB:.2f} GiB per host, "
+                f"{check['available_bytes'] / GIB:.2f} GiB available less the reserve", "host")
     return FullDepth(gpu_bytes=run_ballast(args, geometry, world_size)[0],
                      pinned_bytes=missing * (args.seq_len // world_size) * geometry.hidden_size * act,
                      pageable_bytes=host_states, disk_bytes=0)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from bench.peers.ballast import GIB, host_check, layers_run, run_ballast
-from bench.peers.full_depth import FullDepth, HeldBallast, disk_free_bytes, full_depth_ballast
+from bench.peers.full_depth import FullDepth, FullDepthRefused, HeldBallast, disk_free_bytes, full_depth_ballast
 from bench.host_readings import largest
 from bench.peers.records import (RankFigures, RunContext, agree_on_status, host_peak_rss, out_of_memory, run_record,
                                  timed)
@@ -106,14 +106,18 @@ def _train(args: argparse.Namespace, context: RunContext, device: torch.device, 
 
 def _train_full_depth(args: argparse.Namespace, context: RunContext, device: torch.device, info: dict[str, Any],
                       available_host: Optional[int]) -> tuple[str, Optional[str], Optional[str], tuple[int, int],
-                                                               FullDepth]:
+                                                               Optional[FullDepth]]:
     """``--ballast full``: plan the full depth on this machine, hold what it keeps for the layers not run (GPU, host,
     disk) while the run trains with the full plan's options, then give it back: ``(status, limit, error, (GPU
-    ballast, of which states), the ballast)``."""
+    ballast, of which states), the ballast)``. A full depth the machine cannot hold as planned is an out-of-memory
+    record (``FullDepthRefused``), with nothing held and no ballast."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    full = full_depth_ballast(args, context.full_geometry, world_size=context.world_size,
-                              gpus_per_node=context.gpus_per_node, gpu_memory_bytes=context.usable_memory,
-                              available_host=available_host, disk_free=disk_free_bytes(args.offload_dir))
+    try:
+        full = full_depth_ballast(args, context.full_geometry, world_size=context.world_size,
+                                  gpus_per_node=context.gpus_per_node, gpu_memory_bytes=context.usable_memory,
+                                  available_host=available_host, disk_free=disk_free_bytes(args.offload_dir))
+    except FullDepthRefused as refused:
+        return "oom", refused.limit, f"planned: {refused}", (0, 0), None
     if full.plan is not None:
         args.full_depth_arguments = full.strategy_arguments()
     held = HeldBallast(full, device=device, offload_dir=args.offload_dir, rank=rank)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench.peers import cli
-from bench.peers.full_depth import FullDepth, HeldBallast, full_depth_ballast, plan_fpdt
+from bench.peers.full_depth import FullDepth, FullDepthRefused, HeldBallast, full_depth_ballast, plan_fpdt
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.models.llama import LlamaConfig
 
@@ -68,10 +68,49 @@ def test_disk_bytes_of_the_full_depth_are_held_per_gpu():
 
 
 def test_full_depth_that_fits_nothing_is_refused_naming_the_planner():
-    """No length record for a full depth the machine cannot hold: ValueError with the planner's answer."""
-    with pytest.raises(ValueError, match="full depth .*28 layers"):
+    """A full depth the machine cannot hold is refused with the planner's answer and the memory that binds (the run
+    records it as out of memory there, holding nothing)."""
+    with pytest.raises(FullDepthRefused, match="full depth .*28 layers") as refused:
         full_depth_ballast(_args("--seq-len", str(2**22), "--auto-options"), LLAMA_3B, world_size=1, gpus_per_node=1,
                            gpu_memory_bytes=79 * GIB, available_host=100 * GIB, disk_free=None)
+    assert refused.value.limit == "host"
+
+
+def test_alst_full_depth_beyond_the_host_is_refused_before_anything_is_held():
+    """ALST keeps every block input in host memory: on one GPU with 125 GiB of host, 786,432 tokens of the 3B
+    geometry need 126 GiB of them alone, refused as host-bound (the kernel would end the run without a record);
+    524,288 (84 GiB) is held."""
+    def alst(seq_len: int):
+        args = cli.parse_args(["--system", "alst", "--model", "llama3-3b", "--layers", "2", "--ballast", "full",
+                               "--seq-len", str(seq_len)])
+        return full_depth_ballast(args, LLAMA_3B, world_size=1, gpus_per_node=1, gpu_memory_bytes=139 * GIB,
+                                  available_host=122 * GIB, disk_free=None)
+
+    assert alst(524_288).pinned_bytes == 26 * 524_288 * LLAMA_3B.hidden_size * 2
+    with pytest.raises(FullDepthRefused, match=r"alst at full depth \(28 layers\), 786,432 tokens") as refused:
+        alst(786_432)
+    assert refused.value.limit == "host"
+
+
+def test_a_refused_full_depth_is_an_out_of_memory_record(tmp_path, monkeypatch):
+    """The run writes the refusal as a record (status oom, the binding memory, "planned:" and the planner's answer)
+    instead of ending without one."""
+    import warnings
+
+    from bench.peers import runner
+
+    def refuse(*args, **kwargs):
+        raise FullDepthRefused("tiny at full depth (2 layers), 64 tokens: nothing fits the host", "host")
+
+    monkeypatch.setattr(runner, "full_depth_ballast", refuse)
+    argv = ["--system", "fpdt", "--model", "tiny", "--layers", "1", "--seq-len", "64", "--steps", "1",
+            "--accelerator", "cpu", "--precision", "32-true", "--ballast", "full", "--chunks", "2",
+            "--out", str(tmp_path / "unused.jsonl")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        record = runner.run(cli.parse_args(argv))
+    assert record["status"] == "oom" and record["limit"] == "host" and "full_depth" not in record
+    assert record["error"].startswith("planned: tiny at full depth")
 
 
 def test_alst_holds_the_block_inputs_of_the_layers_not_run_in_host_memory():

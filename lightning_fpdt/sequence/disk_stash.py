@@ -346,6 +346,9 @@ class SpillDirectory:
         nbytes = source.numel()
         in_flight: list[tuple[Tensor, int, int, Optional[torch.cuda.Event]]] = []  # buffer, offset, bytes, copied
         done = turn = offset = 0
+        stream = None if streams is None else streams.to_host
+        if stream is not None and produced is not None:
+            stream.wait_event(produced)  # the tensor is computed: every piece's copy is queued behind this
         try:
             with _SpillFile(path, "write", nbytes) as file:
                 while offset < nbytes or in_flight:
@@ -353,8 +356,7 @@ class SpillDirectory:
                         buffer = buffers.take(turn, nbytes)
                         count = min(buffer.numel(), nbytes - offset)
                         in_flight.append((buffer, offset, count,
-                                          _copy_piece(buffer[:count], source[offset:offset + count], produced,
-                                                      streams and streams.to_host)))
+                                          _copy_piece(buffer[:count], source[offset:offset + count], stream)))
                         offset += count
                         turn += 1
                     buffer, at, count, copied = in_flight.pop(0)
@@ -432,15 +434,12 @@ class SpillDirectory:
         self.staging.close()
 
 
-def _copy_piece(buffer: Tensor, piece: Tensor, produced: Optional[torch.cuda.Event],
-                stream: Optional[torch.cuda.Stream]) -> Optional[torch.cuda.Event]:
-    """Copy ``piece`` into the host ``buffer``: on CUDA on ``stream`` once ``produced`` (returns the copy's end)."""
+def _copy_piece(buffer: Tensor, piece: Tensor, stream: Optional[torch.cuda.Stream]) -> Optional[torch.cuda.Event]:
+    """Copy ``piece`` into the host ``buffer``: on CUDA on ``stream`` (returns the copy's end)."""
     if stream is None:
         buffer.copy_(piece)
         return None
     with torch.cuda.stream(stream):
-        if produced is not None:
-            stream.wait_event(produced)  # the tensor is computed
         buffer.copy_(piece, non_blocking=True)
         return stream.record_event()
 

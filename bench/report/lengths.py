@@ -15,6 +15,8 @@ from bench.report.records import card_name, fits, latest, of_kind, stands_for_fu
 
 SYSTEMS = ("fpdt", "modelparallel", "ring", "alst")
 HOST_BOUND = "host (planned, full depth)"
+PLANNED = "planned:"
+"""How the error of a length the full depth's plan refused begins (``bench.peers --ballast full``)."""
 Entry = dict[str, Any]
 
 
@@ -81,8 +83,11 @@ def _from_runs(system: str, group: list[dict[str, Any]]) -> Optional[Entry]:
     limit = None
     if first_fail is not None:
         limit = HOST_BOUND if first_fail.get("status") == "ok" else first_fail.get("limit") or first_fail.get("status")
+        if str(first_fail.get("error") or "").startswith(PLANNED):
+            limit = f"{limit}, planned"  # refused by the plan of the full depth before anything ran
     entry = {"max": best and best["seq_len"], "fail": first_fail and first_fail["seq_len"],
-             "exact": first_fail is not None, "limit": limit, "record": best or first_fail, "system": system}
+             "exact": first_fail is not None, "limit": limit, "record": best or first_fail, "system": system,
+             "fail_record": first_fail if best is not None else None}
     ran = [r for r in group if r.get("status") == "ok"]
     gpu_best = max(ran, key=lambda r: r["seq_len"]) if ran else None
     if gpu_best is not None and gpu_best["seq_len"] > longest:
@@ -127,6 +132,10 @@ def _cell(entry: Optional[Entry], commands: Commands) -> str:
                 "the full depth's pinned memory fits no length run")
         gpu_ref = f" {commands.ref(entry['gpu_record'])}" if "gpu_record" in entry else ""
         outcome = f"{fits_text} (host: {host}; GPU: {length(entry['gpu_max'])} ran{gpu_ref}, {gpu_fail})"
+    elif entry["exact"] and entry.get("fail_record"):
+        # each length beside its own run: the one that fit, then the one that did not
+        return (f"{fits_text} {commands.ref(entry['record'])}; {gpu_fail} ({entry['limit']}) "
+                f"{commands.ref(entry['fail_record'])}")
     elif entry["exact"]:
         outcome = f"{fits_text}; {gpu_fail} ({entry['limit']})"
     else:
@@ -140,7 +149,8 @@ def ours_of(systems: dict[str, Entry]) -> Optional[Entry]:
 
 
 def _cited(systems: dict[str, Entry]) -> list[dict[str, Any]]:
-    return [record for entry in systems.values() for record in (entry["record"], entry.get("gpu_record")) if record]
+    return [record for entry in systems.values()
+            for record in (entry["record"], entry.get("gpu_record"), entry.get("fail_record")) if record]
 
 
 def section(records: list[dict[str, Any]], commands: Commands) -> list[str]:
@@ -149,7 +159,8 @@ def section(records: list[dict[str, Any]], commands: Commands) -> list[str]:
         "A length counts when a training step ran at it, at full depth or with the ballast of the layers not run (the "
         "command says which), and, where the host was checked, the pinned host memory the full depth needs fits the "
         "host. \"x; y failed\": x fits and the next length tried, y, did not (why in brackets). A length with nothing "
-        "longer run is only a lower bound, and a ratio over a peer's lower bound says nothing. Searches "
+        "longer run is only a lower bound, and a ratio over a peer's lower bound says nothing. \"planned\": the plan of "
+        "the full depth on that machine (`--ballast full`) refused the length before anything ran. Searches "
         "(`--max-length`) find the GPU's limit by running steps and the host's with the planner "
         "(`lightning_fpdt.planner.plan_memory` of the full depth against the host's available memory); the maximum "
         "is the smaller. `modelparallel` trains one whole sequence per GPU (data parallel), so its longest sequence "

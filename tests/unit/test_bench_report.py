@@ -92,12 +92,12 @@ def test_report_names_every_figure_with_its_command(tmp_path):
 
     # maximum length, 1 GPU: fpdt 1M (search), modelparallel 16K (runs: 32K ran out of memory), ring 128K
     one_gpu = row("| NVIDIA H100 80GB HBM3 | 1 |", "1,048,576")
-    assert "16,384; 32,768 failed (gpu)" in one_gpu and "131,072" in one_gpu
+    assert "16,384 [2]; 32,768 failed (gpu) [3]" in one_gpu and "131,072" in one_gpu
     assert "64.00×" in one_gpu and "8.00×" in one_gpu  # fpdt / modelparallel, fpdt / ring
     # 4 GPUs: 2M ran but the full depth's host memory does not fit, so 1M is the longest trainable length; ring's
     # single run is a lower bound only, so the ratio over it says nothing
     four_gpus = row("| NVIDIA H100 80GB HBM3 | 4 | llama3-8b |")
-    assert ("1,048,576 (host: full depth planned to fit up to 1,048,576; GPU: 2,097,152 ran [4], nothing longer "
+    assert ("1,048,576 (host: full depth planned to fit up to 1,048,576; GPU: 2,097,152 ran [5], nothing longer "
             "failed)") in four_gpus
     assert "≥ 262,144 (nothing longer run)" in four_gpus and "? (no failing length for ring)" in four_gpus
     # the ballast protocol: two depths at 1M, their peaks and their spread (0.2 GiB)
@@ -491,15 +491,23 @@ def test_host_bound_lengths_show_the_gpu_limit_beside_the_hosts():
 
 def test_a_model_only_fpdt_hf_ran_has_its_length_row_against_alst():
     """Where fpdt ran only on the Hugging Face model (fpdt-hf), its maximum fills the fpdt column, said so, and is
-    set against ALST's on the same card: 2M ran against ALST's 512K (768K failed), 4×."""
+    set against ALST's on the same card: 2M ran against ALST's 512K (768K failed), 4×. A length the full depth's
+    plan refused before anything ran (``--ballast full``) is a failure said to be planned, cited beside the length
+    that fit."""
     records = [run_record("fpdt-hf", gpus=1, layers=1, seq_len=2_097_152, card="NVIDIA H200"),
                run_record("alst", gpus=1, layers=2, seq_len=524_288, card="NVIDIA H200"),
                run_record("alst", gpus=1, layers=2, seq_len=786_432, card="NVIDIA H200", status="oom", limit="host")]
     systems_found = lengths.max_lengths(records)[("NVIDIA H200", 1, "llama3-8b")]
     assert lengths.ours_of(systems_found)["system"] == "fpdt-hf"
     doc = page.render_markdown(records)
-    assert ("| NVIDIA H200 | 1 | llama3-8b | ≥ 2,097,152 (nothing longer run) [2] (fpdt-hf: the Hugging Face model) "
-            "| not run | not run | 524,288; 786,432 failed (host) [1] | – | – | ≥ 4.00× |") in doc
+    assert ("| NVIDIA H200 | 1 | llama3-8b | ≥ 2,097,152 (nothing longer run) [3] (fpdt-hf: the Hugging Face model) "
+            "| not run | not run | 524,288 [1]; 786,432 failed (host) [2] | – | – | ≥ 4.00× |") in doc
+    refused = run_record("fpdt-hf", gpus=1, layers=1, seq_len=2_621_440, card="NVIDIA H200", status="oom",
+                         limit="host")
+    refused["error"] = "planned: llama3-8b at full depth (32 layers), 2,621,440 tokens: nothing fits the host"
+    doc = page.render_markdown(records + [refused])
+    assert ("| 2,097,152 [3]; 2,621,440 failed (host, planned) [4] (fpdt-hf: the Hugging Face model) | not run | "
+            "not run | 524,288 [1]; 786,432 failed (host) [2] | – | – | 4.00× |") in doc
 
 
 def test_capped_runs_and_fpdt_variants_are_told_apart():
@@ -553,7 +561,7 @@ def test_alst_has_its_maximum_and_is_set_against_at_equal_placement():
     assert lengths.length_ratio(one["fpdt"], one["alst"])[0] == "≥ 2.67×"
     doc = page.render_markdown(records)
     assert "| fpdt / modelparallel | fpdt / ring | fpdt / alst | commit |" in doc
-    assert "| 393,216; 458,752 failed (gpu) [" in doc and "| ≥ 2.67× |" in doc
+    assert "| 393,216 [" in doc and "]; 458,752 failed (gpu) [" in doc and "| ≥ 2.67× |" in doc
 
     def throughput_row(*cells: str) -> list[str]:
         found_rows = [line for line in doc.splitlines() if all(cell in line for cell in cells) and "tokens" not in line]

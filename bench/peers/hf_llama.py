@@ -58,8 +58,8 @@ def named_geometry(name: str) -> ModelGeometry:
     :meth:`ModelGeometry.from_config` reads them)."""
     if name not in HF_GEOMETRIES:
         return ModelGeometry.from_config(LlamaConfig.from_name(name))
-    _, fields = HF_GEOMETRIES[name]
-    return ModelGeometry.from_config(SimpleNamespace(**fields))
+    model_type, fields = HF_GEOMETRIES[name]
+    return ModelGeometry.from_config(SimpleNamespace(model_type=model_type, **fields))
 
 
 def hf_llama_config(name: str, *, num_layers: int, max_seq_len: int) -> Any:

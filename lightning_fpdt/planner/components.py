@@ -41,6 +41,8 @@ until Lightning's ``zero_grad``, which runs after the next step's forward and lo
 
     norm               = A + N·4                                (the tiled RMSNorm's output and fp32 rstd)
     layer activations  = 2 norms + A (the residual between them) + rope + out unless kept + MLP (untiled 4·N·I·b)
+                         + per-head norms of q and k (Qwen3): N·(H + Hkv)·(D·b + 4), their inputs and fp32 rstd,
+                         also at the attention backward (G > 1: a group's share there, none in the layer)
 
     predicted peak per GPU = Σ persistent + max(transient phases)
     pinned host per host   = GPUs per node × (offloaded attention: L·(stash_bytes + kept out) + one layer's dout and out

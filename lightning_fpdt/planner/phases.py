@@ -47,10 +47,12 @@ def attention_backward(s: StepSizes) -> list[Component]:
     # a group's backward (integrations/head_groups.py) holds no other hidden-sized tensor but the gradient into the
     # block (held until the block's backward returns): the output projection is differentiated by hand and the
     # q/k/v projections' input gradients are added into dx in place; at its peak (RoPE's backward of dq) the group's
-    # dout, dq and rotated dq, dk and dv are alive: (2·out + qkv)/G
-    return [Component("attention backward", 3 * s.A + (2 * s.out + s.qkv) // s.G + chunks, phase="attention backward",
+    # dout, dq and rotated dq, dk and dv are alive: (2·out + qkv)/G, and where each head's q and k are normalised the
+    # group's norm inputs
+    return [Component("attention backward", 3 * s.A + (2 * s.out + s.qkv + s.head_norm) // s.G + chunks,
+                      phase="attention backward",
                       formula="grad into the block + output grad + running input grad + one group's dout, dq and its "
-                      "rotation, dk, dv + its FPDT backward chunks")]
+                      "rotation, dk, dv (and per-head norm inputs) + its FPDT backward chunks")]
 
 
 def gathered_states(s: StepSizes) -> list[Component]:

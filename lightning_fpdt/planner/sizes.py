@@ -127,6 +127,14 @@ class StepSizes:
         return self.A + self.N * 4
 
     @property
+    def head_norm(self) -> int:
+        """What per-head RMSNorms of q and k keep for backward (``ModelGeometry.head_norms``): their inputs and one
+        fp32 rstd per token and head, ``N·(H + Hkv)·(D·b + 4)``; 0 without them."""
+        if not self.g.head_norms:
+            return 0
+        return self.N * (self.g.num_heads + self.g.num_kv_heads) * (self.g.head_dim * self.b + 4)
+
+    @property
     def rope(self) -> int:
         """RoPE's fp32 cos and sin tables."""
         return ROPE_TABLES * self.N * self.g.head_dim * 4
@@ -146,11 +154,12 @@ class StepSizes:
 
     @property
     def layer(self) -> int:
-        """One layer's activations for its backward: two norms, the residual between them, RoPE's tables (not with
-        head groups), the attention output unless kept, the untiled MLP's saved tensors. A checkpoint's recompute
-        frees the block's own output before its backward (memory/block_offload.py)."""
-        return (2 * self.norm + self.A + (self.rope if self.G == 1 else 0) + (0 if self.out_kept else self.out)
-                + self.mlp_saved)
+        """One layer's activations for its backward: two norms, the residual between them, RoPE's tables and the
+        per-head norms' inputs (not with head groups, whose backward runs each group's projections again), the
+        attention output unless kept, the untiled MLP's saved tensors. A checkpoint's recompute frees the block's own
+        output before its backward (memory/block_offload.py)."""
+        return (2 * self.norm + self.A + (self.rope + self.head_norm if self.G == 1 else 0)
+                + (0 if self.out_kept else self.out) + self.mlp_saved)
 
     def with_options(self, **changes: object) -> "StepSizes":
         """The same step with some options changed."""

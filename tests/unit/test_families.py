@@ -139,3 +139,51 @@ def test_a_router_loss_with_gradient_free_first_forwards_is_refused_at_setup(mod
     check_router_loss(model, forward_without_grad=[])
     model.config.output_router_logits = False
     check_router_loss(model, forward_without_grad=["ActivationOffload"])
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_head_norms_are_read_for_the_families_whose_attention_has_them(model_type):
+    """ModelGeometry.head_norms (what the planner counts for per-head q/k norms) is read from the config exactly
+    for the families whose attention normalises each head's q and k."""
+    torch.manual_seed(0)
+    model = build(model_type)
+    has = any(isinstance(getattr(m, "q_norm", None), torch.nn.Module) for m in model.modules())
+    assert resolve_geometry(model.config).head_norms == has
+
+
+def test_head_norms_keep_what_the_planner_counts():
+    """Beyond a Llama attention of the same sizes, a Qwen3 attention (its norms tiled as the strategy tiles them)
+    keeps for its backward the norms' inputs and fp32 rstd: the planner's ``StepSizes.head_norm``, to the byte."""
+    from lightning_fpdt.integrations.huggingface import tile_hf_rms_norms
+    from lightning_fpdt.planner.options import PlanOptions
+    from lightning_fpdt.planner.sizes import StepSizes
+
+    tokens = 48
+
+    def kept_for_backward(model_type: str) -> int:
+        torch.manual_seed(0)
+        model = build(model_type, MINI_MODELS["qwen3"]).to(torch.bfloat16)  # head_dim 8 for both
+        tile_hf_rms_norms(model)
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        x = torch.randn(1, tokens, model.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        rotary = model.model.rotary_emb(x, torch.arange(tokens)[None])
+        kept: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in weights:
+                kept[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, _ = model.model.layers[0].self_attn(x, position_embeddings=rotary, attention_mask=None)
+        out.float().sum().backward()  # the graph the bytes were kept for is a working one
+        return sum(kept.values())
+
+    geometry = resolve_geometry(build("qwen3").config)
+    options = PlanOptions(sequence_parallel_size=1, data_parallel_size=1, chunks=1, offload=False, offload_dq=False,
+                          activation_offload=True, activation_checkpointing=True, tiled_mlp=True, tiled_loss=True,
+                          cpu_offload_params=False, precision="bf16-mixed", optimizer="adamw")
+    expected = StepSizes(geometry, options, tokens, 1, 1).head_norm
+    assert expected == tokens * (4 + 2) * (8 * 2 + 4)
+    assert kept_for_backward("qwen3") - kept_for_backward("llama") == expected

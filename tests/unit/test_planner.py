@@ -1,5 +1,6 @@
 """The memory planner: component formulas, calibration against measured peaks, the search, the host check, the CLI."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -119,6 +120,20 @@ def test_attention_backward_by_hand():
     got = attention_backward_bytes(AttentionGeometry(2, 8, 2, 128), batch_size=1, seq_len=65536, sp_size=4,
                                    num_chunks=2, offload=True, offload_dq=False)
     assert got == 101_187_584 + 33_554_432 + 117_440_512 + 33_554_432 + 33_554_432
+
+
+def test_head_norms_by_hand():
+    """Per-head q/k norms (Qwen3) keep their inputs and fp32 rstd, N·(H + Hkv)·(D·b + 4), through the recomputed
+    layer's backward (its MLP and attention phases); with head groups only in the attention backward, one group's
+    share (each group runs its projections and norms again)."""
+    # N = 65536 / 4 = 16,384 local tokens; (8 + 2) heads · (128 · 2 + 4) bytes = 2,600 bytes a token: 42,598,400
+    normed = dataclasses.replace(SMALL, head_norms=True)
+    for head_chunks, mlp_extra, attention_extra in ((1, 42_598_400, 42_598_400), (2, 0, 21_299_200)):
+        plain = small_plan(head_chunks=head_chunks).phase_bytes
+        extra = small_plan(geometry=normed, head_chunks=head_chunks).phase_bytes
+        assert extra["MLP backward"] - plain["MLP backward"] == mlp_extra
+        assert extra["attention backward"] - plain["attention backward"] == attention_extra
+        assert extra["attention forward"] == plain["attention forward"] and extra["loss"] == plain["loss"]
 
 
 def test_loss_phase_by_hand():

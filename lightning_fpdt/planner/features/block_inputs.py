@@ -61,12 +61,14 @@ class BlockInputs(MemoryFeature):
                                    formula="L x (block input + layer activations)"))
         # the recomputed layer, in its MLP backward and at its attention (without checkpointing: in "activations")
         checkpointed = o.activation_checkpointing
-        at_attention = s.norm + s.rope + (0 if s.out_kept else s.out)  # the recomputed output, if not kept
+        # the recomputed output, if not kept; the per-head norms' inputs until their backward, after the attention's
+        at_attention = s.norm + s.rope + (0 if s.out_kept else s.out) + (s.head_norm if s.G == 1 else 0)
         parts.append(Component("layer activations (recompute)", s.layer if checkpointed else 0, phase="MLP backward",
                                formula="norms, attention out, rope, MLP"))
         parts.append(Component("layer activations (at attention)", at_attention if checkpointed else 0,
                                phase="attention backward",
-                               formula="first norm, rope (, attention output when recomputed)"))
+                               formula="first norm, rope (, attention output when recomputed, per-head norms' "
+                               "inputs)"))
         return parts
 
     def extra_seconds(self, s: StepSizes) -> float:

@@ -120,7 +120,9 @@ def host_check(
     args: argparse.Namespace, *, num_gpus: int, gpus_per_node: int, resolved: dict[str, Any],
     gpu_memory_bytes: Optional[int], available_bytes: Optional[int],
 ) -> dict[str, Any]:
-    """The planner's pinned host memory per host for the *full* depth, beside what the host had when the run began.
+    """The planner's host memory per host for the *full* depth (pinned ``needed_bytes``; ``resident_bytes`` with the
+    pageable states and the processes, what ``fits`` sets against the host), beside what the host had when the run
+    began.
 
     Only ``fpdt`` pins activations and attention chunks; the baselines pin host memory only for CPU-offloaded states.
     ``planned_peak_gpu_bytes`` (fpdt only) is the planner's GPU peak of the full depth, to set beside the measured one.
@@ -145,6 +147,7 @@ def host_check(
     return {
         "layers": plan.geometry.num_layers,
         "needed_bytes": plan.host_bytes_per_node,
+        "resident_bytes": plan.host_resident_bytes_per_node,
         "available_bytes": available_bytes,
         "fits": None if available_bytes is None else plan.fits_host,
         "planned_peak_gpu_bytes": plan.peak_gpu_bytes if fpdt else None,

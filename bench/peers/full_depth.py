@@ -182,9 +182,10 @@ def full_depth_ballast(args: argparse.Namespace, geometry: ModelGeometry, *, wor
                            available_bytes=max(0, available_host - host_reserve_bytes()))
         if not check["fits"]:
             raise FullDepthRefused(
-                f"alst at full depth ({geometry.num_layers} layers), {args.seq_len:,} tokens: its host memory "
-                f"(every block input and the offloaded states) is {check['needed_bytes'] / GIB:.2f} GiB per host, "
-                f"{check['available_bytes'] / GIB:.2f} GiB available less the reserve", "host")
+                f"alst at full depth ({geometry.num_layers} layers), {args.seq_len:,} tokens: its host memory is "
+                f"{check['resident_bytes'] / GIB:.2f} GiB per host (pinned {check['needed_bytes'] / GIB:.2f}: every "
+                f"block input and the offloaded states), {check['available_bytes'] / GIB:.2f} GiB available less the "
+                f"reserve", "host")
     return FullDepth(gpu_bytes=run_ballast(args, geometry, world_size)[0],
                      pinned_bytes=missing * (args.seq_len // world_size) * geometry.hidden_size * act,
                      pageable_bytes=host_states, disk_bytes=0)

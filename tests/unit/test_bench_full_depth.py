@@ -4,6 +4,7 @@ not run is what the planner's full depth keeps beyond the layers run, on the GPU
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -90,6 +91,10 @@ def test_alst_full_depth_beyond_the_host_is_refused_before_anything_is_held():
     with pytest.raises(FullDepthRefused, match=r"alst at full depth \(28 layers\), 786,432 tokens") as refused:
         alst(786_432)
     assert refused.value.limit == "host"
+    # what is set against the host is the resident memory (pinned, pageable, the process), and the message says it
+    resident, pinned = (float(x) for x in re.search(r"is ([\d.]+) GiB per host \(pinned ([\d.]+)",
+                                                     str(refused.value)).groups())
+    assert pinned >= 28 * 786_432 * LLAMA_3B.hidden_size * 2 / GIB and resident > pinned
 
 
 def test_a_refused_full_depth_is_an_out_of_memory_record(tmp_path, monkeypatch):

@@ -22,7 +22,8 @@ from torch import nn
 Convention = Literal["causal", "megatron"]
 CONVENTIONS: tuple[str, ...] = ("causal", "megatron")
 HEAD_NORM_MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe")
-"""Hugging Face ``model_type``\s whose attention normalises each head's q and k (``ModelGeometry.head_norms``)."""
+"""The Hugging Face ``model_type`` values whose attention normalises each head's q and k
+(``ModelGeometry.head_norms``)."""
 
 
 def text_config(config: Any) -> Any:

@@ -153,6 +153,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS))
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     parser.add_argument("--cpu-offload-params", action="store_true", help="FSDP2 CPUOffloadPolicy")
+    parser.add_argument("--accumulate-grad-batches", type=int, default=1,
+                        help="Trainer(accumulate_grad_batches=...): above 1 every backward holds the gradients too")
     parser.add_argument("--recompute-attention", type=_switch, nargs="?", const=True, default="auto",
                         help="ActivationOffload(recompute_attention=...): auto, on (the same as no value), off; on: one "
                              "layer's attention stash instead of all")
@@ -202,7 +204,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             reload_input=args.reload_input,
             input_prefetch=args.prefetch if args.prefetch == "auto" else args.prefetch > 0,
             keep_inputs=args.keep_inputs, host_baseline_gib=args.host_baseline_gib, disk_memory_gib=args.disk_gib,
-            disk_gbps=args.disk_gbps,
+            disk_gbps=args.disk_gbps, accumulate_grad_batches=args.accumulate_grad_batches,
         )
     except ValueError as error:
         print(f"lightning-fpdt plan: {error}", file=sys.stderr)

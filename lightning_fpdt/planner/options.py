@@ -62,6 +62,9 @@ class PlanOptions:
     """``ActivationOffload(keep_inputs=k)``: how many block inputs wait for their backward, evenly spaced, the
     others regenerated in the backward (partial residency); ``0``: every block's (``keep_inputs="all"``). A count
     is below the number of layers: keeping all of them is ``0``."""
+    accumulate_grad_batches: int = 1
+    """``Trainer(accumulate_grad_batches=...)``: above 1, the backward of every batch but a window's first adds into
+    gradients that exist already, so the sharded gradients are all alive through every phase."""
 
     def __post_init__(self) -> None:
         if self.activation_offload and not self.activation_checkpointing:
@@ -94,6 +97,7 @@ class PlanOptions:
             + (" prefetch=0" if self.activation_offload and not self.input_prefetch else "")
             + (f" disk_inputs={self.disk_inputs}" if self.disk_inputs else "")
             + (f" keep_inputs={self.kept_inputs}" if self.kept_inputs else "")
+            + (f" accumulate_grad_batches={self.accumulate_grad_batches}" if self.accumulate_grad_batches > 1 else "")
         )
 
 
@@ -162,7 +166,7 @@ def resolve_options(
     gpus_per_node: int, sequence_parallel_size: Union[str, int], activation_offload: bool,
     activation_checkpointing: Optional[bool], tiled_mlp: bool, tiled_loss: bool, precision: str, optimizer: str,
     cpu_offload_params: bool, gpu_memory_bytes: int, recompute_attention: bool = False, reload_input: bool = False,
-    input_prefetch: bool = True, disk_inputs: int = 0, kept_inputs: int = 0,
+    input_prefetch: bool = True, disk_inputs: int = 0, kept_inputs: int = 0, accumulate_grad_batches: int = 1,
 ) -> PlanOptions:
     """The sizes (as the strategy resolves its mesh) and the attention options (:meth:`FPDTOptions.resolve`, with
     the free memory of :func:`free_for_auto`) of a plan."""
@@ -185,6 +189,7 @@ def resolve_options(
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, cpu_offload_params=cpu_offload_params, precision=precision,
         optimizer=optimizer, recompute_attention=recompute_attention, ring_size=ring, head_chunks=head_chunks,
         reload_input=reload_input, input_prefetch=input_prefetch, disk_inputs=disk_inputs, kept_inputs=kept_inputs,
+        accumulate_grad_batches=accumulate_grad_batches,
     )
 
 

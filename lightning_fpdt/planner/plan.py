@@ -53,6 +53,7 @@ def plan_memory(
     disk_memory_gib: Optional[float] = None,
     disk_gbps: float = DISK_GBPS,
     disk_inputs: Union[Literal["auto"], int] = "auto",
+    accumulate_grad_batches: int = 1,
 ) -> MemoryPlan:
     """Predict the memory of one training step under ``strategy="fpdt"``, per GPU and per host; resolve the
     ``"auto"`` options to the fastest configuration that fits both memories; recommend changes when none fits.
@@ -86,6 +87,8 @@ def plan_memory(
         disk_gbps: the disk's read and write rate in GB/s, shared by the GPUs of a host.
         disk_inputs: block inputs per GPU on disk; ``"auto"``: as many as the host's memory needs, when it needs
             them and that is the fastest way to fit (:mod:`lightning_fpdt.planner.features.disk_tier`).
+        accumulate_grad_batches: ``Trainer(accumulate_grad_batches=...)``; above 1 the gradients of the window's
+            earlier batches are alive in every backward.
 
     Returns:
         A :class:`MemoryPlan`: components, ``peak_gpu_bytes = Σ persistent + max(transient phases)``, host bytes
@@ -95,7 +98,8 @@ def plan_memory(
     """
     geometry = resolve_geometry(geometry)
     model = geometry_name(geometry)
-    for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("num_gpus", num_gpus)):
+    for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("num_gpus", num_gpus),
+                        ("accumulate_grad_batches", accumulate_grad_batches)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} ({value!r}) must be a positive int")
     gpus_per_node = num_gpus if gpus_per_node is None else gpus_per_node
@@ -142,7 +146,7 @@ def plan_memory(
         gpus_per_node=gpus_per_node, sequence_parallel_size=sequence_parallel_size,
         activation_offload=activation_offload, activation_checkpointing=activation_checkpointing,
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, precision=precision, optimizer=optimizer,
-        cpu_offload_params=cpu_offload_params, gpu_memory_bytes=gpu_bytes,
+        cpu_offload_params=cpu_offload_params, gpu_memory_bytes=gpu_bytes, accumulate_grad_batches=accumulate_grad_batches,
         **{name: value for name, value in neutral.items() if name != "head_chunks"},
     )
     base = dataclasses.replace(base, head_chunks=neutral["head_chunks"])

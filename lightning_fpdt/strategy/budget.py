@@ -129,7 +129,8 @@ def plan_for(strategy: Any, seq_len: int, batch_size: int) -> Optional[MemoryPla
         # the processes of this host hold their resident memory already, outside what the host has available
         host_limit = available + local * rss - host_reserve_bytes()
     already = strategy.pinned_host_bytes + host_state_bytes(strategy.optimizers, strategy.model)
-    features = MemoryFeatures.declared(strategy.lightning_module.trainer.callbacks)
+    trainer = strategy.lightning_module.trainer
+    features = MemoryFeatures.declared(trainer.callbacks)
     disk = strategy.memory.disk_free_bytes()
     return plan_memory(
         geometry=geometry, seq_len=seq_len, batch_size=batch_size, chunks=options.chunks, offload=options.offload,
@@ -139,7 +140,8 @@ def plan_for(strategy: Any, seq_len: int, batch_size: int) -> Optional[MemoryPla
         head_chunks=head_chunks, gpu_memory_gib=plannable_bytes(device) / 2**30,
         host_memory_gib=None if host_limit is None else max(host_limit, 1) / 2**30,
         host_baseline_gib=(max(0, rss - already) + RUNTIME_GROWTH_BYTES) / 2**30,
-        disk_memory_gib=None if disk is None else disk / 2**30, **features.plan_kwargs(),
+        disk_memory_gib=None if disk is None else disk / 2**30,
+        accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1), **features.plan_kwargs(),
     )
 
 

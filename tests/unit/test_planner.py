@@ -59,14 +59,19 @@ def test_parameter_counts_by_hand():
 
 def test_state_components_by_hand():
     """bf16-mixed on 4 GPUs: fp32 master and two AdamW moments sharded, the bf16 root unit gathered, the blocks'
-    sharded grads; in the phases: 2 blocks gathered, one block's bf16 grads + fp32 reduce-scatter copy, the bf16
-    lm_head grad, the root unit's sharded grads."""
+    sharded grads but the one in backward (its shard comes at its reduce-scatter, after its backward); in the phases:
+    2 blocks gathered, one block's bf16 grads + fp32 reduce-scatter copy, the bf16 lm_head grad, the root unit's
+    sharded grads, and outside the blocks' backward the last step's shard of the block in backward."""
     plan = small_plan()
     total = 2 * 15_206_400 + 65_537_024  # 95,949,824 parameters
     # 4 B · total / 4 GPUs + 2 B · rest 65,537,024 = 95,949,824 + 131,074,048
     assert plan.component("parameters").gpu_bytes == 227_023_872
-    # 4 B · 2 blocks · 15,206,400 / 4
-    assert plan.component("gradients").gpu_bytes == 30_412_800
+    # 4 B · (2 - 1) blocks · 15,206,400 / 4, and the other block's 4 B · 15,206,400 / 4 where no block is in backward
+    assert plan.component("gradients").gpu_bytes == 15_206_400
+    for phase in ("attention forward", "loss", "end of backward"):
+        assert plan.component(f"block gradients, the last ({phase})").gpu_bytes == 15_206_400
+    assert not [c for c in plan.components if c.name.startswith("block gradients, the last")
+                and c.phase in ("MLP backward", "attention backward")]
     # 2 B · 2 blocks; block 15,206,400 · (2 + 4) B; 4 B · rest / 4
     assert plan.component("gathered blocks (attention forward)").gpu_bytes == 60_825_600
     assert plan.component("block gradients (MLP backward)").gpu_bytes == 91_238_400
@@ -75,6 +80,27 @@ def test_state_components_by_hand():
     assert plan.component("optimizer states").gpu_bytes == 191_899_648 == 2 * total
     # lm_head gradient: V · h · 2 B = 32000 · 1024 · 2
     assert plan.component("lm_head gradient (attention backward)").gpu_bytes == 65_536_000
+
+
+def test_gradient_accumulation_keeps_every_shard_through_the_backward():
+    """With accumulate_grad_batches > 1 the backward adds into gradients the window's earlier batches made: the
+    blocks' and the root unit's shards are alive in every phase, the block in backward's included."""
+    one, two = small_plan(), small_plan(accumulate_grad_batches=2)
+    assert two.component("gradients").gpu_bytes == 30_412_800  # 4 B · 2 blocks · 15,206,400 / 4
+    assert two.component("root gradients").gpu_bytes == 65_537_024 and two.component("root gradients").phase is None
+    assert not [c for c in two.components if c.phase and ("root gradients" in c.name or "the last" in c.name)]
+    # the backward's phases hold the block in backward's shard and the root unit's besides
+    for phase in ("MLP backward", "attention backward"):
+        assert (two.phase_bytes[phase] + two.component("gradients").gpu_bytes + 65_537_024
+                == one.phase_bytes[phase] + one.component("gradients").gpu_bytes + 15_206_400 + 65_537_024)
+    # the forward and the loss held the last step's shards already
+    for phase in ("attention forward", "loss"):
+        assert (two.phase_bytes[phase] + two.component("gradients").gpu_bytes + 65_537_024
+                == one.phase_bytes[phase] + one.component("gradients").gpu_bytes)
+    assert two.peak_gpu_bytes >= one.peak_gpu_bytes
+    assert two.options.describe().endswith(" accumulate_grad_batches=2")
+    with pytest.raises(ValueError, match="accumulate_grad_batches"):
+        small_plan(accumulate_grad_batches=0)
 
 
 def test_activation_and_stash_components_by_hand():

@@ -28,22 +28,36 @@ class HostStates(MemoryFeature):
         d, W, on_host = s.dtypes, s.W, s.o.cpu_offload_params
         master = d["master"] * s.total_parameters // W
         block_grads = d["grad"] * s.L * s.block_parameters // W
+        # the shard of the block in backward; with accumulation it exists from the window's first batch on
+        own_grads = 0 if s.o.accumulate_grad_batches > 1 else d["grad"] * s.block_parameters // W
         root_grads = d["grad"] * s.rest_parameters // W
         moments = OPTIMIZER_STATES[s.o.optimizer] * master
         parts = [
             Component("parameters", (0 if on_host else master) + d["param"] * s.rest_parameters,
                       master if on_host else 0, formula="sharded master + gathered root unit"),
-            # the blocks' sharded gradients; the root unit's exist from its reduce-scatter at the end of the backward
-            # until Lightning's zero_grad, which runs after the next step's forward and loss (by phase, below)
-            Component("gradients", 0 if on_host else block_grads, formula="blocks' shards",
+            # the blocks' sharded gradients. Lightning's zero_grad (set to None) runs after the forward and the loss,
+            # so the last step's are all alive through them; in the backward a block's shard comes into being at its
+            # reduce-scatter, after its backward: at the peak, the first block's backward, the others' exist, its own
+            # not (by phase, below). The root unit's exist from its reduce-scatter at the end of the backward.
+            Component("gradients", 0 if on_host else block_grads - own_grads,
+                      formula="blocks' shards" + ("" if s.o.accumulate_grad_batches > 1 else
+                                                  ", but for the block in backward"),
                       pageable_bytes=block_grads + root_grads if on_host else 0),
             Component("optimizer states", 0 if on_host else moments,
                       formula=f"{OPTIMIZER_STATES[s.o.optimizer]} x sharded master",
                       pageable_bytes=moments if on_host else 0),
         ]
+        if s.o.accumulate_grad_batches > 1:
+            # the window's earlier batches made every shard: alive in every phase
+            parts.append(Component("root gradients", 0 if on_host else root_grads,
+                                   formula="the sharded root-unit gradients of the window's earlier batches"))
+            return parts
         parts += [Component(f"root gradients ({phase})", 0 if on_host else root_grads, phase=phase,
                             formula="the last step's sharded root-unit gradients, alive until zero_grad")
                   for phase in ("attention forward", "loss")]
+        parts += [Component(f"block gradients, the last ({phase})", 0 if on_host else own_grads, phase=phase,
+                            formula="the shard of the block whose backward comes first or has ended")
+                  for phase in ("attention forward", "loss", "end of backward")]
         return parts
 
     def extra_seconds(self, s: StepSizes) -> float:

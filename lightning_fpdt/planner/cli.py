@@ -154,7 +154,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     parser.add_argument("--cpu-offload-params", action="store_true", help="FSDP2 CPUOffloadPolicy")
     parser.add_argument("--accumulate-grad-batches", type=int, default=1,
-                        help="Trainer(accumulate_grad_batches=...): above 1 every backward holds the gradients too")
+                        help="Trainer(accumulate_grad_batches=...): above 1 every parameter's unsharded gradient "
+                             "lives through the window")
     parser.add_argument("--recompute-attention", type=_switch, nargs="?", const=True, default="auto",
                         help="ActivationOffload(recompute_attention=...): auto, on (the same as no value), off; on: one "
                              "layer's attention stash instead of all")

@@ -24,8 +24,9 @@ prefetched block, gathered (2·param·Θ_block), in the attention forward and bo
 unsharded gradients and their reduce-scatter copy (Θ_block·(param + reduce)) and the lm_head gradient (V·h·b) in the
 backward phases; the root unit's sharded gradients (grad·Θ_rest/W) from its reduce-scatter at the end of the backward
 until Lightning's ``zero_grad``, which runs after the next step's forward and loss, and for the same reason the shard of
-the block whose backward comes first (grad·Θ_block/W) outside the two backward phases (with
-``accumulate_grad_batches > 1`` every shard in every phase)::
+the block whose backward comes first (grad·Θ_block/W) outside the two backward phases. With
+``accumulate_grad_batches > 1`` the batches before a window's last skip the reduce-scatter: every parameter's
+unsharded gradient, reduce·Θ, in every phase instead of the shards::
 
     attention forward  = norm + q, k, v, out + planning.working_set_bytes
                          head_chunks G > 1: norm + A (the output sum) + (q, k, v, out)/G + one group's working set

@@ -63,8 +63,8 @@ class PlanOptions:
     others regenerated in the backward (partial residency); ``0``: every block's (``keep_inputs="all"``). A count
     is below the number of layers: keeping all of them is ``0``."""
     accumulate_grad_batches: int = 1
-    """``Trainer(accumulate_grad_batches=...)``: above 1, the backward of every batch but a window's first adds into
-    gradients that exist already, so the sharded gradients are all alive through every phase."""
+    """``Trainer(accumulate_grad_batches=...)``: above 1, the batches of a window before its last skip the gradients'
+    reduce-scatter and add into every parameter's unsharded gradient, which then lives through every phase."""
 
     def __post_init__(self) -> None:
         if self.activation_offload and not self.activation_checkpointing:

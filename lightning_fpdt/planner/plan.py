@@ -87,8 +87,8 @@ def plan_memory(
         disk_gbps: the disk's read and write rate in GB/s, shared by the GPUs of a host.
         disk_inputs: block inputs per GPU on disk; ``"auto"``: as many as the host's memory needs, when it needs
             them and that is the fastest way to fit (:mod:`lightning_fpdt.planner.features.disk_tier`).
-        accumulate_grad_batches: ``Trainer(accumulate_grad_batches=...)``; above 1 the gradients of the window's
-            earlier batches are alive in every backward.
+        accumulate_grad_batches: ``Trainer(accumulate_grad_batches=...)``; above 1 every parameter's unsharded
+            gradient (reduce dtype) is alive through the window: the batches before its last do not reduce-scatter.
 
     Returns:
         A :class:`MemoryPlan`: components, ``peak_gpu_bytes = Σ persistent + max(transient phases)``, host bytes

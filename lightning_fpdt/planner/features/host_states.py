@@ -28,8 +28,8 @@ class HostStates(MemoryFeature):
         d, W, on_host = s.dtypes, s.W, s.o.cpu_offload_params
         master = d["master"] * s.total_parameters // W
         block_grads = d["grad"] * s.L * s.block_parameters // W
-        # the shard of the block in backward; with accumulation it exists from the window's first batch on
-        own_grads = 0 if s.o.accumulate_grad_batches > 1 else d["grad"] * s.block_parameters // W
+        accumulating = s.o.accumulate_grad_batches > 1
+        own_grads = d["grad"] * s.block_parameters // W  # the shard of the block in backward
         root_grads = d["grad"] * s.rest_parameters // W
         moments = OPTIMIZER_STATES[s.o.optimizer] * master
         parts = [
@@ -39,18 +39,19 @@ class HostStates(MemoryFeature):
             # so the last step's are all alive through them; in the backward a block's shard comes into being at its
             # reduce-scatter, after its backward: at the peak, the first block's backward, the others' exist, its own
             # not (by phase, below). The root unit's exist from its reduce-scatter at the end of the backward.
-            Component("gradients", 0 if on_host else block_grads - own_grads,
-                      formula="blocks' shards" + ("" if s.o.accumulate_grad_batches > 1 else
-                                                  ", but for the block in backward"),
+            Component("gradients", 0 if on_host or accumulating else block_grads - own_grads,
+                      formula="blocks' shards, but for the block in backward",
                       pageable_bytes=block_grads + root_grads if on_host else 0),
             Component("optimizer states", 0 if on_host else moments,
                       formula=f"{OPTIMIZER_STATES[s.o.optimizer]} x sharded master",
                       pageable_bytes=moments if on_host else 0),
         ]
-        if s.o.accumulate_grad_batches > 1:
-            # the window's earlier batches made every shard: alive in every phase
-            parts.append(Component("root gradients", 0 if on_host else root_grads,
-                                   formula="the sharded root-unit gradients of the window's earlier batches"))
+        if accumulating:
+            # the batches of a window before its last run without the gradients' reduce-scatter (strategy: FSDP2's
+            # requires_gradient_sync off): every unit adds into its unsharded gradients, in the reduce dtype, on the
+            # GPU; they take the sharded ones' place (set to None at the window's first batch) until its last
+            parts.append(Component("accumulated gradients (unsharded)", d["reduce"] * s.total_parameters,
+                                   formula="every parameter's gradient, unsharded, in the reduce dtype"))
             return parts
         parts += [Component(f"root gradients ({phase})", 0 if on_host else root_grads, phase=phase,
                             formula="the last step's sharded root-unit gradients, alive until zero_grad")

@@ -337,24 +337,26 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             last.update(plan_fields(trainer.strategy))
 
     vocab = named_vocab(args.geometry)
+    batches = args.steps * args.accumulate_grad_batches  # every batch is traced; a step is a window's optimizer step
     trainer = L.Trainer(strategy=strategy, accelerator="gpu" if cuda else "cpu", devices=gpus_per_node,
                         num_nodes=world // gpus_per_node, precision=args.precision, max_steps=args.steps,
+                        accumulate_grad_batches=args.accumulate_grad_batches,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[offload, TiledMLP(), TiledLoss(), _Steps()])
     # before fit: Lightning's teardown takes torchrun's variables out of the environment
     command = launch_command("-m bench.memory_trace", args.argv, gpus_per_node=gpus_per_node, world_size=world,
                              under_torchrun="LOCAL_WORLD_SIZE" in os.environ)
-    trainer.fit(module, DataLoader(RandomTokens(vocab, args.seq_len, args.steps * world), batch_size=1))
+    trainer.fit(module, DataLoader(RandomTokens(vocab, args.seq_len, batches * world), batch_size=1))
     record: dict[str, Any] = {}
     if rank == 0:
-        summary = summarise(trace.snapshot(), since=f"step{args.steps - 1}") if trace is not None else None
+        summary = summarise(trace.snapshot(), since=f"step{batches - 1}") if trace is not None else None
         record = stamp("memory_trace", card=card_name(device), gpus=world, command=command)
         requested = {**strategy_options(args), **offload_options(args)}
         record.update(model=args.model, geometry=args.geometry, layers=args.layers, seq_len=args.seq_len, gpus=world,
                       precision=args.precision, gpu_memory_cap_bytes=_cap_bytes(device) if args.gpu_memory_gib
                       else None,
                       **resolved_options(args, strategy, offload, last.get("plan")),
-                      cpu_offload_params=args.cpu_offload_params,
+                      cpu_offload_params=args.cpu_offload_params, accumulate_grad_batches=args.accumulate_grad_batches,
                       requested_options={k: v for k, v in requested.items() if k != "cpu_offload_params"},
                       peak_gpu_bytes_per_step=steps["gpu"], step_seconds=steps["seconds"],
                       peak_phase=summary["peak_phase"] if summary is not None else None,
@@ -419,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--accelerator", choices=["cuda", "cpu"], default="cuda",
                      help="cpu: gloo processes, no allocator trace (the tests)")
     run.add_argument("--steps", type=int, default=2)
+    run.add_argument("--accumulate-grad-batches", type=int, default=1,
+                     help="Trainer(accumulate_grad_batches=...): batches per step, each traced (the lists per step are "
+                          "per batch)")
     run.add_argument("--out", default="memory_trace.jsonl")
     return parser
 

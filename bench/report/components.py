@@ -164,7 +164,7 @@ def _page_plan(r: Record) -> Any:
         head_chunks=r["head_chunks"], recompute_attention=r["recompute_attention"],
         cpu_offload_params=r["cpu_offload_params"], activation_offload=True, tiled_mlp=True, tiled_loss=True,
         precision=r.get("precision", "bf16-mixed"), reload_input=bool(r.get("reload_input")),
-        input_prefetch=r.get("prefetch") != 0,
+        input_prefetch=r.get("prefetch") != 0, accumulate_grad_batches=r.get("accumulate_grad_batches", 1),
     )
 
 
@@ -175,6 +175,8 @@ def _trace_options(r: Record) -> str:
     options += [f"head_chunks {r['head_chunks']}"] if (r["head_chunks"] or 1) > 1 else []
     options += ["recompute_attention"] if r["recompute_attention"] else []
     options += ["states on the host"] if r["cpu_offload_params"] else []
+    options += [f"accumulate_grad_batches {r['accumulate_grad_batches']}"] if r.get("accumulate_grad_batches", 1) > 1 \
+        else []
     options += [f"{', '.join(unknown)} unknown"] if unknown else []
     return ", ".join(options)
 

@@ -71,15 +71,25 @@ def test_memory_options_keep_their_defaults_and_pass_auto_through():
     assert (args.model, args.geometry, args.layers) == ("hf", "llama3-3b", 28)  # Llama-3.2-3B's depth
 
 
-def traced_cpu_run(out: str) -> dict:
-    """Every rank: two steps of tiny at one layer on CPU; rank 0 returns its record."""
+def traced_cpu_run(out: str, extra: tuple = ()) -> dict:
+    """Every rank: two steps of tiny at one layer on CPU (``extra``: more arguments); rank 0 returns its record."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return memory_trace.main(["train", "--accelerator", "cpu", "--geometry", "tiny", "--layers", "1",
                                   "--seq-len", "64", "--chunks", "2", "--offload", "on", "--precision", "32-true",
-                                  "--steps", "2", "--out", out])
+                                  "--steps", "2", "--out", out, *extra])
+
+
+def test_accumulated_steps_trace_every_batch(dist_pool, tmp_path):
+    """With --accumulate-grad-batches a step is a window of batches, each traced: two steps of two batches record
+    four batches, and the record says how many a step accumulates (the page plans it with them)."""
+    out = tmp_path / "trace.jsonl"
+    record, _ = dist_pool(2).run(traced_cpu_run, out=str(out), extra=("--accumulate-grad-batches", "2"))
+    assert record["accumulate_grad_batches"] == 2
+    assert len(record["host_phase_peak_rss_bytes_per_step"]) == len(record["pinned_host_bytes_per_step"]) == 4
+    assert record["command"].endswith("--accumulate-grad-batches 2")
 
 
 def test_traced_steps_record_the_hosts_peak_in_each_phase(dist_pool, tmp_path):

@@ -245,6 +245,7 @@ def test_prediction_of_traced_steps(run):
         head_chunks=run["head_chunks"], recompute_attention=run["recompute_attention"],
         cpu_offload_params=run["cpu_offload_params"], activation_offload=True, tiled_mlp=True, tiled_loss=True,
         reload_input=run.get("reload_input", False), input_prefetch=run.get("prefetch", 1) > 0,
+        accumulate_grad_batches=run.get("accumulate_grad_batches", 1),
     )
     measured = max(run["peak_gpu_bytes_per_step"])
     assert 1.0 <= plan.peak_gpu_bytes / measured <= 1.10, (plan.peak_gpu_bytes / GIB, measured / GIB)

@@ -251,6 +251,42 @@ def test_prediction_of_traced_steps(run):
     assert 1.0 <= plan.peak_gpu_bytes / measured <= 1.10, (plan.peak_gpu_bytes / GIB, measured / GIB)
 
 
+ACCUMULATION_TRACES = [json.loads(line) for line in
+                       (REPO_ROOT / "bench/results/memory_trace-accumulation-h100.jsonl").open()]
+
+
+@pytest.mark.parametrize("run", ACCUMULATION_TRACES, ids=lambda r: f"accumulate-{r['accumulate_grad_batches']}")
+def test_prediction_of_traced_steps_with_gradient_accumulation(run):
+    """Traced steps with and without gradient accumulation (bench/results/memory_trace-accumulation-h100.jsonl: two
+    H100 80GB, Llama-3-8B geometry, 2 layers, 16,384 tokens). Accumulating, the peak holds every parameter's
+    unsharded fp32 gradient (the trace: 5.54 GiB at FSDP2's to_accumulated_grad_if_needed), which a plan without
+    accumulation misses (below the measurement); with it the plan is above. It over-counts more than the 10% of the
+    other traces: at the end of a window's last backward it counts the root unit's accumulated gradient beside its
+    reduce-scatter, which takes its place."""
+    plan = plan_memory(
+        geometry=resolve_geometry("llama3-8b", num_layers=run["layers"]), seq_len=run["seq_len"],
+        num_gpus=run["gpus"], chunks=run["chunks"], offload=run["offload"], offload_dq=run["offload_dq"],
+        head_chunks=run["head_chunks"], recompute_attention=run["recompute_attention"],
+        cpu_offload_params=run["cpu_offload_params"], activation_offload=True, tiled_mlp=True, tiled_loss=True,
+        accumulate_grad_batches=run["accumulate_grad_batches"],
+    )
+    measured = max(run["peak_gpu_bytes_per_step"])
+    ceiling = 1.10 if run["accumulate_grad_batches"] == 1 else 1.20
+    assert 1.0 <= plan.peak_gpu_bytes / measured <= ceiling, (plan.peak_gpu_bytes / GIB, measured / GIB)
+    if run["accumulate_grad_batches"] > 1:
+        unaware = dataclasses.replace(plan.options, accumulate_grad_batches=1)
+        assert plan_sizes_peak(plan, unaware) < measured
+
+
+def plan_sizes_peak(plan, options) -> int:
+    """The peak of ``plan`` with other options (the same sizes and limits)."""
+    from lightning_fpdt.planner.phases import build_plan
+
+    return build_plan(plan.geometry, plan.model, seq_len=plan.seq_len, batch_size=plan.batch_size,
+                      num_gpus=plan.num_gpus, gpus_per_node=plan.gpus_per_node, options=options,
+                      gpu_memory_bytes=plan.gpu_memory_bytes, host_memory_bytes=plan.host_memory_bytes).peak_gpu_bytes
+
+
 FULL_DEPTH_TRACES = [json.loads(line) for line in
                      (REPO_ROOT / "bench/results/memory_trace-full-depth-h100.jsonl").open()]
 

@@ -154,8 +154,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     parser.add_argument("--cpu-offload-params", action="store_true", help="FSDP2 CPUOffloadPolicy")
     parser.add_argument("--accumulate-grad-batches", type=int, default=1,
-                        help="Trainer(accumulate_grad_batches=...): above 1 every parameter's unsharded gradient "
-                             "lives through the window")
+                        help="Trainer(accumulate_grad_batches=...): batches per optimizer step")
+    parser.add_argument("--sync-every-batch", type=_switch, default="auto",
+                        help="FPDTStrategy(sync_every_batch=...), with --accumulate-grad-batches above 1: auto, on "
+                             "(every batch reduce-scatters into the shards), off (only a window's last: every "
+                             "parameter's unsharded gradient waits on every GPU)")
     parser.add_argument("--recompute-attention", type=_switch, nargs="?", const=True, default="auto",
                         help="ActivationOffload(recompute_attention=...): auto, on (the same as no value), off; on: one "
                              "layer's attention stash instead of all")
@@ -206,6 +209,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             input_prefetch=args.prefetch if args.prefetch == "auto" else args.prefetch > 0,
             keep_inputs=args.keep_inputs, host_baseline_gib=args.host_baseline_gib, disk_memory_gib=args.disk_gib,
             disk_gbps=args.disk_gbps, accumulate_grad_batches=args.accumulate_grad_batches,
+            sync_every_batch=args.sync_every_batch,
         )
     except ValueError as error:
         print(f"lightning-fpdt plan: {error}", file=sys.stderr)

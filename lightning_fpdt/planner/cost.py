@@ -20,6 +20,10 @@ COPY_BYTES = 50e9
 """Pinned host <-> device copy rate, bytes/s."""
 HOST_STEP_BYTES = 20e9
 """Bytes per second one rank's share of the host's cores moves through in the fused AdamW step on the CPU."""
+GRADIENT_REDUCE_BYTES = 40e9
+"""Bytes per second a GPU sends in the gradients' reduce-scatter: about what one 400 Gb/s InfiniBand link a GPU gives
+between hosts (an assumption, not measured here). Inside a host NVLink is several times faster, so a reduce-scatter
+is never charged less than it costs."""
 
 
 def dense_forward_seconds(s: StepSizes, parameters: int) -> float:

@@ -63,8 +63,12 @@ class PlanOptions:
     others regenerated in the backward (partial residency); ``0``: every block's (``keep_inputs="all"``). A count
     is below the number of layers: keeping all of them is ``0``."""
     accumulate_grad_batches: int = 1
-    """``Trainer(accumulate_grad_batches=...)``: above 1, the batches of a window before its last skip the gradients'
-    reduce-scatter and add into every parameter's unsharded gradient, which then lives through every phase."""
+    """``Trainer(accumulate_grad_batches=...)``: batches of a window, each with its forward and backward, before one
+    optimizer step."""
+    sync_every_batch: bool = False
+    """``FPDTStrategy(sync_every_batch=...)``, with ``accumulate_grad_batches > 1``: every batch reduce-scatters the
+    gradients into their shards (``True``), or only a window's last, the others adding into every parameter's
+    unsharded gradient (``False``)."""
 
     def __post_init__(self) -> None:
         if self.activation_offload and not self.activation_checkpointing:
@@ -98,6 +102,7 @@ class PlanOptions:
             + (f" disk_inputs={self.disk_inputs}" if self.disk_inputs else "")
             + (f" keep_inputs={self.kept_inputs}" if self.kept_inputs else "")
             + (f" accumulate_grad_batches={self.accumulate_grad_batches}" if self.accumulate_grad_batches > 1 else "")
+            + (" sync_every_batch" if self.accumulate_grad_batches > 1 and self.sync_every_batch else "")
         )
 
 
@@ -167,6 +172,7 @@ def resolve_options(
     activation_checkpointing: Optional[bool], tiled_mlp: bool, tiled_loss: bool, precision: str, optimizer: str,
     cpu_offload_params: bool, gpu_memory_bytes: int, recompute_attention: bool = False, reload_input: bool = False,
     input_prefetch: bool = True, disk_inputs: int = 0, kept_inputs: int = 0, accumulate_grad_batches: int = 1,
+    sync_every_batch: bool = False,
 ) -> PlanOptions:
     """The sizes (as the strategy resolves its mesh) and the attention options (:meth:`FPDTOptions.resolve`, with
     the free memory of :func:`free_for_auto`) of a plan."""
@@ -189,7 +195,7 @@ def resolve_options(
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, cpu_offload_params=cpu_offload_params, precision=precision,
         optimizer=optimizer, recompute_attention=recompute_attention, ring_size=ring, head_chunks=head_chunks,
         reload_input=reload_input, input_prefetch=input_prefetch, disk_inputs=disk_inputs, kept_inputs=kept_inputs,
-        accumulate_grad_batches=accumulate_grad_batches,
+        accumulate_grad_batches=accumulate_grad_batches, sync_every_batch=sync_every_batch,
     )
 
 

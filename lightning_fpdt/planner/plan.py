@@ -17,7 +17,7 @@ from lightning_fpdt.planner.search import SEARCHED, Run, changes_between, fastes
 from lightning_fpdt.sequence.options import FPDTOptions
 
 AUTO_NEUTRAL = dict(head_chunks=1, recompute_attention=False, reload_input=False, input_prefetch=True, disk_inputs=0,
-                    kept_inputs=0)
+                    kept_inputs=0, sync_every_batch=False)
 """What these options are before the search resolves their ``"auto"`` (and when nothing fits)."""
 
 Switch = Union[Literal["auto"], bool]
@@ -54,6 +54,7 @@ def plan_memory(
     disk_gbps: float = DISK_GBPS,
     disk_inputs: Union[Literal["auto"], int] = "auto",
     accumulate_grad_batches: int = 1,
+    sync_every_batch: Switch = "auto",
 ) -> MemoryPlan:
     """Predict the memory of one training step under ``strategy="fpdt"``, per GPU and per host; resolve the
     ``"auto"`` options to the fastest configuration that fits both memories; recommend changes when none fits.
@@ -87,8 +88,11 @@ def plan_memory(
         disk_gbps: the disk's read and write rate in GB/s, shared by the GPUs of a host.
         disk_inputs: block inputs per GPU on disk; ``"auto"``: as many as the host's memory needs, when it needs
             them and that is the fastest way to fit (:mod:`lightning_fpdt.planner.features.disk_tier`).
-        accumulate_grad_batches: ``Trainer(accumulate_grad_batches=...)``; above 1 every parameter's unsharded
-            gradient (reduce dtype) is alive through the window: the batches before its last do not reduce-scatter.
+        accumulate_grad_batches: ``Trainer(accumulate_grad_batches=...)``: batches per optimizer step.
+        sync_every_batch: with ``accumulate_grad_batches > 1``, ``FPDTStrategy(sync_every_batch=...)``: every batch
+            reduce-scatters its gradients into the shards (``True``), or only a window's last, every parameter's
+            unsharded gradient (reduce dtype) alive on every GPU through the window (``False``); ``"auto"``: the
+            faster that fits (:mod:`lightning_fpdt.planner.features.accumulation`).
 
     Returns:
         A :class:`MemoryPlan`: components, ``peak_gpu_bytes = Σ persistent + max(transient phases)``, host bytes
@@ -110,7 +114,7 @@ def plan_memory(
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer {optimizer!r} is not planned for; use one of {sorted(OPTIMIZER_STATES)}")
     for name, value in (("recompute_attention", recompute_attention), ("reload_input", reload_input),
-                        ("input_prefetch", input_prefetch)):
+                        ("input_prefetch", input_prefetch), ("sync_every_batch", sync_every_batch)):
         if value not in ("auto", True, False):
             raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
     if disk_memory_gib is not None and (disk_memory_gib < 0 or disk_gbps <= 0):
@@ -128,7 +132,7 @@ def plan_memory(
         0 if keep_inputs == "all" or keep_inputs == geometry.num_layers else keep_inputs)
     given = dict(chunks=chunks, offload=offload, offload_dq=offload_dq, head_chunks=head_chunks,
                  recompute_attention=recompute_attention, reload_input=reload_input, input_prefetch=input_prefetch,
-                 disk_inputs=disk_inputs, kept_inputs=kept_inputs)
+                 disk_inputs=disk_inputs, kept_inputs=kept_inputs, sync_every_batch=sync_every_batch)
     free = {name for name, value in given.items() if value == "auto"}
     attention_options = FPDTOptions(chunks=chunks, offload=offload, offload_dq=offload_dq,
                                     head_chunks=1 if head_chunks == "auto" else head_chunks, ring_size=ring_size)

@@ -24,6 +24,7 @@ from lightning_fpdt.planner import (
     total_parameters,
 )
 from lightning_fpdt.planner.components import expandable_segments, plannable_gpu_bytes
+from lightning_fpdt.planner.search import step_estimate
 from lightning_fpdt.sequence.planning import AttentionGeometry, choose_chunks, stash_bytes
 
 GIB = 2**30
@@ -83,10 +84,10 @@ def test_state_components_by_hand():
 
 
 def test_gradient_accumulation_keeps_every_gradient_unsharded():
-    """With accumulate_grad_batches > 1 the batches before a window's last skip the reduce-scatter (FSDP2's gradient
-    sync off): every unit adds into its unsharded fp32 gradients, alive through every phase on every GPU, in place of
-    the shards (set to None at the window's first batch)."""
-    one, two = small_plan(), small_plan(accumulate_grad_batches=2)
+    """With accumulate_grad_batches > 1 and sync_every_batch=False the batches before a window's last skip the
+    reduce-scatter (FSDP2's gradient sync off): every unit adds into its unsharded fp32 gradients, alive through every
+    phase on every GPU, in place of the shards (set to None at the window's first batch)."""
+    one, two = small_plan(), small_plan(accumulate_grad_batches=2, sync_every_batch=False)
     total = 2 * 15_206_400 + 65_537_024
     assert two.component("accumulated gradients (unsharded)").gpu_bytes == 4 * total  # not divided by the 4 GPUs
     assert two.component("gradients").gpu_bytes == 0
@@ -97,6 +98,59 @@ def test_gradient_accumulation_keeps_every_gradient_unsharded():
     assert two.options.describe().endswith(" accumulate_grad_batches=2")
     with pytest.raises(ValueError, match="accumulate_grad_batches"):
         small_plan(accumulate_grad_batches=0)
+
+
+def test_gradient_accumulation_synced_every_batch_keeps_the_shards():
+    """With sync_every_batch=True every batch reduce-scatters into the shards: all of them (the root unit's too) alive
+    through every phase, and in the blocks' backward the new shard of the block in backward beside its own before
+    FSDP2 adds it in; no unsharded gradient waits. It costs the reduce-scatters of the batches before a window's
+    last (none on one GPU); with the states on the host the shards accumulate there, nothing on the GPU."""
+    total, block = 2 * 15_206_400 + 65_537_024, 15_206_400
+    one = small_plan()
+    unsharded = small_plan(accumulate_grad_batches=2, sync_every_batch=False)
+    synced = small_plan(accumulate_grad_batches=2, sync_every_batch=True)
+    assert synced.component("accumulated gradient shards").gpu_bytes == 4 * total // 4  # over the 4 GPUs
+    for phase in ("MLP backward", "attention backward"):
+        assert synced.component(f"reduce-scatter output ({phase})").gpu_bytes == 4 * block // 4
+    assert synced.component("gradients").gpu_bytes == 0
+    assert not [c for c in synced.components if "unsharded" in c.name or "the last" in c.name
+                or "root gradients" in c.name]
+    # no phase holds less than a step without accumulation, nor more than its shards and one block's new shard
+    def totals(plan):
+        persistent = sum(c.gpu_bytes for c in plan.components if c.phase is None)
+        return {phase: persistent + nbytes for phase, nbytes in plan.phase_bytes.items()}
+
+    for phase, nbytes in totals(synced).items():
+        assert totals(one)[phase] <= nbytes <= totals(one)[phase] + 4 * total // 4 + 4 * block // 4
+    assert one.peak_gpu_bytes <= synced.peak_gpu_bytes <= one.peak_gpu_bytes + 4 * total // 4 + 4 * block // 4
+    assert synced.peak_gpu_bytes < unsharded.peak_gpu_bytes
+    assert synced.options.describe().endswith(" accumulate_grad_batches=2 sync_every_batch")
+    assert "sync_every_batch=True" in format_plan(synced)
+    reduce = [seconds for what, seconds in step_estimate(synced) if "reduce-scattered" in what]
+    assert reduce and reduce[0] > 0 and not [what for what, _ in step_estimate(unsharded) if "reduce-scattered" in what]
+    on_host = small_plan(accumulate_grad_batches=2, sync_every_batch=True, cpu_offload_params=True)
+    assert on_host.component("gradients").pageable_bytes == 4 * total // 4
+    assert not [c for c in on_host.components if "accumulated" in c.name or "reduce-scatter output" in c.name]
+    one_gpu = small_plan(accumulate_grad_batches=2, sync_every_batch=True, num_gpus=1)
+    assert not [what for what, _ in step_estimate(one_gpu) if "reduce-scattered" in what]  # nothing is sent
+    with pytest.raises(ValueError, match="sync_every_batch"):
+        small_plan(accumulate_grad_batches=2, sync_every_batch="sometimes")
+
+
+def test_sync_every_batch_auto_is_the_faster_that_fits():
+    """sync_every_batch="auto": the unsharded gradients (one reduce-scatter a window) where they fit, the shards
+    (a reduce-scatter every batch) where they do not; without accumulation it is off and not an argument."""
+    roomy = small_plan(accumulate_grad_batches=4, gpu_memory_gib=80)
+    assert roomy.fits and not roomy.options.sync_every_batch
+    unsharded = small_plan(accumulate_grad_batches=4, sync_every_batch=False)
+    synced = small_plan(accumulate_grad_batches=4, sync_every_batch=True)
+    between = (unsharded.peak_gpu_bytes + synced.peak_gpu_bytes) / 2 / GIB
+    tight = small_plan(accumulate_grad_batches=4, gpu_memory_gib=between)
+    assert tight.fits and tight.options.sync_every_batch
+    refused = small_plan(accumulate_grad_batches=4, gpu_memory_gib=between, sync_every_batch=False)
+    assert not refused.fits and "sync_every_batch=True" in refused.recommendation
+    plain = small_plan(sync_every_batch="auto")
+    assert not plain.options.sync_every_batch and "sync_every_batch" not in format_plan(plain)
 
 
 def test_activation_and_stash_components_by_hand():
@@ -246,6 +300,7 @@ def test_prediction_of_traced_steps(run):
         cpu_offload_params=run["cpu_offload_params"], activation_offload=True, tiled_mlp=True, tiled_loss=True,
         reload_input=run.get("reload_input", False), input_prefetch=run.get("prefetch", 1) > 0,
         accumulate_grad_batches=run.get("accumulate_grad_batches", 1),
+        sync_every_batch=run.get("sync_every_batch", False),
     )
     measured = max(run["peak_gpu_bytes_per_step"])
     assert 1.0 <= plan.peak_gpu_bytes / measured <= 1.10, (plan.peak_gpu_bytes / GIB, measured / GIB)
@@ -268,7 +323,7 @@ def test_prediction_of_traced_steps_with_gradient_accumulation(run):
         num_gpus=run["gpus"], chunks=run["chunks"], offload=run["offload"], offload_dq=run["offload_dq"],
         head_chunks=run["head_chunks"], recompute_attention=run["recompute_attention"],
         cpu_offload_params=run["cpu_offload_params"], activation_offload=True, tiled_mlp=True, tiled_loss=True,
-        accumulate_grad_batches=run["accumulate_grad_batches"],
+        accumulate_grad_batches=run["accumulate_grad_batches"], sync_every_batch=run.get("sync_every_batch", False),
     )
     measured = max(run["peak_gpu_bytes_per_step"])
     ceiling = 1.10 if run["accumulate_grad_batches"] == 1 else 1.20

@@ -5,6 +5,7 @@ memory terms, its cost in step time and the arguments a user writes for it (:cla
 A new feature is a module here and a line in :data:`FEATURES` (and its fields in ``PlanOptions``).
 """
 
+from lightning_fpdt.planner.features.accumulation import GradientAccumulation
 from lightning_fpdt.planner.features.attention_stash import AttentionStash
 from lightning_fpdt.planner.features.base import MemoryFeature
 from lightning_fpdt.planner.features.block_inputs import BlockInputs
@@ -18,6 +19,7 @@ from lightning_fpdt.planner.features.tiled_mlp import TiledMLPFeature
 
 FEATURES: tuple[MemoryFeature, ...] = (
     HostStates(),
+    GradientAccumulation(),
     BlockInputs(),
     DiskTier(),
     Residency(),

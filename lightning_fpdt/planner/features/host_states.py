@@ -47,12 +47,7 @@ class HostStates(MemoryFeature):
                       pageable_bytes=moments if on_host else 0),
         ]
         if accumulating:
-            # the batches of a window before its last run without the gradients' reduce-scatter (strategy: FSDP2's
-            # requires_gradient_sync off): every unit adds into its unsharded gradients, in the reduce dtype, on the
-            # GPU; they take the sharded ones' place (set to None at the window's first batch) until its last
-            parts.append(Component("accumulated gradients (unsharded)", d["reduce"] * s.total_parameters,
-                                   formula="every parameter's gradient, unsharded, in the reduce dtype"))
-            return parts
+            return parts  # the gradients of an accumulation window: features/accumulation.py
         parts += [Component(f"root gradients ({phase})", 0 if on_host else root_grads, phase=phase,
                             formula="the last step's sharded root-unit gradients, alive until zero_grad")
                   for phase in ("attention forward", "loss")]

@@ -141,7 +141,8 @@ def plan_for(strategy: Any, seq_len: int, batch_size: int) -> Optional[MemoryPla
         host_memory_gib=None if host_limit is None else max(host_limit, 1) / 2**30,
         host_baseline_gib=(max(0, rss - already) + RUNTIME_GROWTH_BYTES) / 2**30,
         disk_memory_gib=None if disk is None else disk / 2**30,
-        accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1), **features.plan_kwargs(),
+        accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
+        sync_every_batch=strategy.sync_every_batch, **features.plan_kwargs(),
     )
 
 

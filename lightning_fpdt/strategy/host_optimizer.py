@@ -178,8 +178,8 @@ class InBackwardStep:
     which waits for the copy and steps that parameter alone: a shallow copy of the optimizer (the same state, no
     step hooks) whose groups hold just it. After the backward :meth:`run` waits for the worker and calls the
     optimizer's own step, with its hooks, over the parameters the backward did not hand over, the others' gradients
-    hidden from it. Outside :meth:`run` (validation, gradient-accumulation micro-steps, which FSDP2 does not reduce)
-    the hooks do nothing.
+    hidden from it. Outside :meth:`run` (validation, the batches of an accumulation window before its last, which
+    reduce-scatter only with ``sync_every_batch`` and then add into the gradients on the host) the hooks do nothing.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, threads: int) -> None:

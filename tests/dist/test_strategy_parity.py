@@ -9,7 +9,8 @@ from torch.utils.data import DataLoader
 
 import lightning_fpdt  # noqa: F401  (registers "fpdt")
 from lightning_fpdt import FPDTStrategy
-from tests.dist.training import LitLM, TokenDataset, full_state, reference_training, trainer_kwargs
+from tests.dist.training import (FirstBatchGradients, LitLM, TokenDataset, full_state, reference_training,
+                                 trainer_kwargs)
 
 # fp32: the parallel run sums the same products in another order (blockwise softmax merge, gradient sums split
 # across ranks and all-to-alls), ~1e-7 relative per op; over 3-4 SGD steps of a 2-layer model the parameters
@@ -47,6 +48,25 @@ def train_and_compare(kind: str, dp: int, sp: int, chunks: int, accumulate: int,
 def run_cases(cases: list[dict]) -> None:
     for case in cases:
         train_and_compare(**case)
+
+
+def run_synced_accumulation(cases: list[dict]) -> None:
+    """Each case once per ``sync_every_batch``: the same training as one process either way; after a window's first
+    batch the shards hold its gradients where it reduce-scattered (``True``), and none where it did not (``False``,
+    also what ``"auto"`` is on the CPU, where nothing plans)."""
+    for case in cases:
+        for sync, has_shards in ((True, True), (False, False), ("auto", False)):
+            watch = FirstBatchGradients()
+            train_and_compare(**case, sync_every_batch=sync, callbacks=[watch])
+            assert watch.seen and all(seen == has_shards for seen in watch.seen), (case, sync, watch.seen)
+
+
+def test_accumulation_synced_every_batch_or_at_the_window_end(dist_pool):
+    """Gradient accumulation reduce-scattering every batch or only a window's last trains the same as one process:
+    1×2 with chunks 2 and padding, 2×2 (data parallel, FSDP2's gradient divide factor)."""
+    dist_pool(2).run(run_synced_accumulation, cases=[dict(kind="llama", dp=1, sp=2, chunks=2, accumulate=2, seq_len=15)])
+    dist_pool(4).run(run_synced_accumulation, cases=[dict(kind="llama-mha", dp=2, sp=2, chunks=1, accumulate=2,
+                                                          seq_len=16)])
 
 
 def test_parity_two_processes(dist_pool):

@@ -176,3 +176,16 @@ def trainer_kwargs(**extra: Any) -> dict[str, Any]:
     kwargs = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False)
     return {**kwargs, **extra}
+
+
+class FirstBatchGradients(L.Callback):
+    """Whether the parameters had gradients after the first batch of each accumulation window: FSDP2 has put them
+    in their shards only where that batch reduce-scattered."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self.seen.append(all(p.grad is not None for p in pl_module.parameters() if p.requires_grad))

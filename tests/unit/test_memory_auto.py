@@ -147,3 +147,27 @@ def test_the_strategy_hands_activation_offload_its_kept_inputs(monkeypatch):
         monkeypatch.setattr(budget, "plan_for", lambda strategy, seq_len, batch_size, plan=plan: plan)
         FPDTStrategy().check_memory_plan(131072, 1)
         assert callback.resolved("keep_inputs") == expected
+
+
+def test_the_strategy_syncs_accumulation_batches_as_the_plan_of_the_length_says(monkeypatch):
+    """sync_every_batch="auto" follows the plan of the batch's length (the shards where the unsharded gradients do not
+    fit, one reduce-scatter a window where they do), and is off where nothing planned the length; True and False hold
+    whatever the plan says."""
+    from types import SimpleNamespace
+
+    module = SimpleNamespace(trainer=SimpleNamespace(callbacks=[], accumulate_grad_batches=4))
+    monkeypatch.setattr(FPDTStrategy, "lightning_module", property(lambda self: module))
+    run = dict(geometry="llama3-8b", seq_len=262144, num_gpus=8, gpu_memory_gib=40, accumulate_grad_batches=4,
+               **CALLBACKS)
+    tight, roomy = plan_memory(**run), plan_memory(**{**run, "gpu_memory_gib": 139})
+    assert tight.options.sync_every_batch and not roomy.options.sync_every_batch
+    for option, plan, expected in (("auto", tight, True), ("auto", roomy, False), (False, tight, False),
+                                   (True, roomy, True)):
+        monkeypatch.setattr(budget, "plan_for", lambda strategy, seq_len, batch_size, plan=plan: plan)
+        strategy = FPDTStrategy(sync_every_batch=option)
+        strategy.batch_plan = SimpleNamespace(seq_len=262144, batch_size=1)
+        strategy.check_memory_plan(262144, 1)
+        assert strategy.syncs_every_batch() is expected, (option, plan.options.describe())
+    strategy = FPDTStrategy()
+    strategy.batch_plan = SimpleNamespace(seq_len=4096, batch_size=1)  # a length nothing planned
+    assert strategy.syncs_every_batch() is False

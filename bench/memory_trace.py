@@ -164,7 +164,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 OPTION_DEFAULTS = {"chunks": "auto", "offload": "auto", "offload_dq": "auto", "head_chunks": 1,
-                   "recompute_attention": "off", "reload_input": "off", "prefetch": 1}
+                   "recompute_attention": "off", "reload_input": "off", "prefetch": 1, "sync_every_batch": "auto"}
 """The memory options ``train`` takes and their defaults; ``--auto-options`` sets every one not given to ``"auto"``."""
 
 
@@ -191,7 +191,8 @@ def strategy_options(args: argparse.Namespace) -> dict[str, Any]:
     from bench.peers.ballast import ON_OFF_AUTO
 
     return dict(chunks=args.chunks, offload=ON_OFF_AUTO[args.offload], offload_dq=ON_OFF_AUTO[args.offload_dq],
-                head_chunks=args.head_chunks, cpu_offload_params=args.cpu_offload_params)
+                head_chunks=args.head_chunks, cpu_offload_params=args.cpu_offload_params,
+                sync_every_batch=ON_OFF_AUTO[args.sync_every_batch])
 
 
 def offload_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -334,6 +335,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             last.update(pinned_bytes(trainer.strategy, fpdt=True))
             steps["pinned"].append(last["pinned_host_bytes"])
             last["plan"] = getattr(trainer.strategy, "memory_plan", None)
+            last["sync_every_batch"] = trainer.strategy.syncs_every_batch()  # as the window's batches ran
             last.update(plan_fields(trainer.strategy))
 
     vocab = named_vocab(args.geometry)
@@ -357,6 +359,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                       else None,
                       **resolved_options(args, strategy, offload, last.get("plan")),
                       cpu_offload_params=args.cpu_offload_params, accumulate_grad_batches=args.accumulate_grad_batches,
+                      sync_every_batch=last.get("sync_every_batch"),
                       requested_options={k: v for k, v in requested.items() if k != "cpu_offload_params"},
                       peak_gpu_bytes_per_step=steps["gpu"], step_seconds=steps["seconds"],
                       peak_phase=summary["peak_phase"] if summary is not None else None,
@@ -424,6 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--accumulate-grad-batches", type=int, default=1,
                      help="Trainer(accumulate_grad_batches=...): batches per step, each traced (the lists per step are "
                           "per batch)")
+    run.add_argument("--sync-every-batch", choices=["on", "off", "auto"], default=None,
+                     help="FPDTStrategy(sync_every_batch=...), with --accumulate-grad-batches above 1 (default auto)")
     run.add_argument("--out", default="memory_trace.jsonl")
     return parser
 

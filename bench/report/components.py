@@ -165,6 +165,7 @@ def _page_plan(r: Record) -> Any:
         cpu_offload_params=r["cpu_offload_params"], activation_offload=True, tiled_mlp=True, tiled_loss=True,
         precision=r.get("precision", "bf16-mixed"), reload_input=bool(r.get("reload_input")),
         input_prefetch=r.get("prefetch") != 0, accumulate_grad_batches=r.get("accumulate_grad_batches", 1),
+        sync_every_batch=bool(r.get("sync_every_batch")),  # records from before the option: the window's end only
     )
 
 
@@ -175,8 +176,9 @@ def _trace_options(r: Record) -> str:
     options += [f"head_chunks {r['head_chunks']}"] if (r["head_chunks"] or 1) > 1 else []
     options += ["recompute_attention"] if r["recompute_attention"] else []
     options += ["states on the host"] if r["cpu_offload_params"] else []
-    options += [f"accumulate_grad_batches {r['accumulate_grad_batches']}"] if r.get("accumulate_grad_batches", 1) > 1 \
-        else []
+    options += [f"accumulate_grad_batches {r['accumulate_grad_batches']}"
+                + (", synced every batch" if r.get("sync_every_batch") else "")] \
+        if r.get("accumulate_grad_batches", 1) > 1 else []
     options += [f"{', '.join(unknown)} unknown"] if unknown else []
     return ", ".join(options)
 

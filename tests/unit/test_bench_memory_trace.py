@@ -55,17 +55,19 @@ def test_memory_options_keep_their_defaults_and_pass_auto_through():
     """Today's flags and defaults hold; --auto-options (alias --callbacks-auto) leaves every option not given at
     "auto", passed to the strategy and ActivationOffload as the string."""
     strategy, offload, args = _options()
-    assert strategy == dict(chunks="auto", offload="auto", offload_dq="auto", head_chunks=1, cpu_offload_params=False)
+    assert strategy == dict(chunks="auto", offload="auto", offload_dq="auto", head_chunks=1, cpu_offload_params=False,
+                            sync_every_batch="auto")
     assert offload == dict(recompute_attention=False, reload_input=False, prefetch=1)
     assert (args.model, args.geometry, args.layers) == ("reference", "llama3-8b", 2)
     strategy, offload, _ = _options("--recompute-attention", "--reload-input", "--prefetch", "0", "--chunks", "8",
                                     "--offload", "on", "--head-chunks", "2")
-    assert strategy == dict(chunks=8, offload=True, offload_dq="auto", head_chunks=2, cpu_offload_params=False)
+    assert strategy == dict(chunks=8, offload=True, offload_dq="auto", head_chunks=2, cpu_offload_params=False,
+                            sync_every_batch="auto")
     assert offload == dict(recompute_attention=True, reload_input=True, prefetch=0)
     for flag in ("--auto-options", "--callbacks-auto"):
-        strategy, offload, _ = _options(flag, "--offload-dq", "off")
+        strategy, offload, _ = _options(flag, "--offload-dq", "off", "--sync-every-batch", "on")
         assert strategy == dict(chunks="auto", offload="auto", offload_dq=False, head_chunks="auto",
-                                cpu_offload_params=False)
+                                cpu_offload_params=False, sync_every_batch=True)
         assert offload == dict(recompute_attention="auto", reload_input="auto", prefetch="auto")
     _, _, args = _options("--model", "hf", "--geometry", "llama3-3b", "--layers", "full")
     assert (args.model, args.geometry, args.layers) == ("hf", "llama3-3b", 28)  # Llama-3.2-3B's depth
@@ -84,10 +86,11 @@ def traced_cpu_run(out: str, extra: tuple = ()) -> dict:
 
 def test_accumulated_steps_trace_every_batch(dist_pool, tmp_path):
     """With --accumulate-grad-batches a step is a window of batches, each traced: two steps of two batches record
-    four batches, and the record says how many a step accumulates (the page plans it with them)."""
+    four batches, and the record says how many a step accumulates and whether its batches reduce-scattered (the
+    page plans it with them; "auto" without a plan, on the CPU: at the window's end)."""
     out = tmp_path / "trace.jsonl"
     record, _ = dist_pool(2).run(traced_cpu_run, out=str(out), extra=("--accumulate-grad-batches", "2"))
-    assert record["accumulate_grad_batches"] == 2
+    assert record["accumulate_grad_batches"] == 2 and record["sync_every_batch"] is False
     assert len(record["host_phase_peak_rss_bytes_per_step"]) == len(record["pinned_host_bytes_per_step"]) == 4
     assert record["command"].endswith("--accumulate-grad-batches 2")
 

@@ -7,39 +7,21 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_fpdt import FPDTStrategy, TiledLoss
-from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
+from tests.gpu.small_llama import LM, batches, parameters
 
 pytestmark = pytest.mark.gpu
 
-VOCAB, SEQ, STEPS, ACCUMULATE, LR = 4096, 4096, 3, 2, 1e-3
-
-
-class LM(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024,
-                                                  num_layers=4, num_heads=8, num_kv_heads=4))
-
-    def training_step(self, batch, batch_idx):
-        return self.model(**batch)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=LR)
+STEPS, ACCUMULATE = 3, 2
 
 
 def _train(sync_every_batch, cpu_offload_params: bool) -> tuple[dict[str, torch.Tensor], bool]:
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (STEPS * ACCUMULATE, SEQ), generator=gen)
-    data = [{"input_ids": row, "labels": row.clone()} for row in ids]
     module = LM()
     strategy = FPDTStrategy(cpu_offload_params=cpu_offload_params, sync_every_batch=sync_every_batch, chunks=2)
     trainer = L.Trainer(accelerator="cuda", devices=1, precision="bf16-mixed", max_steps=STEPS,
                         accumulate_grad_batches=ACCUMULATE, logger=False, strategy=strategy, callbacks=[TiledLoss()],
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, DataLoader(data, batch_size=1, collate_fn=lambda b: {k: v[None] for k, v in b[0].items()}))
-    params = {name: p.full_tensor().detach().float().cpu() for name, p in module.model.named_parameters()}
-    return params, trainer.strategy.syncs_every_batch()
+    trainer.fit(module, DataLoader(batches(STEPS * ACCUMULATE), batch_size=None))
+    return parameters(module), trainer.strategy.syncs_every_batch()
 
 
 @pytest.mark.parametrize("cpu_offload_params", [False, True], ids=["states-on-gpu", "states-on-host"])

@@ -7,39 +7,22 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_fpdt import FPDTStrategy, TiledLoss
-from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
+from tests.gpu.small_llama import LM, batches, parameters
 
 pytestmark = pytest.mark.gpu
 
-VOCAB, SEQ, STEPS, LR = 4096, 4096, 3, 1e-3
-
-
-class LM(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024,
-                                                  num_layers=4, num_heads=8, num_kv_heads=4))
-
-    def training_step(self, batch, batch_idx):
-        return self.model(**batch)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=LR)
+STEPS = 3
 
 
 def _train(in_backward: bool) -> tuple[dict[str, torch.Tensor], int]:
-    gen = torch.Generator().manual_seed(1)
-    data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, VOCAB, (STEPS, SEQ), generator=gen)]
     module = LM()
     trainer = L.Trainer(accelerator="cuda", devices=1, precision="bf16-mixed", max_steps=STEPS, logger=False,
                         strategy=FPDTStrategy(cpu_offload_params=True, host_step_in_backward=in_backward, chunks=2),
                         callbacks=[TiledLoss()], enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
-    trainer.fit(module, DataLoader(data, batch_size=1, collate_fn=lambda b: {k: v[None] for k, v in b[0].items()}))
+    trainer.fit(module, DataLoader(batches(STEPS), batch_size=None))
     stepper = trainer.strategy._in_backward
-    params = {name: p.full_tensor().detach().float().cpu() for name, p in module.model.named_parameters()}
-    return params, 0 if stepper is None else stepper.stepped_in_backward
+    return parameters(module), 0 if stepper is None else stepper.stepped_in_backward
 
 
 def test_the_step_in_the_backward_equals_the_step_after_it_on_cuda():

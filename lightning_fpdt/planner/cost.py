@@ -18,6 +18,8 @@ ATTENTION_FLOPS = 520e12
 """The FPDT attention's forward + backward rate at long sequences, FLOP/s."""
 COPY_BYTES = 50e9
 """Pinned host <-> device copy rate, bytes/s."""
+PAGEABLE_COPY_BYTES = 19e9
+"""Device-to-host copies into pageable memory, bytes/s (the gradients under host-resident states)."""
 HOST_STEP_BYTES = 20e9
 """Bytes per second one rank's share of the host's cores moves through in the fused AdamW step on the CPU."""
 GRADIENT_REDUCE_BYTES = 40e9

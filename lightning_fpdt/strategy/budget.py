@@ -352,9 +352,13 @@ class MemoryBudget:
     def planned(self, seq_len: int, batch_size: int) -> bool:
         return (seq_len, batch_size) in self.plans
 
+    def plan_of(self, seq_len: int, batch_size: int) -> Optional[MemoryPlan]:
+        """The plan this length runs on, or ``None`` where nothing planned it."""
+        return self.plans.get((seq_len, batch_size))
+
     def resolved(self, seq_len: int, batch_size: int) -> Optional[ResolvedOptions]:
         """The attention options the plan of this length chose, or ``None`` where nothing planned it."""
-        plan = self.plans.get((seq_len, batch_size))
+        plan = self.plan_of(seq_len, batch_size)
         if plan is None:
             return None
         o = plan.options

@@ -473,8 +473,8 @@ class FPDTStrategy(ModelParallelStrategy):
         ``"auto"`` the choice of the current sequence length's plan (``False`` where nothing planned it)."""
         if self.sync_every_batch != "auto":
             return self.sync_every_batch
-        plan = None if self.batch_plan is None else self.memory.plans.get(
-            (self.batch_plan.seq_len, self.batch_plan.batch_size))
+        plan = None if self.batch_plan is None else self.memory.plan_of(self.batch_plan.seq_len,
+                                                                        self.batch_plan.batch_size)
         return plan is not None and plan.options.sync_every_batch
 
     # ---- memory budget, failures, checkpoints ---------------------------------------------------------------------

@@ -18,9 +18,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_fpdt.planner.components import Component
-from lightning_fpdt.planner.cost import GRADIENT_REDUCE_BYTES, HOST_STEP_BYTES
+from lightning_fpdt.planner.cost import GRADIENT_REDUCE_BYTES, HOST_STEP_BYTES, PAGEABLE_COPY_BYTES
 from lightning_fpdt.planner.features.base import MemoryFeature
-from lightning_fpdt.planner.features.host_states import PAGEABLE_COPY_BYTES
 from lightning_fpdt.planner.sizes import StepSizes
 
 

@@ -11,13 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_fpdt.planner.components import Component
-from lightning_fpdt.planner.cost import COPY_BYTES, HOST_STEP_BYTES
+from lightning_fpdt.planner.cost import COPY_BYTES, HOST_STEP_BYTES, PAGEABLE_COPY_BYTES
 from lightning_fpdt.planner.features.base import MemoryFeature
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES
 from lightning_fpdt.planner.sizes import StepSizes
 
-PAGEABLE_COPY_BYTES = 19e9
-"""Device-to-host copies into pageable memory, bytes/s (the gradients under host-resident states)."""
 
 
 class HostStates(MemoryFeature):

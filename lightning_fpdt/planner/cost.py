@@ -22,10 +22,10 @@ PAGEABLE_COPY_BYTES = 19e9
 """Device-to-host copies into pageable memory, bytes/s (the gradients under host-resident states)."""
 HOST_STEP_BYTES = 20e9
 """Bytes per second one rank's share of the host's cores moves through in the fused AdamW step on the CPU."""
-GRADIENT_REDUCE_BYTES = 40e9
-"""Bytes per second a GPU sends in the gradients' reduce-scatter: about what one 400 Gb/s InfiniBand link a GPU gives
-between hosts (an assumption, not measured here). Inside a host NVLink is several times faster, so a reduce-scatter
-is never charged less than it costs."""
+GRADIENT_REDUCE_BYTES = {"host": 300e9, "hosts": 40e9}
+"""Bytes per second a GPU sends in the gradients' reduce-scatter: over NVLink inside one host (an H100's NVLink moves
+450 GB/s each way; NCCL's reduce-scatter reaches less), and between hosts about what one 400 Gb/s InfiniBand link a
+GPU gives. Assumptions, not measured here: they rank a reduce-scatter every batch against the other ways to fit."""
 
 
 def dense_forward_seconds(s: StepSizes, parameters: int) -> float:

@@ -125,9 +125,10 @@ def build_plan(
 
 
 def plan_sizes(plan: MemoryPlan) -> StepSizes:
-    """The sizes of a plan (of its padded sequence), its disk's rate included."""
+    """The sizes of a plan (of its padded sequence), its disk's rate and its hosts included."""
     return StepSizes(plan.geometry, plan.options, padded_length(plan.options, plan.seq_len), plan.batch_size,
-                     plan.num_gpus, disk_rate=plan.disk_bytes_per_second / plan.gpus_per_node)
+                     plan.num_gpus, disk_rate=plan.disk_bytes_per_second / plan.gpus_per_node,
+                     hosts=plan.num_gpus // plan.gpus_per_node)
 
 
 def padded_length(options: PlanOptions, seq_len: int) -> int:

@@ -59,7 +59,8 @@ class Run:
 
     def sizes(self, options: PlanOptions) -> StepSizes:
         return StepSizes(self.geometry, options, padded_length(options, self.seq_len), self.batch_size,
-                         self.num_gpus, disk_rate=self.disk_bytes_per_second / self.gpus_per_node)
+                         self.num_gpus, disk_rate=self.disk_bytes_per_second / self.gpus_per_node,
+                         hosts=self.num_gpus // self.gpus_per_node)
 
     def plan(self, options: PlanOptions) -> MemoryPlan:
         return build_plan(self.geometry, self.model, seq_len=self.seq_len, batch_size=self.batch_size,

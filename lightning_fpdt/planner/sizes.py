@@ -33,6 +33,9 @@ class StepSizes:
     disk_rate: float = 0.0
     """Bytes per second one GPU's process reads or writes on the disk tier (its host's disk rate shared by the host's
     GPUs); 0: no disk tier."""
+    hosts: int = 1
+    """Hosts the GPUs are spread over: collectives over all of them (the gradients' reduce-scatter) leave the host
+    when there are several."""
 
     @property
     def dtypes(self) -> dict[str, int]:

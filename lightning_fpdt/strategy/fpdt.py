@@ -109,8 +109,9 @@ class FPDTStrategy(ModelParallelStrategy):
             reduce-scatters per optimizer step); ``False`` only after a window's last batch, the batches before it
             adding into every parameter's unsharded gradient, which waits on every GPU in the reduce dtype (fp32
             under ``bf16-mixed``: 4 bytes per parameter, 32 GB for an 8B model, whatever the GPU count).
-            ``"auto"``: the planner's choice per sequence length, the faster that fits (``False`` where it fits);
-            ``False`` where nothing plans (no GPU, no model config the planner reads).
+            ``"auto"``: the planner's choice per sequence length, the faster that fits by its cost model (``False``
+            where the unsharded gradients fit beside the rest as it is); ``False`` where nothing plans (no GPU, no
+            model config the planner reads).
     """
 
     strategy_name = "fpdt"

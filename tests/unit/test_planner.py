@@ -104,7 +104,8 @@ def test_gradient_accumulation_synced_every_batch_keeps_the_shards():
     """With sync_every_batch=True every batch reduce-scatters into the shards: all of them (the root unit's too) alive
     through every phase, and in the blocks' backward the new shard of the block in backward beside its own before
     FSDP2 adds it in; no unsharded gradient waits. It costs the reduce-scatters of the batches before a window's
-    last (none on one GPU); with the states on the host the shards accumulate there, nothing on the GPU."""
+    last (none on one GPU, more across hosts); with the states on the host the shards accumulate there, nothing on
+    the GPU."""
     total, block = 2 * 15_206_400 + 65_537_024, 15_206_400
     one = small_plan()
     unsharded = small_plan(accumulate_grad_batches=2, sync_every_batch=False)
@@ -126,13 +127,17 @@ def test_gradient_accumulation_synced_every_batch_keeps_the_shards():
     assert synced.peak_gpu_bytes < unsharded.peak_gpu_bytes
     assert synced.options.describe().endswith(" accumulate_grad_batches=2 sync_every_batch")
     assert "sync_every_batch=True" in format_plan(synced)
-    reduce = [seconds for what, seconds in step_estimate(synced) if "reduce-scattered" in what]
-    assert reduce and reduce[0] > 0 and not [what for what, _ in step_estimate(unsharded) if "reduce-scattered" in what]
+    def reduce_seconds(plan):
+        return [seconds for what, seconds in step_estimate(plan) if "reduce-scattered" in what]
+
+    assert reduce_seconds(synced)[0] > 0 and not reduce_seconds(unsharded)
+    two_hosts = small_plan(accumulate_grad_batches=2, sync_every_batch=True, gpus_per_node=2)
+    assert reduce_seconds(two_hosts)[0] > reduce_seconds(synced)[0]  # the reduce-scatter leaves the host
     on_host = small_plan(accumulate_grad_batches=2, sync_every_batch=True, cpu_offload_params=True)
     assert on_host.component("gradients").pageable_bytes == 4 * total // 4
     assert not [c for c in on_host.components if "accumulated" in c.name or "reduce-scatter output" in c.name]
     one_gpu = small_plan(accumulate_grad_batches=2, sync_every_batch=True, num_gpus=1)
-    assert not [what for what, _ in step_estimate(one_gpu) if "reduce-scattered" in what]  # nothing is sent
+    assert not reduce_seconds(one_gpu)  # nothing is sent
     with pytest.raises(ValueError, match="sync_every_batch"):
         small_plan(accumulate_grad_batches=2, sync_every_batch="sometimes")
 

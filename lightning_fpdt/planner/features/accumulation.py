@@ -55,7 +55,7 @@ class GradientAccumulation(MemoryFeature):
         # per batch: the share of a window's batches that reduce-scatter only because of this option
         extra_share = (o.accumulate_grad_batches - 1) / o.accumulate_grad_batches
         sent = s.dtypes["reduce"] * s.total_parameters * (s.W - 1) / s.W
-        seconds = sent / GRADIENT_REDUCE_BYTES
+        seconds = sent / GRADIENT_REDUCE_BYTES["hosts" if s.hosts > 1 else "host"]
         if o.cpu_offload_params:
             shard = s.dtypes["grad"] * s.total_parameters / s.W
             seconds += shard / PAGEABLE_COPY_BYTES + shard / HOST_STEP_BYTES  # copied out, added on the host

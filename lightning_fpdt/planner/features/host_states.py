@@ -17,7 +17,6 @@ from lightning_fpdt.planner.geometry import OPTIMIZER_STATES
 from lightning_fpdt.planner.sizes import StepSizes
 
 
-
 class HostStates(MemoryFeature):
     fields = ("cpu_offload_params",)
     label = "states on the host: weights in, gradients out, the optimizer step on the CPU"

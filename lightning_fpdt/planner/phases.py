@@ -124,11 +124,19 @@ def build_plan(
     )
 
 
+def run_sizes(geometry: ModelGeometry, options: PlanOptions, *, seq_len: int, batch_size: int, num_gpus: int,
+              gpus_per_node: int, disk_bytes_per_second: float) -> StepSizes:
+    """The sizes of a run with these options: of its padded sequence, its host's disk rate shared by the host's GPUs,
+    its hosts."""
+    return StepSizes(geometry, options, padded_length(options, seq_len), batch_size, num_gpus,
+                     disk_rate=disk_bytes_per_second / gpus_per_node, hosts=num_gpus // gpus_per_node)
+
+
 def plan_sizes(plan: MemoryPlan) -> StepSizes:
-    """The sizes of a plan (of its padded sequence), its disk's rate and its hosts included."""
-    return StepSizes(plan.geometry, plan.options, padded_length(plan.options, plan.seq_len), plan.batch_size,
-                     plan.num_gpus, disk_rate=plan.disk_bytes_per_second / plan.gpus_per_node,
-                     hosts=plan.num_gpus // plan.gpus_per_node)
+    """The sizes of a plan (:func:`run_sizes` of its run and options)."""
+    return run_sizes(plan.geometry, plan.options, seq_len=plan.seq_len, batch_size=plan.batch_size,
+                     num_gpus=plan.num_gpus, gpus_per_node=plan.gpus_per_node,
+                     disk_bytes_per_second=plan.disk_bytes_per_second)
 
 
 def padded_length(options: PlanOptions, seq_len: int) -> int:

@@ -27,7 +27,7 @@ from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.planner.cost import base_seconds
 from lightning_fpdt.planner.features import FEATURES
 from lightning_fpdt.planner.options import PlanOptions
-from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES, build_plan, padded_length, plan_sizes
+from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES, build_plan, plan_sizes, run_sizes
 from lightning_fpdt.planner.sizes import StepSizes
 
 SEARCHED = tuple(field for feature in FEATURES for field in feature.fields)
@@ -58,9 +58,9 @@ class Run:
     """The disk's read and write rate per host."""
 
     def sizes(self, options: PlanOptions) -> StepSizes:
-        return StepSizes(self.geometry, options, padded_length(options, self.seq_len), self.batch_size,
-                         self.num_gpus, disk_rate=self.disk_bytes_per_second / self.gpus_per_node,
-                         hosts=self.num_gpus // self.gpus_per_node)
+        return run_sizes(self.geometry, options, seq_len=self.seq_len, batch_size=self.batch_size,
+                         num_gpus=self.num_gpus, gpus_per_node=self.gpus_per_node,
+                         disk_bytes_per_second=self.disk_bytes_per_second)
 
     def plan(self, options: PlanOptions) -> MemoryPlan:
         return build_plan(self.geometry, self.model, seq_len=self.seq_len, batch_size=self.batch_size,

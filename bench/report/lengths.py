@@ -22,8 +22,10 @@ Entry = dict[str, Any]
 
 def length_ratio(ours: Optional[Entry], theirs: Optional[Entry]) -> tuple[str, Optional[float], bool]:
     """``(shown, value, conclusive)`` of fpdt's maximum length over a peer's. A maximum without a failing length above
-    it is only a lower bound: over a peer's lower bound the ratio says nothing; over an exact one it is a lower bound
-    itself when fpdt's is (shown "≥")."""
+    it is only a lower bound: over a peer's lower bound the ratio says nothing. Each maximum lies between the longest
+    length that fit and the first that failed, so the ratio does too: at least fpdt's length over the peer's first
+    failure, below fpdt's first failure over the peer's length. The ratio of the two lengths that fit is shown with
+    that range where the two differ, and where fpdt's is a lower bound only the range's lower end is (shown "≥")."""
     if not ours or not theirs or not ours["max"]:
         return "–", None, False
     if not theirs["max"]:
@@ -31,9 +33,17 @@ def length_ratio(ours: Optional[Entry], theirs: Optional[Entry]) -> tuple[str, O
     value = ours["max"] / theirs["max"]
     if not theirs["exact"]:
         return f"? (no failing length for {theirs.get('system', 'the peer')})", value, False
-    if not ours["exact"] and value < 1:
-        return f"? (nothing longer run for {ours.get('system', 'fpdt')})", value, False
-    return f"{'' if ours['exact'] else '≥ '}{value:.2f}×", value, True
+    low = ours["max"] / (theirs.get("fail") or theirs["max"])
+    if not ours["exact"]:
+        if low < 1:
+            return f"? (nothing longer run for {ours.get('system', 'fpdt')})", value, False
+        return f"≥ {low:.2f}×", low, True
+    high = ours["fail"] / theirs["max"] if ours.get("fail") else None
+    if high is None:
+        bounds = "" if low == value else f" (≥ {low:.2f}×)"
+    else:
+        bounds = "" if low == value == high else f" ({low:.2f}–{high:.2f}×)"
+    return f"{value:.2f}×{bounds}", value, True
 
 
 def gpu_limit(entry: Optional[Entry]) -> Optional[Entry]:
@@ -46,7 +56,7 @@ def gpu_limit(entry: Optional[Entry]) -> Optional[Entry]:
     if entry["host_max"] >= entry["gpu_max"]:
         return None
     failed = entry.get("gpu_fail") if "gpu_fail" in entry else entry.get("fail")
-    return {"max": entry["gpu_max"], "exact": failed is not None, "system": entry["system"]}
+    return {"max": entry["gpu_max"], "fail": failed, "exact": failed is not None, "system": entry["system"]}
 
 
 def both_ratios(ours: Optional[Entry], theirs: Optional[Entry]) -> str:
@@ -159,7 +169,10 @@ def section(records: list[dict[str, Any]], commands: Commands) -> list[str]:
         "A length counts when a training step ran at it, at full depth or with the ballast of the layers not run (the "
         "command says which), and, where the host was checked, the pinned host memory the full depth needs fits the "
         "host. \"x; y failed\": x fits and the next length tried, y, did not (why in brackets). A length with nothing "
-        "longer run is only a lower bound, and a ratio over a peer's lower bound says nothing. \"planned\": the plan of "
+        "longer run is only a lower bound, and a ratio over a peer's lower bound says nothing. A ratio is that of the "
+        "two lengths that fit, with its range in brackets: each maximum lies between the length that fit and the one "
+        "that failed, so the ratio lies between fpdt's length over the peer's failing one and fpdt's failing length "
+        "over the peer's (\"≥\": the lower end, where nothing longer was run for fpdt). \"planned\": the plan of "
         "the full depth on that machine (`--ballast full`) refused the length before anything ran. Searches "
         "(`--max-length`) find the GPU's limit by running steps and the host's with the planner "
         "(`lightning_fpdt.planner.plan_memory` of the full depth against the host's available memory); the maximum "

@@ -93,7 +93,8 @@ def test_report_names_every_figure_with_its_command(tmp_path):
     # maximum length, 1 GPU: fpdt 1M (search), modelparallel 16K (runs: 32K ran out of memory), ring 128K
     one_gpu = row("| NVIDIA H100 80GB HBM3 | 1 |", "1,048,576")
     assert "16,384 [2]; 32,768 failed (gpu) [3]" in one_gpu and "131,072" in one_gpu
-    assert "64.00×" in one_gpu and "8.00×" in one_gpu  # fpdt / modelparallel, fpdt / ring
+    # fpdt / modelparallel, fpdt / ring: the ratio of the lengths that fit, and the range the failures leave it
+    assert "| 64.00× (32.00–96.00×) | 8.00× (5.33–12.00×) |" in one_gpu
     # 4 GPUs: 2M ran but the full depth's host memory does not fit, so 1M is the longest trainable length; ring's
     # single run is a lower bound only, so the ratio over it says nothing
     four_gpus = row("| NVIDIA H100 80GB HBM3 | 4 | llama3-8b |")
@@ -465,7 +466,8 @@ def test_step_time_leaves_out_the_warm_up_and_the_profiled_step():
 def test_host_bound_lengths_show_the_gpu_limit_beside_the_hosts():
     """fpdt ran 1M on one GPU but the host holds the full depth's pinned memory at no length run; the peers fit 32K
     and failed at 48K on the same card: the length table gives the host's limit (none) and the GPU's (1M ran), and
-    the ratio over the peer on GPU memory (≥ 32×) beside the host's, never one for the other."""
+    the ratio over the peer on GPU memory (≥ 21.33×: 1M over the 48K that failed) beside the host's, never one for
+    the other."""
     records = [
         run_record("fpdt", gpus=1, layers=2, seq_len=1_048_576, timed_steps=0, host_fits=False),
         {"kind": "max_length", "system": "modelparallel", "model": "llama3-8b", "layers": 2, "full_layers": 32,
@@ -476,16 +478,16 @@ def test_host_bound_lengths_show_the_gpu_limit_beside_the_hosts():
     ]
     systems_found = lengths.max_lengths(records)[(H100, 1, "llama3-8b")]
     ours, theirs = systems_found["fpdt"], systems_found["modelparallel"]
-    assert lengths.gpu_limit(ours) == {"max": 1_048_576, "exact": False, "system": "fpdt"}
-    assert lengths.both_ratios(ours, theirs) == "– (GPU memory: ≥ 32.00×)"
+    assert lengths.gpu_limit(ours) == {"max": 1_048_576, "fail": None, "exact": False, "system": "fpdt"}
+    assert lengths.both_ratios(ours, theirs) == "– (GPU memory: ≥ 21.33×)"
     doc = page.render_markdown(records)
     assert ("| none (host: the full depth's pinned memory fits no length run; GPU: 1,048,576 ran [1], nothing longer "
-            "failed) [1] | 32,768; 49,152 failed (gpu) [2] | not run | not run | – (GPU memory: ≥ 32.00×) |") in doc
+            "failed) [1] | 32,768; 49,152 failed (gpu) [2] | not run | not run | – (GPU memory: ≥ 21.33×) |") in doc
     # where the host does not bind there is one figure only
     records[0] = run_record("fpdt", gpus=1, layers=2, seq_len=1_048_576, timed_steps=0)
     systems_found = lengths.max_lengths(records)[(H100, 1, "llama3-8b")]
     assert lengths.gpu_limit(systems_found["fpdt"]) is None
-    assert lengths.both_ratios(systems_found["fpdt"], systems_found["modelparallel"]) == "≥ 32.00×"
+    assert lengths.both_ratios(systems_found["fpdt"], systems_found["modelparallel"]) == "≥ 21.33×"
     assert "| ≥ 1,048,576 (nothing longer run) [1] | 32,768; 49,152 failed (gpu) [2] |" in page.render_markdown(records)
 
 
@@ -501,13 +503,13 @@ def test_a_model_only_fpdt_hf_ran_has_its_length_row_against_alst():
     assert lengths.ours_of(systems_found)["system"] == "fpdt-hf"
     doc = page.render_markdown(records)
     assert ("| NVIDIA H200 | 1 | llama3-8b | ≥ 2,097,152 (nothing longer run) [3] (fpdt-hf: the Hugging Face model) "
-            "| not run | not run | 524,288 [1]; 786,432 failed (host) [2] | – | – | ≥ 4.00× |") in doc
+            "| not run | not run | 524,288 [1]; 786,432 failed (host) [2] | – | – | ≥ 2.67× |") in doc
     refused = run_record("fpdt-hf", gpus=1, layers=1, seq_len=2_621_440, card="NVIDIA H200", status="oom",
                          limit="host")
     refused["error"] = "planned: llama3-8b at full depth (32 layers), 2,621,440 tokens: nothing fits the host"
     doc = page.render_markdown(records + [refused])
     assert ("| 2,097,152 [3]; 2,621,440 failed (host, planned) [4] (fpdt-hf: the Hugging Face model) | not run | "
-            "not run | 524,288 [1]; 786,432 failed (host) [2] | – | – | 4.00× |") in doc
+            "not run | 524,288 [1]; 786,432 failed (host) [2] | – | – | 4.00× (2.67–5.00×) |") in doc
 
 
 def test_capped_runs_and_fpdt_variants_are_told_apart():
@@ -558,10 +560,11 @@ def test_alst_has_its_maximum_and_is_set_against_at_equal_placement():
     four, one = found[(H100, 4, "llama3-8b")], found[(H100, 1, "llama3-8b")]
     assert (four["alst"]["max"], four["alst"]["fail"]) == (1_572_864, 1_638_400)
     assert lengths.length_ratio(four["fpdt"], four["alst"])[0] == "? (nothing longer run for fpdt)"
-    assert lengths.length_ratio(one["fpdt"], one["alst"])[0] == "≥ 2.67×"
+    # fpdt ran 1M, nothing longer; ALST fit 384K and failed at 448K: fpdt's maximum is at least 1M / 448K of ALST's
+    assert lengths.length_ratio(one["fpdt"], one["alst"])[0] == "≥ 2.29×"
     doc = page.render_markdown(records)
     assert "| fpdt / modelparallel | fpdt / ring | fpdt / alst | commit |" in doc
-    assert "| 393,216 [" in doc and "]; 458,752 failed (gpu) [" in doc and "| ≥ 2.67× |" in doc
+    assert "| 393,216 [" in doc and "]; 458,752 failed (gpu) [" in doc and "| ≥ 2.29× |" in doc
 
     def throughput_row(*cells: str) -> list[str]:
         found_rows = [line for line in doc.splitlines() if all(cell in line for cell in cells) and "tokens" not in line]

@@ -23,7 +23,7 @@ import argparse
 import pickle
 import sys
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -101,15 +101,10 @@ def _phase(frames: list[dict[str, Any]]) -> str:
     return "other"
 
 
-def summarise(snapshot: dict[str, Any], *, since: Optional[str] = None, top: int = 25) -> dict[str, Any]:
-    """Replay the history of device 0 (``since``: from the named marker on; the bytes alive before it are counted
-    as ``base``, their sites unknown when they were allocated before the recording started)."""
-    marks = snapshot.get("fpdt_marks", [])
-    events = snapshot["device_traces"][0]
-    start = 0
-    if since is not None:
-        size = MARK_BYTES + marks.index(since) * 512
-        start = next(i for i, e in enumerate(events) if e["action"] == "alloc" and e["size"] == size)
+def _replay(events: list[dict[str, Any]], start: int, num_marks: int) -> Iterator[tuple[int, Optional[str], int, dict]]:
+    """The history after event ``start`` (the marker), one event at a time: ``(index, the phase of an allocation or
+    None, bytes alive, the live allocations {addr: (size, site, phase)})``; the first yield (index ``start``, phase
+    None) is what was alive at the marker. The live mapping is the replay's own: copy what is kept."""
     live: dict[int, tuple[int, str, str]] = {}
     for e in events[:start]:
         if e["action"] == "alloc":
@@ -117,33 +112,69 @@ def summarise(snapshot: dict[str, Any], *, since: Optional[str] = None, top: int
         elif e["action"] in ("free_requested", "free_completed"):
             live.pop(e["addr"], None)
     current = sum(size for size, _, _ in live.values())
-    base = current
-    peak, peak_live, peak_phase = current, dict(live), "before"
-    phase_peaks: dict[str, int] = defaultdict(int)
-    for e in events[start + 1:]:
+    yield start, None, current, live
+    for index in range(start + 1, len(events)):
+        e = events[index]
         action = e["action"]
         if action == "alloc":
-            if e["size"] >= MARK_BYTES and e["size"] < MARK_BYTES + 512 * (len(marks) + 1):
+            if e["size"] >= MARK_BYTES and e["size"] < MARK_BYTES + 512 * (num_marks + 1):
                 continue  # a marker
             phase = _phase(e["frames"])
             live[e["addr"]] = (e["size"], _site(e["frames"]), phase)
             current += e["size"]
-            phase_peaks[phase] = max(phase_peaks[phase], current)
-            if current > peak:
-                peak, peak_live, peak_phase = current, dict(live), phase
+            yield index, phase, current, live
         elif action in ("free_requested", "free_completed") and e["addr"] in live:
             # the allocator counts a tensor freed when it is freed (free_requested), also where its block waits for
             # another stream's work before it can be reused (free_completed comes later)
             current -= live.pop(e["addr"])[0]
+
+
+def _by_site(live: dict[int, tuple[int, str, str]]) -> list[tuple[str, int]]:
     by_site: dict[str, int] = defaultdict(int)
-    by_phase_of_allocation: dict[str, int] = defaultdict(int)
-    for size, site, phase in peak_live.values():
+    for size, site, _ in live.values():
         by_site[site] += size
+    return sorted(by_site.items(), key=lambda item: -item[1])
+
+
+def summarise(snapshot: dict[str, Any], *, since: Optional[str] = None, top: int = 25,
+              phase_top: int = 8) -> dict[str, Any]:
+    """Replay the history of device 0 (``since``: from the named marker on; the bytes alive before it are counted
+    as ``base``, their sites unknown when they were allocated before the recording started): the peak and what is
+    alive there, and for each phase its highest count and what is alive at that moment (``phase_top`` sites)."""
+    marks = snapshot.get("fpdt_marks", [])
+    events = snapshot["device_traces"][0]
+    start = 0
+    if since is not None:
+        size = MARK_BYTES + marks.index(since) * 512
+        start = next(i for i, e in enumerate(events) if e["action"] == "alloc" and e["size"] == size)
+    replay = _replay(events, start, len(marks))
+    _, _, base, live = next(replay)
+    peak, peak_live, peak_phase = base, dict(live), "before"
+    phase_peaks: dict[str, int] = defaultdict(int)
+    reached: dict[str, int] = {}  # the event where each phase reached its highest count, the first time
+    for index, phase, current, live in replay:
+        if phase is None:
+            continue
+        if current > phase_peaks[phase]:
+            phase_peaks[phase] = current
+            reached[phase] = index
+        if current > peak:
+            peak, peak_live, peak_phase = current, dict(live), phase
+    phase_peak_at = {index: phase for phase, index in reached.items()}
+    phase_sites: dict[str, list[tuple[str, int]]] = {}
+    for index, phase, _, live in _replay(events, start, len(marks)):
+        if index in phase_peak_at:
+            phase_sites[phase_peak_at[index]] = _by_site(live)[:phase_top]
+            if len(phase_sites) == len(phase_peak_at):
+                break
+    by_phase_of_allocation: dict[str, int] = defaultdict(int)
+    for size, _, phase in peak_live.values():
         by_phase_of_allocation[phase] += size
-    sites = sorted(by_site.items(), key=lambda item: -item[1])
+    sites = _by_site(peak_live)
+    ordered = dict(sorted(phase_peaks.items(), key=lambda item: -item[1]))
     return dict(
         peak_bytes=peak, peak_phase=peak_phase, base_bytes=base, events=len(events) - start,
-        phase_peaks=dict(sorted(phase_peaks.items(), key=lambda item: -item[1])),
+        phase_peaks=ordered, phase_peak_sites={phase: phase_sites[phase] for phase in ordered},
         at_peak_by_phase=dict(sorted(by_phase_of_allocation.items(), key=lambda item: -item[1])),
         at_peak_by_site=sites[:top], at_peak_rest=sum(size for _, size in sites[top:]),
     )
@@ -160,6 +191,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines.append("alive at the peak, by site:")
     lines += [f"  {size / gib:8.3f} GiB  {site}" for site, size in summary["at_peak_by_site"]]
     lines.append(f"  {summary['at_peak_rest'] / gib:8.3f} GiB  (other sites)")
+    for phase, sites in summary["phase_peak_sites"].items():
+        lines.append(f"alive at the highest count of {phase!r}, by site:")
+        lines += [f"  {size / gib:8.3f} GiB  {site}" for site, size in sites]
     return "\n".join(lines)
 
 
@@ -363,6 +397,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                       requested_options={k: v for k, v in requested.items() if k != "cpu_offload_params"},
                       peak_gpu_bytes_per_step=steps["gpu"], step_seconds=steps["seconds"],
                       peak_phase=summary["peak_phase"] if summary is not None else None,
+                      phase_peak_bytes=summary["phase_peaks"] if summary is not None else None,
+                      phase_peak_sites=summary["phase_peak_sites"] if summary is not None else None,
                       peak_host_rss_bytes_per_step=steps["host"],
                       host_phase_peak_rss_bytes_per_step=steps["phases"], host_rss_reading=host.reading,
                       peak_host_rss_bytes=largest(steps["host"]),

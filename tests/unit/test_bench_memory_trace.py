@@ -4,7 +4,7 @@ run on two gloo CPU processes with the host's readings per phase."""
 import json
 
 from bench import memory_trace
-from bench.memory_trace import MARK_BYTES, summarise
+from bench.memory_trace import MARK_BYTES, format_summary, summarise
 
 
 def _frame(file: str, name: str) -> dict:
@@ -43,6 +43,13 @@ def test_peak_is_the_largest_sum_of_live_allocations_after_the_marker():
     sites = dict(summary["at_peak_by_site"])
     assert sites["lightning_fpdt/sequence/fpdt.py:1 fpdt_backward"] == 60
     assert sites["<autograd>"] == 100
+    # each phase's highest count, and what was alive then: the MLP's two tiles, then the attention's chunk beside the
+    # MLP's first tile
+    mlp = "lightning_fpdt/memory/tiled_mlp.py:1 tiled_mlp_backward"
+    attn = "lightning_fpdt/sequence/fpdt.py:1 fpdt_backward"
+    assert summary["phase_peak_sites"] == {"attention backward": [("<autograd>", 100), (attn, 60), (mlp, 40)],
+                                           "MLP backward": [("<autograd>", 100), (mlp, 70)]}
+    assert "alive at the highest count of 'MLP backward', by site:" in format_summary(summary)
 
 
 def _options(*argv: str):

@@ -8,8 +8,7 @@ parallel size, ``N = B·S/P`` local tokens (``S`` padded to a multiple of ``P·u
 
 Persistent (held through the step)::
 
-    parameters    = master·Θ/W + param·Θ_rest                 sharded master; gathered root unit (FSDP2 keeps the root
-                                                              unsharded from forward to backward)
+    parameters    = master·Θ/W                                sharded master
     gradients     = grad·L·Θ_block/W                          the blocks' shards (the root's: see the phases)
     optimizer     = 2·master·Θ/W                              AdamW's two moments
     checkpoints   = min(2, L)·A (ActivationOffload: current + prefetched; L·A on the host) | L·A (checkpointing on
@@ -19,12 +18,15 @@ Persistent (held through the step)::
                     "kept out" = N·H·D·b per layer under checkpointing or head_chunks > 1: the attention is not
                     recomputed)
 
-Transient phases (one at a time; the largest counts). Parts of the states exist in some phases only: the current and
-prefetched block, gathered (2·param·Θ_block), in the attention forward and both backward phases; one block's
-unsharded gradients and their reduce-scatter copy (Θ_block·(param + reduce)) and the lm_head gradient (V·h·b) in the
-backward phases; the root unit's sharded gradients (grad·Θ_rest/W) from its reduce-scatter at the end of the backward
-until Lightning's ``zero_grad``, which runs after the next step's forward and loss, and for the same reason the shard of
-the block whose backward comes first (grad·Θ_block/W) outside the two backward phases. With
+Transient phases (one at a time; the largest counts). Parts of the states exist in some phases only: the root unit
+gathered (param·Θ_rest; FSDP2 keeps it unsharded from the forward's start to its post-backward) in every phase but
+the end of the backward; the current and prefetched block, gathered (2·param·Θ_block), in the attention forward and
+both backward phases; in the loss the output of the forward's last all-gather (param·Θ_block, freed at the root's
+post-forward; on one GPU none); one block's unsharded gradients and their reduce-scatter copy
+(Θ_block·(param + reduce)) and the lm_head gradient (V·h·b) in the backward phases; the root unit's sharded gradients
+(grad·Θ_rest/W) from its reduce-scatter at the end of the backward until Lightning's ``zero_grad``, which runs after
+the next step's forward and loss, and for the same reason the shard of the block whose backward comes first
+(grad·Θ_block/W) outside the two backward phases. With
 ``accumulate_grad_batches > 1`` the batches before a window's last skip the reduce-scatter: every parameter's
 unsharded gradient, reduce·Θ, in every phase instead of the shards::
 
@@ -40,7 +42,9 @@ unsharded gradient, reduce·Θ, in every phase instead of the shards::
                          into in place) + (out-sized dout and rotated dq, dq, dk, dv)/G + one group's backward
                          chunks; the groups' outputs count as kept outputs, and no layer saves out or RoPE
     loss               = final norm + tiled: A + V·h·4 + 8·n·V  |  untiled: 12·N·V (fp32 logits, log-softmax, grad)
-    end of backward    = V·h·b (embedding grad) + Θ_rest·reduce·(1 + 1/W)   (the root unit's reduce-scatter)
+    end of backward    = max(param·Θ_rest + V·h·b, Θ_rest·reduce·(1 + 1/W))   (the embedding's backward beside the
+                         gathered root; the root unit's reduce-scatter, the gathered root and its unsharded gradients
+                         freed)
 
     norm               = A + N·4                                (the tiled RMSNorm's output and fp32 rstd)
     layer activations  = 2 norms + A (the residual between them) + rope + out unless kept + MLP (untiled 4·N·I·b)

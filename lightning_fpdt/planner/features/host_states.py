@@ -30,8 +30,7 @@ class HostStates(MemoryFeature):
         root_grads = d["grad"] * s.rest_parameters // W
         moments = OPTIMIZER_STATES[s.o.optimizer] * master
         parts = [
-            Component("parameters", (0 if on_host else master) + d["param"] * s.rest_parameters,
-                      master if on_host else 0, formula="sharded master + gathered root unit"),
+            Component("parameters", 0 if on_host else master, master if on_host else 0, formula="sharded master"),
             # the blocks' sharded gradients. Lightning's zero_grad (set to None) runs after the forward and the loss,
             # so the last step's are all alive through them; in the backward a block's shard comes into being at its
             # reduce-scatter, after its backward: at the peak, the first block's backward, the others' exist, its own

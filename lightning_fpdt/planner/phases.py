@@ -61,9 +61,10 @@ def gathered_states(s: StepSizes) -> list[Component]:
     the loss the last all-gather's output, and at the end of the backward the root unit's own backward."""
     d, V, h = s.dtypes, s.g.vocab_size, s.g.hidden_size
     block, rest = s.block_parameters, s.rest_parameters
+    gathered_root = d["param"] * rest
     # FSDP2 keeps the root unit gathered from the forward's start to its post-backward, which frees it before its
     # reduce-scatter (end of backward, below)
-    parts = [Component(f"gathered root unit ({phase})", d["param"] * rest, phase=phase,
+    parts = [Component(f"gathered root unit ({phase})", gathered_root, phase=phase,
                        formula="the root unit unsharded, forward to its post-backward")
              for phase in ("attention forward", "MLP backward", "attention backward", "loss")]
     parts += [Component(f"gathered blocks ({phase})", 2 * d["param"] * block, phase=phase,
@@ -91,7 +92,7 @@ def gathered_states(s: StepSizes) -> list[Component]:
     # the root unit's own backward: first the embedding's, its gradient beside the gathered root; then its
     # post-backward frees the gathered parameters and, once copied into the reduce-scatter input, the unsharded
     # gradients (the trace at that reduce-scatter: its input and output and the lm_head gradient, counted above)
-    embedding_backward = d["param"] * rest + V * h * s.b * (not s.g.tie_word_embeddings)
+    embedding_backward = gathered_root + V * h * s.b * (not s.g.tie_word_embeddings)
     reduce_scatter = rest * d["reduce"] + rest * d["reduce"] // s.W
     parts.append(Component("root unit's backward",
                            max(embedding_backward, reduce_scatter), phase="end of backward",

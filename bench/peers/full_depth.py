@@ -13,8 +13,10 @@ needs beyond them is held while the run trains:
 - host: page-locked bytes of the difference of the pinned columns (block inputs, staging buffers, host-resident
   parameter shards of the layers not run), through the package's exact host allocator, and touched pageable bytes of
   the difference of the pageable columns (host-resident gradients and AdamW moments);
-- disk: a file of the full depth's disk bytes in ``--offload-dir``, its blocks allocated (``posix_fallocate``), removed
-  when the run ends.
+- disk: a file of the full depth's disk bytes in ``--offload-dir``, its blocks allocated (``posix_fallocate``) when
+  training starts and removed when the run ends. The spill files it stands for exist only during a step, so the
+  strategy's setup checks (a checkpoint folder on the same file system has room for one checkpoint) see the disk as
+  a full-depth run sees them.
 
 A schedule that drops block inputs regenerates them in the backward: blocks the run does not have cannot be run, so
 that work is counted in the time instead. The record's ``full_depth.step_time_s`` is the measured step scaled by the
@@ -192,8 +194,8 @@ def full_depth_ballast(args: argparse.Namespace, geometry: ModelGeometry, *, wor
 
 
 class HeldBallast:
-    """The ballast held: a GPU tensor, page-locked and touched pageable host buffers, a file of allocated blocks.
-    ``release`` (idempotent) gives all of it back and removes the file."""
+    """The ballast held: a GPU tensor and page-locked and touched pageable host buffers from the start, a file of
+    allocated blocks from :meth:`hold_disk`. ``release`` (idempotent) gives all of it back and removes the file."""
 
     def __init__(self, ballast: FullDepth, *, device: torch.device, offload_dir: Optional[str], rank: int) -> None:
         self.gpu = torch.empty(ballast.gpu_bytes, dtype=torch.uint8, device=device) if ballast.gpu_bytes else None
@@ -207,25 +209,34 @@ class HeldBallast:
                 piece.fill_(1)  # resident, as the buffers it stands for are once written (registering pins pages)
         self.pageable = torch.ones(ballast.pageable_bytes, dtype=torch.uint8) if ballast.pageable_bytes else None
         self.path: Optional[str] = None
-        if ballast.disk_bytes:
+        self.disk_bytes = ballast.disk_bytes
+        self.disk_held = False
+        if self.disk_bytes:
             if offload_dir is None:
                 raise ValueError(f"the full depth puts {ballast.disk_bytes / GIB:.2f} GiB per GPU on disk: give "
                                  f"--offload-dir")
             self.path = os.path.join(offload_dir, BALLAST_FILE.format(rank=rank))
-            fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, ballast.disk_bytes)  # blocks taken from the file system, not a sparse file
-            finally:
-                os.close(fd)
+
+    def hold_disk(self) -> None:
+        """Take the disk ballast's blocks (``posix_fallocate``: not a sparse file); at the start of training, after
+        the strategy's setup, as a full-depth run's spill files appear only in its first step. Idempotent."""
+        if self.path is None or self.disk_held:
+            return
+        self.disk_held = True  # from here release removes the file, whole or not
+        fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, self.disk_bytes)
+        finally:
+            os.close(fd)
 
     def release(self) -> None:
         for piece in self.pinned or []:
             self.allocator.release(piece)
         self.gpu = self.pinned = self.pageable = None
         self.allocator.close()
-        if self.path is not None and os.path.exists(self.path):
+        if self.disk_held and os.path.exists(self.path):
             os.remove(self.path)
-        self.path = None
+        self.path, self.disk_held = None, False
 
 
 DISK_SHARE = 0.95

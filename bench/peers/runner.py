@@ -121,8 +121,11 @@ def _train_full_depth(args: argparse.Namespace, context: RunContext, device: tor
     if full.plan is not None:
         args.full_depth_arguments = full.strategy_arguments()
     held = HeldBallast(full, device=device, offload_dir=args.offload_dir, rank=rank)
+    args.at_first_batch = held.hold_disk  # the disk's share once the strategy's setup and first-batch checks ran
     try:
         status, limit, error = _train(args, context, device, info, 0)
+        if status == "ok" and held.disk_bytes and not held.disk_held:
+            raise RuntimeError(f"--ballast full: {args.system} trained without taking the disk ballast's blocks")
     finally:
         held.release()
     return status, limit, error, (full.gpu_bytes, run_ballast(args, context.full_geometry, context.world_size)[1]), full

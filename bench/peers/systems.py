@@ -193,10 +193,13 @@ class _KeepOffloadedParams(ModelParallelStrategy):
 
 class _StepLog(L.Callback):
     """Primes AdamW's moments, and keeps each step's time, loss and peak GPU memory in ``info`` as the run goes (an
-    out-of-memory error then still leaves the steps done). Placed after ``MFUMonitor``, whose step times it copies."""
+    out-of-memory error then still leaves the steps done). Placed after ``MFUMonitor``, whose step times it copies.
+    ``at_first_batch`` runs once before the first step (``--ballast full``: takes the disk ballast's blocks)."""
 
-    def __init__(self, info: dict[str, Any], monitor: MFUMonitor, seq_len: int, profiler: StepProfiler) -> None:
+    def __init__(self, info: dict[str, Any], monitor: MFUMonitor, seq_len: int, profiler: StepProfiler,
+                 at_first_batch: Optional[Callable[[], None]] = None) -> None:
         self.info, self.monitor, self.seq_len, self.profiler = info, monitor, seq_len, profiler
+        self.at_first_batch = at_first_batch
         self._primed = False
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
@@ -208,6 +211,8 @@ class _StepLog(L.Callback):
             for optimizer in trainer.optimizers:
                 prime_adam_states(optimizer)
             self.info.update(_layout(trainer, self.seq_len))
+            if self.at_first_batch is not None:
+                self.at_first_batch()
         _reset_peaks(trainer.strategy.root_device, self.info)
         self.profiler.start(idx)
 
@@ -295,7 +300,8 @@ def train_lightning(args: argparse.Namespace, *, device: torch.device, world_siz
         strategy=strategy, accelerator="gpu" if device.type == "cuda" else "cpu", devices=gpus_per_node,
         num_nodes=world_size // gpus_per_node, precision=precision, max_steps=args.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[*callbacks, monitor, _StepLog(info, monitor, args.seq_len, step_profiler(args, device, info))],
+        callbacks=[*callbacks, monitor, _StepLog(info, monitor, args.seq_len, step_profiler(args, device, info),
+                                                 at_first_batch=getattr(args, "at_first_batch", None))],
     )
     vocab = named_vocab(args.model)
     data = InOrder(RandomTokens(vocab, args.seq_len, args.steps * world_size))

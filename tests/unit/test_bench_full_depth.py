@@ -128,12 +128,14 @@ def test_alst_holds_the_block_inputs_of_the_layers_not_run_in_host_memory():
 
 
 def test_held_ballast_takes_the_disk_blocks_and_gives_everything_back(tmp_path):
-    """The disk ballast is a file of allocated blocks (not sparse) in --offload-dir, removed at release; the host
-    ballast is resident."""
+    """The disk ballast is a file of allocated blocks (not sparse) in --offload-dir, taken by hold_disk (at the first
+    batch, after the strategy's setup checks) and removed at release; the host ballast is resident from the start."""
     ballast = FullDepth(gpu_bytes=0, pinned_bytes=3 * 4096 + 5, pageable_bytes=8192, disk_bytes=2**20)
     held = HeldBallast(ballast, device=torch.device("cpu"), offload_dir=str(tmp_path), rank=3)
     path = held.path
-    assert os.path.basename(path) == "full-depth-ballast-rank3.bin"
+    assert os.path.basename(path) == "full-depth-ballast-rank3.bin" and not os.path.exists(path)
+    held.hold_disk()
+    held.hold_disk()
     assert os.path.getsize(path) == 2**20 and os.stat(path).st_blocks * 512 >= 2**20
     assert held.allocator.allocated_bytes == 3 * 4096 + 5 and sum(int(p.sum()) for p in held.pinned) == 3 * 4096 + 5
     held.release()
@@ -177,3 +179,39 @@ def test_a_run_with_the_full_depth_ballast_writes_its_plan_and_holdings(tmp_path
     assert full["held"]["pinned_bytes"] > 0 and full["held"]["gpu_bytes"] == record["ballast_bytes"] > 0
     assert full["step_time_s"] == pytest.approx(record["step_time_s"] * full["estimated_step_ratio"])
     assert not any(name.startswith("full-depth-ballast") for name in os.listdir(tmp_path))
+
+
+def _run_full_depth(monkeypatch, tmp_path, train):
+    """runner._train_full_depth with a disk ballast of 64 KiB and ``train`` in place of the run."""
+    from bench.peers import runner
+    from bench.peers.records import RunContext
+
+    ballast = FullDepth(gpu_bytes=0, pinned_bytes=0, pageable_bytes=0, disk_bytes=2**16)
+    monkeypatch.setattr(runner, "full_depth_ballast", lambda *a, **k: ballast)
+    monkeypatch.setattr(runner, "_train", train)
+    args = _args("--seq-len", "4096", "--offload-dir", str(tmp_path), "--accelerator", "cpu")
+    context = RunContext(world_size=1, gpus_per_node=1, card="cpu", card_memory=None, usable_memory=None,
+                         memory_cap=None, full_geometry=LLAMA_3B, geometry_run=LLAMA_3B, peak=None)
+    return runner._train_full_depth(args, context, torch.device("cpu"), {}, None)
+
+
+def test_disk_ballast_is_taken_at_the_first_batch(monkeypatch, tmp_path):
+    """The disk ballast's file appears only when the run calls ``args.at_first_batch`` (after the strategy's setup,
+    whose checkpoint-folder check must see the disk as a full-depth run's setup sees it), and is gone after."""
+    path = tmp_path / "full-depth-ballast-rank0.bin"
+    seen = []
+
+    def train(args, context, device, info, ballast_size):
+        seen.append(path.exists())
+        args.at_first_batch()
+        seen.append(path.exists() and path.stat().st_size == 2**16)
+        return "ok", None, None
+
+    status, *_ = _run_full_depth(monkeypatch, tmp_path, train)
+    assert status == "ok" and seen == [False, True] and not path.exists()
+
+
+def test_a_run_that_never_takes_the_disk_ballast_is_an_error(monkeypatch, tmp_path):
+    """A system that trains without calling ``at_first_batch`` would claim a disk it never held: refused."""
+    with pytest.raises(RuntimeError, match="disk ballast"):
+        _run_full_depth(monkeypatch, tmp_path, lambda *a: ("ok", None, None))

@@ -11,7 +11,7 @@ from collections import defaultdict
 from typing import Any, Optional
 
 from bench.report.markdown import Commands, commits, length, table
-from bench.report.records import card_name, fits, latest, of_kind, stands_for_full_depth
+from bench.report.records import ballast_kind, card_name, fits, latest, of_kind, stands_for_full_depth
 
 SYSTEMS = ("fpdt", "modelparallel", "ring", "alst")
 HOST_BOUND = "host (planned, full depth)"
@@ -86,7 +86,9 @@ def _from_runs(system: str, group: list[dict[str, Any]]) -> Optional[Entry]:
     ok = [r for r in group if fits(r)]
     best = max(ok, key=lambda r: r["seq_len"]) if ok else None
     longest = best["seq_len"] if best else 0
-    failed = sorted((r for r in group if not fits(r) and r["seq_len"] > longest), key=lambda r: r["seq_len"])
+    # of two failures at one length, the run that held the full depth's host memory (or its plan's refusal) first
+    failed = sorted((r for r in group if not fits(r) and r["seq_len"] > longest),
+                    key=lambda r: (r["seq_len"], ballast_kind(r) != "full"))
     if best is None and not failed:
         return None
     first_fail = failed[0] if failed else None
@@ -138,10 +140,15 @@ def _cell(entry: Optional[Entry], commands: Commands) -> str:
     gpu_fail_len = entry["gpu_fail"] if "gpu_fail" in entry else entry["fail"]
     gpu_fail = f"{length(gpu_fail_len)} failed" if gpu_fail_len else "nothing longer failed"
     if entry.get("host_max") is not None and entry["host_max"] < (entry.get("gpu_max") or 0):
+        gpu_ref = f" {commands.ref(entry['gpu_record'])}" if "gpu_record" in entry else ""
+        gpu = f"{length(entry['gpu_max'])} ran{gpu_ref}, {gpu_fail}"
+        if entry["max"] and entry.get("fail_record") and ballast_kind(entry["record"]) == "full":
+            # the host's limit shown by runs: one holding the full depth's host memory, the next failing or refused
+            return (f"{fits_text} {commands.ref(entry['record'])}; {length(entry['fail'])} failed ({entry['limit']}) "
+                    f"{commands.ref(entry['fail_record'])} (GPU alone: {gpu})")
         host = (f"full depth planned to fit up to {length(entry['host_max'])}" if entry["host_max"] else
                 "the full depth's pinned memory fits no length run")
-        gpu_ref = f" {commands.ref(entry['gpu_record'])}" if "gpu_record" in entry else ""
-        outcome = f"{fits_text} (host: {host}; GPU: {length(entry['gpu_max'])} ran{gpu_ref}, {gpu_fail})"
+        outcome = f"{fits_text} (host: {host}; GPU: {gpu})"
     elif entry["exact"] and entry.get("fail_record"):
         # each length beside its own run: the one that fit, then the one that did not
         return (f"{fits_text} {commands.ref(entry['record'])}; {gpu_fail} ({entry['limit']}) "

@@ -414,6 +414,23 @@ def test_host_limit_is_the_planners_and_bounds_the_maximum():
             in doc)
 
 
+def test_host_limit_shown_by_full_ballast_runs():
+    """Where runs with the full depth's host memory held (``--ballast full``) show the host's limit, the cell cites
+    the one that ran and the length its plan refused, with the GPU's own limit (the GPU-only ballast) beside them."""
+    def full(record: dict) -> dict:
+        return {**record, "options": {"ballast": "full"},
+                "command": record["command"].replace("--ballast auto --check-host", "--ballast full")}
+
+    full_ok = full(run_record("alst", gpus=4, layers=2, seq_len=1_310_720))
+    refused = {**full(run_record("alst", gpus=4, layers=2, seq_len=1_572_864, status="oom", limit="host")),
+               "error": lengths.PLANNED + " alst at full depth: its host memory ..."}
+    gpu_only = run_record("alst", gpus=4, layers=2, seq_len=1_572_864, host_fits=False)  # a step ran, host not held
+    gpu_oom = run_record("alst", gpus=4, layers=2, seq_len=1_638_400, status="oom", limit="gpu")
+    doc = page.render_markdown([gpu_only, gpu_oom, full_ok, refused])
+    assert ("1,310,720 [2]; 1,572,864 failed (host, planned) [3] (GPU alone: 1,572,864 ran [1], 1,638,400 failed)"
+            in doc)
+
+
 def test_step_profile_categories_and_summary():
     """Kernels and copies are grouped by name; busy = attention + matmul + other; waiting is the rest of the wall."""
     from types import SimpleNamespace

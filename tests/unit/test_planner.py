@@ -308,7 +308,7 @@ TRACED_STEPS = [json.loads(line) for line in (REPO_ROOT / "bench/results/memory_
 @pytest.mark.parametrize("run", TRACED_STEPS, ids=lambda r: f"{r['gpus']}gpu-{r['seq_len']}-{r['model']}")
 def test_prediction_of_traced_steps(run):
     """Every traced step of the current code (bench/results/memory_trace-h100.jsonl: H100 80GB, Llama-3-8B geometry,
-    1 and 4 GPUs, 64K to 4M tokens, states on the GPU or the host, head groups, attention recompute) is predicted
+    1, 2 and 4 GPUs, 16K to 4M tokens, states on the GPU or the host, head groups, attention recompute) is predicted
     at or above its measured peak and within 10% of it."""
     plan = plan_memory(
         geometry=resolve_geometry("llama3-8b", num_layers=run["layers"]), seq_len=run["seq_len"],
@@ -331,12 +331,12 @@ ACCUMULATION_TRACES = [json.loads(line) for line in
                          ids=lambda r: f"accumulate-{r['accumulate_grad_batches']}-sync-{r.get('sync_every_batch')}")
 def test_prediction_of_traced_steps_with_gradient_accumulation(run):
     """Traced steps with and without gradient accumulation (bench/results/memory_trace-accumulation-h100.jsonl: two
-    H100 80GB or two H200s, Llama-3-8B geometry, 2 layers, 16,384 tokens), predicted at or above the measured peak and
-    within 10% of it. Without sync on every batch the peak holds every parameter's unsharded fp32 gradient (the
-    trace: 5.54 GiB at FSDP2's to_accumulated_grad_if_needed), which a plan without accumulation misses (below the
-    measurement). With sync on every batch the shards accumulate: at the root unit's reduce-scatter the trace holds
-    the shards, the reduce-scatter's input and output and the lm_head gradient, the gathered root unit and the
-    embedding gradient already freed."""
+    H100 80GB or two H200s, Llama-3-8B geometry, 2 layers, 16,384 tokens, states on the GPU or the host), predicted
+    at or above the measured peak and within 10% of it. Without sync on every batch the peak holds every parameter's
+    unsharded fp32 gradient (the trace: 5.54 GiB at FSDP2's to_accumulated_grad_if_needed), which a plan without
+    accumulation misses (below the measurement). With sync on every batch the shards accumulate: at the root unit's
+    reduce-scatter the trace holds the shards, the reduce-scatter's input and output and the lm_head gradient, the
+    gathered root unit and the embedding gradient already freed."""
     plan = plan_memory(
         geometry=resolve_geometry("llama3-8b", num_layers=run["layers"]), seq_len=run["seq_len"],
         num_gpus=run["gpus"], chunks=run["chunks"], offload=run["offload"], offload_dq=run["offload_dq"],

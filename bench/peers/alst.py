@@ -15,7 +15,8 @@ ArcticTraining (projects/sequence-parallelism, its H100 Llama-8B configs, traine
 - ZeRO stage 3; ``--cpu-offload-params``: ``offload_optimizer`` to the CPU with ``DeepSpeedCPUAdam`` (AdamW mode),
   plus ``offload_param`` on one GPU (ArcticTraining's ``run-h100-sp1-llama-8b.yml``; its multi-GPU configs offload
   the optimizer only). bf16 with fp32 master weights (``bf16.enabled``).
-- ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (set by the launcher: it must precede CUDA's start).
+- ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, set by whoever launches the run (it must precede CUDA's
+  start); the option check refuses alst without it.
 
 Departures, so the run trains what the other systems train:
 

@@ -20,6 +20,7 @@ from bench.peers.systems import FPDT_SYSTEMS, SYSTEMS
 from bench.provenance import append_record
 from bench.peers.hf_llama import GEOMETRY_NAMES, HF_GEOMETRIES
 from lightning_fpdt.models.llama import NAMED_CONFIGS
+from lightning_fpdt.planner.components import expandable_segments
 from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 
 PROG = "python3 -m bench.peers"
@@ -196,6 +197,11 @@ def _check_alst(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"alst: --seq-len ({args.seq_len}) must be a multiple of the GPU count ({world_size}): "
                          "UlyssesSPDataLoaderAdapter shards each sample evenly; pick "
                          f"{math.ceil(args.seq_len / world_size) * world_size}")
+    if not expandable_segments():
+        raise ValueError("alst: start it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in its environment (the "
+                         "recipe's allocator setting, read when CUDA starts): without it the GPU memory fragments and a "
+                         "length that fits runs out of memory (4 H100s, 1,310,720 tokens: 12.9 GiB reserved but "
+                         "unallocated at the failure)")
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:

@@ -44,10 +44,22 @@ def test_alst_refuses_what_its_recipe_cannot_run():
         cli._warn_ignored(_args("--system", "alst", "--chunks", "4"))
 
 
+def test_alst_needs_expandable_segments(monkeypatch):
+    """Without the recipe's allocator setting ZeRO-3's GPU memory fragments and a length that fits fails: refused,
+    naming the variable."""
+    args = cli.parse_args(["--system", "alst", "--seq-len", "64"])
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    with pytest.raises(ValueError, match="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"):
+        cli._check_alst(args, world_size=4)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    cli._check_alst(args, world_size=4)
+
+
 def test_alst_on_one_gpu_refuses_torchrun(monkeypatch):
     """One GPU under torchrun never finished a step of the recipe; with python3 it does, and several GPUs need
     torchrun."""
     args = cli.parse_args(["--system", "alst", "--seq-len", "64"])
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     with pytest.raises(ValueError, match="alst on one GPU: start it with python3 -m bench.peers, not torchrun"):
         cli._check_alst(args, world_size=1)

@@ -166,12 +166,16 @@ class HeadGroupedAttention:
         params = self.family.parameters(module)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *aux, *params)):
             return _HeadGroupedFunction.apply(self, module, x, len(aux), *aux, *params)
-        # no graph: evaluation, a checkpoint's first forward (which records every group for the recompute), or a
-        # forward run again to regenerate block inputs (the recorded outputs summed, their records left for the replay)
-        if self.shared.regenerating and self.recorded:
-            mode = "kept"
-        else:
-            mode = "record" if self.shared.recording else "compute"
+        # no graph: evaluation, a checkpoint's first forward (which records every group for the recompute), a
+        # forward run again to regenerate block inputs (the recorded outputs summed, their records left for the
+        # replay), or a recompute of a layer that needs no gradient (frozen, on a frozen input: the records' last use)
+        if self.recorded and (self.shared.regenerating or in_backward()):
+            y = head_groups_forward(self, module, x, aux, params, mode="kept")
+            if not self.shared.regenerating:
+                for handle in self.handles:
+                    handle.discard()
+            return y
+        mode = "record" if self.shared.recording else "compute"
         return head_groups_forward(self, module, x, aux, params, mode=mode)
 
     def __repr__(self) -> str:
@@ -341,6 +345,15 @@ def install_head_groups(module: nn.Module, attention: FPDTAttention, *, rope: Op
     heads that do not split (names the valid values)."""
     projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     head_dim = getattr(module, "head_dim", None)
+    wrapped = [f"{name} is a {type(p).__module__}.{type(p).__name__}" for name, p in zip(_PROJECTIONS + ("o_proj",),
+               projections) if isinstance(p, nn.Module) and not isinstance(p, nn.Linear)]
+    if wrapped:  # head groups run slices of the projections' weights: an adapter's own weights would not train
+        raise ValueError(
+            f"head_chunks={attention.head_chunks} runs the q/k/v/o projections of {type(module).__name__} as slices "
+            f"of their nn.Linear weights, but {', '.join(wrapped)} (an adapter such as LoRA wraps it): its own "
+            f"weights would get no gradient. Set head_chunks=1 (or 'auto', which then chooses 1), or merge the "
+            f"adapter into the weights first"
+        )
     if not all(isinstance(p, nn.Linear) for p in projections) or not isinstance(head_dim, int):
         raise ValueError(
             f"head_chunks={attention.head_chunks} needs an attention module with q_proj, k_proj, v_proj, o_proj "

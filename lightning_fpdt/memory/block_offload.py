@@ -33,6 +33,12 @@ taken without being consumed, and the layer's own recompute replays it later as 
 (``regenerating`` on the attention objects); under ``recompute_attention`` it is computed. An input that is not the
 previous block's output as it left that block (anything ran between the blocks) cannot be regenerated that way: it
 is kept, whatever the schedule.
+
+Frozen parameters and adapters: a checkpointed block's output requires grad whenever the block has a trainable
+parameter, also when its input needs no gradient (frozen embeddings, a frozen block before it); its recompute then
+computes the parameters' gradients and no input gradient. A block with no trainable parameter on an input without
+gradient runs as it is (no graph, nothing stashed). The recompute draws the random numbers the first forward drew (an
+adapter's dropout), and no checkpointed call fills a KV cache (:data:`STATE_ARGUMENTS`).
 """
 
 from __future__ import annotations
@@ -57,6 +63,14 @@ from lightning_fpdt.sequence.host_stash import ChunkStash, HostStash, StashFacto
 
 _UNUSED_VALUES: ContextVar[frozenset[int]] = ContextVar("fpdt_unused_mlp_values", default=frozenset())
 """Ids of the MLPs whose value nothing reads in the block recompute running on this thread (empty otherwise)."""
+
+
+STATE_ARGUMENTS: dict[str, Any] = {"use_cache": False, "cache": None, "past_key_values": None,
+                                   "past_key_value": None, "layer_past": None}
+"""The keyword arguments through which a block fills a KV cache (transformers' names), and what a checkpointed call
+passes instead: the first forward would append the block's keys and values to the cache, and the recompute would
+append them again and attend over both, the first ones without gradient (the keys' and values' projections would get
+none). A training forward has no use for the cache; transformers' own checkpointing drops it the same way."""
 
 
 def mlp_value_unused(mlp: nn.Module) -> bool:
@@ -109,7 +123,8 @@ class BlockCheckpoints:
                        keep_inputs=keep_inputs)
         self.forward_order: list[int] = []  # stash keys of this step's blocks, in forward order
         self._stash: Optional[ChunkStash] = None
-        self._calls: dict[int, tuple[CheckpointedForward, Any, tuple]] = {}  # key -> (block, spec, other leaves)
+        self._calls: dict[int, tuple[CheckpointedForward, Any, tuple, _RngState]] = {}
+        """key -> (block, spec, other leaves, random states): what a regenerating forward calls the block with."""
         self._previous: Optional[tuple[weakref.ref, int]] = None  # the last block's hidden output and its version
         self.regenerated = 0
         """Block inputs regenerated in backwards so far."""
@@ -150,9 +165,9 @@ class BlockCheckpoints:
             attention.recording = on
 
     # ---- partial residency ------------------------------------------------------------------------------------------
-    def begin_forward(self, block: "CheckpointedForward", spec: Any, leaves: tuple) -> bool:
-        """A block's first forward starts: note it and what it was called with; whether its input goes to the stash
-        (kept by the schedule, or not regenerable: module docstring)."""
+    def begin_forward(self, block: "CheckpointedForward", spec: Any, leaves: tuple, rng: "_RngState") -> bool:
+        """A block's first forward starts: note it and what it was called with (and the random states it starts
+        from); whether its input goes to the stash (kept by the schedule, or not regenerable: module docstring)."""
         key = block.key
         if key in self.forward_order:  # an earlier forward whose graph was discarded without its backward
             self.forward_order.clear()
@@ -161,7 +176,7 @@ class BlockCheckpoints:
         self.forward_order.append(key)
         if self.keep_inputs is None:
             return True
-        self._calls[key] = (block, spec, leaves[1:])
+        self._calls[key] = (block, spec, leaves[1:], rng)
         return not follows or key in self._kept
 
     def end_forward(self, output: Any) -> None:
@@ -200,8 +215,8 @@ class BlockCheckpoints:
         try:
             with torch.no_grad():
                 for source, target in zip(keys, keys[1:]):
-                    block, spec, others = self._calls[source]
-                    with _gathered(block.module):
+                    block, spec, others, rng = self._calls[source]
+                    with _gathered(block.module), rng.restored():
                         hidden = _hidden_output(block.run(spec, (hidden, *others)))
                     if source == keys[0]:
                         stash.release(source)  # the kept input stays on the host for its own backward
@@ -248,22 +263,27 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 
     | tensor | shape | kept for backward |
     |---|---|---|
+    | anchor (in) | (0,) | no: an empty tensor that requires grad, so the output does whenever the block has trainable
+    parameters, also when no input does (frozen embeddings, a frozen block before it) |
     | hidden (in) | (B, S/P, hidden) | in the host stash (pinned), prefetched one block ahead in backward; with
     ``reload_input`` the tensors saved from it in the recompute point at the host copy until unpacked |
     | other tensor inputs | small (position ids, RoPE tables) | as they are |
     | block activations | — | no: recomputed in backward (attention is not: see the module docstring) |
+    | random number generator states | CPU, and the input's CUDA device | yes: the recompute draws what the first
+    forward drew (dropout, e.g. an adapter's) |
     """
 
     @staticmethod
-    def forward(ctx, block: "CheckpointedForward", spec: Any, *leaves: Any) -> Any:
+    def forward(ctx, block: "CheckpointedForward", spec: Any, anchor: Tensor, *leaves: Any) -> Any:
         owner, key = block.owner, block.key
         hidden = leaves[0]
         stash = owner.stash(hidden.device)
         if key in stash:
             stash.free(key)  # a graph discarded without backward
-        if owner.begin_forward(block, spec, leaves):
+        rng = _RngState(hidden.device)
+        if owner.begin_forward(block, spec, leaves, rng):
             stash.put(key, hidden.detach())
-        ctx.block, ctx.spec, ctx.others = block, spec, leaves[1:]
+        ctx.block, ctx.spec, ctx.others, ctx.rng = block, spec, leaves[1:], rng
         owner.set_recording(True)
         try:
             with torch.no_grad():
@@ -280,14 +300,14 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         owner.regenerate(block.key)  # a block whose input was not kept: regenerated into the stash first
         if block.mlp is None:
             owner.prefetch_before(block.key)
-        hidden = _RecomputeInput(owner, block)
+        hidden = _RecomputeInput(owner, block, needs_grad=ctx.needs_input_grad[3])
         others = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x for x in ctx.others]
         unused = _UNUSED_VALUES.set(block.unused_mlp_values)
         # the MLP's input gradient is complete when the MLP's backward ends: start the prefetch there
         mlp_hook = None if block.mlp is None else block.mlp.register_forward_pre_hook(
             functools.partial(_at_mlp, owner, block.key, hidden))
         try:
-            with torch.enable_grad(), hidden.saved_tensor_hooks:
+            with torch.enable_grad(), hidden.saved_tensor_hooks, ctx.rng.restored():
                 outputs = block.run(ctx.spec, (hidden.pop(), *others))
         finally:
             _UNUSED_VALUES.reset(unused)
@@ -305,16 +325,36 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         other_grads = [x.grad if isinstance(x, Tensor) and x.requires_grad else None for x in others]
         grad_hidden = hidden.finish()
         owner.end_backward(block.key)
-        return (None, None, grad_hidden, *other_grads)
+        return (None, None, None, grad_hidden, *other_grads)
+
+
+class _RngState:
+    """The random number generator states a block's first forward starts from (CPU, and ``device``'s when it is a
+    CUDA device), so that the recompute, and a forward regenerating block inputs, draw the same dropout masks; the
+    states outside are left as they were (``torch.utils.checkpoint``'s ``preserve_rng_state``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cpu = torch.get_rng_state()
+        self.device = device if device.type == "cuda" else None
+        self.cuda = torch.cuda.get_rng_state(device) if self.device is not None else None
+
+    @contextlib.contextmanager
+    def restored(self) -> Any:
+        with torch.random.fork_rng(devices=[] if self.device is None else [self.device], device_type="cuda"):
+            torch.set_rng_state(self.cpu)
+            if self.device is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
 
 
 class _RecomputeInput:
     """The input of a block's recompute: its device copy from the stash (prefetched, or loaded now). Without
-    ``reload_input`` a leaf whose ``grad`` is the block's input gradient. With it (and a host stash) an alias from
+    ``reload_input`` a leaf whose ``grad`` is the block's input gradient (a leaf without grad where the block's input
+    had none: only the parameters' gradients are computed). With it (and a host stash) an alias from
     :class:`_InputTap`, whose gradient goes to ``taps``; the tensors the recompute saves from it point at the host
     copy (:class:`_SavedOnHost`), and :meth:`free_device_copy` lets the memory go before the recompute ends."""
 
-    def __init__(self, owner: BlockCheckpoints, block: "CheckpointedForward") -> None:
+    def __init__(self, owner: BlockCheckpoints, block: "CheckpointedForward", needs_grad: bool) -> None:
         stash, key = owner._stash, block.key
         self.stash, self.key = stash, key
         loaded = stash.get(key)
@@ -322,15 +362,18 @@ class _RecomputeInput:
         self.taps: list[Tensor] = []
         self._storage: Optional[torch.UntypedStorage] = None
         if owner.reload_input and isinstance(stash, HostStash):
-            with torch.enable_grad():  # a backward runs with grad mode off
-                self._tensor = _InputTap.apply(loaded.new_empty(0).requires_grad_(), loaded, self.taps)
+            if needs_grad:
+                with torch.enable_grad():  # a backward runs with grad mode off
+                    self._tensor = _InputTap.apply(loaded.new_empty(0).requires_grad_(), loaded, self.taps)
+            else:  # an input without gradient (frozen embeddings): only the parameters' gradients are computed
+                self._tensor = loaded
             self.saved_tensor_hooks: Any = _SavedOnHost(stash, key, loaded)
             if block.mlp is not None:  # freed when the MLP starts; other blocks may read the input to their end
                 self._storage = loaded.untyped_storage()
             self.leaf = None
         else:
             stash.free(key)
-            self._tensor = self.leaf = loaded.detach().requires_grad_()
+            self._tensor = self.leaf = loaded.detach().requires_grad_(needs_grad)
             self.saved_tensor_hooks = contextlib.nullcontext()
 
     def pop(self) -> Tensor:
@@ -438,12 +481,24 @@ class CheckpointedForward:
         args, kwargs = tree_unflatten(list(leaves), spec)
         return self.forward(*args, **kwargs)
 
+    def trains(self, leaves: Sequence[Any]) -> bool:
+        """Whether a call with ``leaves`` builds a graph: an input or a parameter of the block requires grad."""
+        params = self.module.parameters() if self.module is not None else ()
+        return any(isinstance(x, Tensor) and x.requires_grad for x in leaves) or any(p.requires_grad for p in params)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, _ = tree_flatten((args, kwargs))
         if not leaves or not isinstance(leaves[0], Tensor) or not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)  # evaluation, or a call without hidden states first
-        # parameters take part through the recompute in backward; this marks the output as needing grad
-        return _OffloadedCheckpoint.apply(self, spec, *leaves)
+        if not self.trains(leaves):
+            return self.forward(*args, **kwargs)  # a frozen block on frozen inputs: no graph, nothing to recompute
+        # the forward runs twice (and a third time to regenerate an input): it must not fill a KV cache each time
+        kwargs = {**kwargs, **{name: value for name, value in STATE_ARGUMENTS.items() if name in kwargs}}
+        leaves, spec = tree_flatten((args, kwargs))
+        # the parameters take part through the recompute in backward: the anchor makes the output require grad
+        # whatever the inputs do (frozen embeddings, a frozen block before this one)
+        anchor = leaves[0].new_empty(0).requires_grad_()
+        return _OffloadedCheckpoint.apply(self, spec, anchor, *leaves)
 
 
 def offloaded_blocks(blocks: Sequence[nn.Module]) -> Optional[BlockCheckpoints]:

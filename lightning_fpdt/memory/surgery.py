@@ -14,9 +14,15 @@ def has_parameters(module: nn.Module) -> bool:
 
 
 def find_model(module: nn.Module) -> nn.Module:
-    """The network inside a LightningModule: its single child that holds parameters, or the module itself."""
+    """The network inside a LightningModule: its single child that holds parameters, or the module itself; inside an
+    adapter wrapper that names the network it wraps (``get_base_model()``, as peft's ``PeftModel``), that network,
+    which holds the adapters in its own modules."""
     children = [c for c in module.children() if has_parameters(c)]
-    return children[0] if len(children) == 1 else module
+    model = children[0] if len(children) == 1 else module
+    base = getattr(model, "get_base_model", None)
+    if callable(base) and isinstance(base(), nn.Module) and base() is not model:
+        return base()
+    return model
 
 
 def find_blocks(model: nn.Module, layer_classes: Optional[Sequence[str]] = None) -> list[nn.Module]:

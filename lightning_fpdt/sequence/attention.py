@@ -72,8 +72,13 @@ def attend(query: Tensor, key: Tensor, value: Tensor, plan: Plan, stashes: Stash
            first_pass: Optional[FirstPass] = None) -> Tensor:
     """Run ``plan`` with its backward; what the backward needs is kept when autograd will ask for it."""
     # decided here: inside Function.forward grad mode is always off
-    save = first_pass is not None or (torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)))
-    return plan.apply(query, key, value, stashes, save, first_pass)
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    if first_pass is not None and not needs_grad:
+        # a recompute whose q, k, v need no gradient (frozen projections on a frozen input): no backward will read
+        # the first pass's chunks, which go now; its output is the value
+        first_pass.stash.clear()
+        return first_pass.out
+    return plan.apply(query, key, value, stashes, needs_grad or first_pass is not None, first_pass)
 
 
 def fpdt_attention(

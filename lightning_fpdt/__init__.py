@@ -10,7 +10,7 @@ from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, fpdt_attentio
 
 __version__ = "0.1.0"
 
-LIGHTNING_NAMES = ("ActivationOffload", "FPDTStrategy", "MFUMonitor", "SequenceLengthCurriculum", "TiledLoss",
+LIGHTNING_NAMES = ("ActivationOffload", "FPDTStrategy", "GradientCheck", "MFUMonitor", "SequenceLengthCurriculum", "TiledLoss",
                    "TiledMLP", "apply_fpdt", "sequence_loss", "tiled_cross_entropy")
 """The public names that need Lightning."""
 
@@ -26,6 +26,7 @@ else:
 if LIGHTNING_AVAILABLE:
     from lightning_fpdt.callbacks import (
         ActivationOffload,
+        GradientCheck,
         MFUMonitor,
         SequenceLengthCurriculum,
         TiledLoss,
@@ -50,6 +51,7 @@ __all__ = [
     "tiled_cross_entropy",
     "FPDTAttention",
     "FPDTStrategy",
+    "GradientCheck",
     "MFUMonitor",
     "ModelGeometry",
     "SequenceLengthCurriculum",

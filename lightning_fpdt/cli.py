@@ -22,6 +22,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 import lightning_fpdt  # noqa: F401  (registers the "fpdt" strategy)
 from lightning_fpdt.callbacks import (  # noqa: F401  (short names for YAML)
     ActivationOffload,
+    GradientCheck,
     MFUMonitor,
     SequenceLengthCurriculum,
     TiledLoss,

@@ -18,6 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_fpdt.callbacks.gradient_check import add_gradient_check
 from lightning_fpdt.memory.surgery import find_blocks, find_model, has_parameters
 
 
@@ -29,7 +30,8 @@ def strategy_applies_transforms(trainer: "pl.Trainer") -> bool:
 def transform_without_fpdt(callback: Any, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            layer_classes: Any = None, *, require_parameters: bool = True) -> None:
     """Apply ``callback.fpdt_transform`` to the network in ``pl_module`` when the strategy does not (the blocks of
-    ``layer_classes``, else of the largest ``nn.ModuleList``)."""
+    ``layer_classes``, else of the largest ``nn.ModuleList``), and check that every trainable parameter trains
+    (:class:`~lightning_fpdt.callbacks.gradient_check.GradientCheck`, as the fpdt strategy does)."""
     if strategy_applies_transforms(trainer):
         return
     model = find_model(pl_module)
@@ -40,3 +42,4 @@ def transform_without_fpdt(callback: Any, trainer: "pl.Trainer", pl_module: "pl.
             f"__init__, or train with strategy='fpdt', which applies the transform after configure_model"
         )
     callback.fpdt_transform(model, find_blocks(model, layer_classes))
+    add_gradient_check(trainer)

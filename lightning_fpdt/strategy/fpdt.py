@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_fpdt.callbacks.gradient_check import add_gradient_check
 from lightning_fpdt.flops import attention_heads
 from lightning_fpdt.integrations import SequenceParallelContext, attention_geometry
 from lightning_fpdt.integrations.attributes import DEVICE_MESH
@@ -281,6 +282,8 @@ class FPDTStrategy(ModelParallelStrategy):
             self.check_memory_plan(*known, collective=True)
         if self._preemption is not None and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
             trainer.callbacks.append(PreemptionCheckpoint(self._preemption))
+        if trainer.state.fn == TrainerFn.FITTING:  # a parameter that gets no gradient stops the run
+            add_gradient_check(trainer)
         noise.steps_only_epochs(trainer)
 
     @override

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
 from lightning_fpdt.sequence import SequenceLayout
+from tests.tuning import tune
 
 VOCAB = 64
 
@@ -68,7 +69,13 @@ class PlainLM(nn.Module):
         return self.head(x)
 
 
-def build_model(kind: str, seed: int) -> nn.Module:
+def build_model(kind: str, seed: int, tuning: Optional[str] = None) -> nn.Module:
+    """The model of ``kind`` from ``seed``, with the parameters ``tuning`` leaves trainable (``tests/tuning.py``)."""
+    model = _build_model(kind, seed)
+    return model if tuning is None else tune(model, tuning, seed)
+
+
+def _build_model(kind: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig.from_name("tiny", vocab_size=VOCAB, num_heads=4, num_kv_heads=2))
@@ -114,10 +121,10 @@ def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
 
 
 class LitLM(L.LightningModule):
-    def __init__(self, kind: str, seed: int, lr: float, optimizer: str = "sgd") -> None:
+    def __init__(self, kind: str, seed: int, lr: float, optimizer: str = "sgd", tuning: Optional[str] = None) -> None:
         super().__init__()
         self.kind, self.lr, self.optimizer_name = kind, lr, optimizer
-        self.model = build_model(kind, seed)
+        self.model = build_model(kind, seed, tuning)
         self.losses: list[float] = []
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -142,10 +149,10 @@ def reference_batch(kind: str, batch: dict[str, torch.Tensor]) -> dict[str, torc
 
 
 def reference_training(kind: str, *, seed: int, lr: float, steps: int, accumulate: int, dp: int,
-                       dataset: Dataset, batch_size: int,
-                       optimizer: str = "sgd") -> tuple[dict[str, torch.Tensor], list[list[float]]]:
+                       dataset: Dataset, batch_size: int, optimizer: str = "sgd",
+                       tuning: Optional[str] = None) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
     """Single process: per optimizer step, the mean over data-parallel groups of each group's token-mean loss."""
-    model = build_model(kind, seed)
+    model = build_model(kind, seed, tuning)
     opt = make_optimizer(optimizer, model.parameters(), lr)
     # Lightning replaces a training loader's sampler by DistributedSampler(shuffle=True, seed=0) keyed on the
     # strategy's data-parallel rank; group d of the parallel run sees exactly these batches

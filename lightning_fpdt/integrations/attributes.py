@@ -34,8 +34,8 @@ DOCUMENTS_FROM_POSITIONS = "documents_from_positions"
 """The reference Llama's own switch, set False: the strategy finds packed documents on the global batch."""
 FORWARD = "forward"
 """Replaced on: head-grouped attention modules (head_groups.py), blocks whose SDPA calls are intercepted (sdpa.py),
-a Hugging Face causal LM under TiledLoss or with a mixture of experts' load-balancing loss, and its RMSNorms
-(huggingface.py), an untied output head under TiledLoss
+a Hugging Face causal LM under TiledLoss or with a mixture of experts' load-balancing loss, its RMSNorms and its
+SiLU-gated MLPs (huggingface.py), an untied output head under TiledLoss
 (head_loss.py), checkpointed blocks
 (``lightning_fpdt.memory.block_offload``) and tiled MLPs (``lightning_fpdt.memory.tiled_mlp``)."""
 TILED_LOSS = "_fpdt_tiled_loss"
@@ -45,6 +45,8 @@ HEAD_LOSS = "_fpdt_head_loss"
 (head_loss.py); under ``cpu_offload_params`` the strategy makes it an FSDP2 unit of its own."""
 TILED_NORM = "_fpdt_tiled_norm"
 """Marks a Hugging Face RMSNorm whose forward runs over token tiles."""
+FUSED_MLP = "_fpdt_fused_mlp"
+"""Marks a Hugging Face SiLU-gated MLP whose product runs through ``lightning_fpdt.models.ops.swiglu``."""
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 """Replaced on a LightningModule that holds the network's parts itself (nanoGPT style) and so is FSDP2's root unit:
 wrapped by ``torch.distributed.fsdp.register_fsdp_forward_method``, so each step gathers the root's parameters as a

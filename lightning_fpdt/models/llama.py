@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_fpdt.models.ops import rms_norm, rotary
+from lightning_fpdt.models.ops import rms_norm, rotary, swiglu
 from lightning_fpdt.sequence import loss as token_loss
 from lightning_fpdt.sequence.documents import document_ids_from_positions, document_starts_mask, has_position_resets
 from lightning_fpdt.sequence.loss import IGNORE_INDEX  # noqa: F401  (re-exported for model code)
@@ -195,7 +195,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

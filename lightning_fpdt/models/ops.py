@@ -11,18 +11,70 @@ temporaries of q's size while it runs. Here both run tile by tile over the token
 
 The results equal the plain forms' (same fp32 math per token); only the summation order of the norm weight's
 gradient differs (per tile, then over tiles, in fp32).
+
+On a GPU each pass of each op runs instead as one fused kernel (:data:`FUSED_OPS`): the same formulas, compiled by
+``torch.compile`` into a kernel that reads the inputs once and writes the outputs once, with the fp32 math in
+registers, so no fp32 buffer of any size is made and the same tensors are saved for backward. The tiled forms make a
+dozen or more kernels per pass, each a trip through device memory; the fused ones are several times faster (measured
+by ``bench/elementwise.py``). :func:`swiglu` (``silu(gate) · up``, the gated MLP's product) is the third op: fused,
+it saves ``gate`` and ``up`` and recomputes the SiLU in backward.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+import warnings
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 TILE_BYTES = 256 * 2**20
 """One tile's fp32 buffer (tokens × width × 4 bytes) stays under this."""
+
+
+class FusedOps:
+    """Whether :func:`rms_norm`, :func:`rotary` and :func:`swiglu` run as fused kernels.
+
+    ``enabled``: ``"auto"`` fuses on CUDA devices (fp16, bf16, fp32), ``True`` wherever the tensors are (the CPU
+    too: the tests), ``False`` never (the tiled forms and eager SwiGLU). The fpdt strategy sets it from its
+    ``fused_ops`` option. Where a fused kernel cannot be compiled, the ops fall back to the eager forms for the rest of
+    the process, with one warning.
+    """
+
+    def __init__(self) -> None:
+        self.enabled: Union[bool, Literal["auto"]] = "auto"
+        self.failed: Optional[str] = None
+        """Why compiling failed (the ops then stay eager); ``None``: it did not."""
+
+    def applies(self, x: Tensor) -> bool:
+        if self.failed is not None or self.enabled is False or x.dtype == torch.float64:
+            return False  # fp64: the references of the tests, computed exactly as the tiled forms
+        return self.enabled is True or (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
+
+    def run(self, fn: Callable[..., Any], eager: Callable[[], Any], *args: Any) -> Any:
+        """``fn(*args)`` compiled; ``eager()`` where compiling fails (and from then on)."""
+        try:
+            return _compiled(fn)(*args)
+        except Exception as error:  # noqa: BLE001 - any compiler failure: the eager forms compute the same
+            if self.failed is None:
+                self.failed = f"{type(error).__name__}: {error}"
+                warnings.warn(f"lightning_fpdt: the fused RMSNorm/RoPE/SwiGLU kernels could not be compiled "
+                              f"({self.failed.splitlines()[0][:300]}); these ops run eager from now on", stacklevel=2)
+            return eager()
+
+
+FUSED_OPS = FusedOps()
+"""The process's setting (see :class:`FusedOps`)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # one compilation per function for every token count (dynamic shapes); a CPU run (tests) compiles without code
+    # generation, which would take minutes on a small machine
+    return torch.compile(fn, dynamic=True, backend="inductor" if torch.cuda.is_available() else "eager")
 
 
 def _tiles(num_tokens: int, width: int) -> list[tuple[int, int]]:
@@ -75,6 +127,31 @@ def rms_norm_backward(
             grad_w.to(weight.dtype) if grad_w is not None else None)
 
 
+def _fused_rms_norm_forward(x: Tensor, weight: Tensor, eps: float, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """:func:`rms_norm_forward` as one expression (fused when compiled)."""
+    x_acc = x.to(acc)
+    rstd = torch.rsqrt(x_acc.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x_acc * rstd).to(x.dtype), rstd.reshape(-1)
+
+
+def _fused_rms_norm_backward(grad_out: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, input_grad: bool,
+                             weight_grad: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """:func:`rms_norm_backward` as expressions (fused when compiled)."""
+    acc = rstd.dtype
+    r = rstd.view(*x.shape[:-1], 1)
+    normed = x.to(acc) * r
+    dy = grad_out.to(acc)
+    grad_w = None
+    if weight_grad:  # the forward multiplied the weight by n in x's dtype
+        product = dy * (normed if x.dtype == acc else normed.to(x.dtype).to(acc))
+        grad_w = product.reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    grad_x = None
+    if input_grad:
+        g = dy * weight.to(acc)
+        grad_x = ((g - normed * (g * normed).mean(-1, keepdim=True)) * r).to(x.dtype)
+    return grad_x, grad_w
+
+
 class RMSNormFunction(torch.autograd.Function):
     """RMSNorm over token tiles.
 
@@ -88,7 +165,13 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float, acc: Optional[torch.dtype]) -> Tensor:
-        out, rstd = rms_norm_forward(x, weight, eps, acc)
+        acc = acc or torch.promote_types(x.dtype, torch.float32)
+        ctx.fused = FUSED_OPS.applies(x)
+        if ctx.fused:
+            out, rstd = FUSED_OPS.run(_fused_rms_norm_forward, lambda: rms_norm_forward(x, weight, eps, acc),
+                                      x, weight, eps, acc)
+        else:
+            out, rstd = rms_norm_forward(x, weight, eps, acc)
         ctx.save_for_backward(x, weight, rstd)
         return out
 
@@ -96,8 +179,13 @@ class RMSNormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
         x, weight, rstd = ctx.saved_tensors
-        grad_x, grad_w = rms_norm_backward(grad_out, x, weight, rstd, input_grad=ctx.needs_input_grad[0],
-                                           weight_grad=ctx.needs_input_grad[1])
+        needs = dict(input_grad=ctx.needs_input_grad[0], weight_grad=ctx.needs_input_grad[1])
+        eager = functools.partial(rms_norm_backward, grad_out, x, weight, rstd, **needs)
+        if ctx.fused:
+            grad_x, grad_w = FUSED_OPS.run(_fused_rms_norm_backward, eager, grad_out.contiguous(), x, weight, rstd,
+                                           needs["input_grad"], needs["weight_grad"])
+        else:
+            grad_x, grad_w = eager()
         return grad_x, grad_w, None, None
 
 
@@ -131,6 +219,26 @@ def rotary_forward(x: Tensor, position_ids: Tensor, theta: float, *, inverse: bo
     return out
 
 
+def _fused_rotary(x: Tensor, position_ids: Tensor, theta: float, inverse: bool) -> Tensor:
+    """:func:`rotary_forward` as one expression (fused when compiled)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    head_dim, half = x.shape[-1], x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=acc) / head_dim))  # (D/2,)
+    angles = position_ids.to(acc)[..., None] * inv_freq  # (B, S, D/2)
+    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # (B, S, 1, D)
+    sin = -angles.sin() if inverse else angles.sin()
+    x_acc = x.to(acc)
+    rotated = torch.cat((-x_acc[..., half:], x_acc[..., :half]), dim=-1)  # rotate_half(x)
+    return (x_acc * angles.cos() + rotated * sin).to(x.dtype)
+
+
+def _rotate(x: Tensor, position_ids: Tensor, theta: float, *, inverse: bool = False) -> Tensor:
+    if FUSED_OPS.applies(x):
+        return FUSED_OPS.run(_fused_rotary, lambda: rotary_forward(x, position_ids, theta, inverse=inverse),
+                             x, position_ids, theta, inverse)
+    return rotary_forward(x, position_ids, theta, inverse=inverse)
+
+
 class RotaryFunction(torch.autograd.Function):
     """RoPE over token tiles.
 
@@ -145,15 +253,60 @@ class RotaryFunction(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, position_ids: Tensor, theta: float) -> Tensor:
         ctx.save_for_backward(position_ids)
         ctx.theta = theta
-        return rotary_forward(x, position_ids, theta)
+        return _rotate(x, position_ids, theta)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
         (position_ids,) = ctx.saved_tensors
-        return rotary_forward(grad_out.contiguous(), position_ids, ctx.theta, inverse=True), None, None
+        return _rotate(grad_out.contiguous(), position_ids, ctx.theta, inverse=True), None, None
 
 
 def rotary(x: Tensor, position_ids: Tensor, theta: float) -> Tensor:
     """RoPE of ``x (B, S, H, D)`` at ``position_ids (B, S)`` over token tiles, keeping nothing of ``x``."""
     return RotaryFunction.apply(x, position_ids, theta)
+
+
+# ---- SwiGLU ----------------------------------------------------------------------------------------------------------
+def _fused_swiglu_forward(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) · up`` in fp32, rounded once (fused when compiled)."""
+    acc = torch.promote_types(gate.dtype, torch.float32)
+    return (F.silu(gate.to(acc)) * up.to(acc)).to(gate.dtype)
+
+
+def _fused_swiglu_backward(grad_out: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """``d gate = dy · up · σ(g) · (1 + g · (1 − σ(g)))``, ``d up = dy · silu(g)``, in fp32 (fused when compiled)."""
+    acc = torch.promote_types(gate.dtype, torch.float32)
+    g, u, dy = gate.to(acc), up.to(acc), grad_out.to(acc)
+    sig = torch.sigmoid(g)
+    return (dy * u * sig * (1 + g * (1 - sig))).to(gate.dtype), (dy * g * sig).to(up.dtype)
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """The gated MLP's product ``silu(gate) · up``, one fused kernel per pass.
+
+    | tensor | shape | kept for backward |
+    |---|---|---|
+    | gate, up (in) | (..., intermediate) | yes: the SiLU is recomputed from gate in backward (eager keeps silu(gate) too) |
+    | out | (..., intermediate) | no |
+    """
+
+    @staticmethod
+    def forward(ctx: Any, gate: Tensor, up: Tensor) -> Tensor:
+        ctx.save_for_backward(gate, up)
+        return FUSED_OPS.run(_fused_swiglu_forward, lambda: _fused_swiglu_forward(gate, up), gate, up)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+        gate, up = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        return FUSED_OPS.run(_fused_swiglu_backward, lambda: _fused_swiglu_backward(grad_out, gate, up),
+                             grad_out, gate, up)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) · up``: one fused kernel per pass where :data:`FUSED_OPS` applies, else eager."""
+    if FUSED_OPS.applies(gate):
+        return SwiGLUFunction.apply(gate, up)
+    return F.silu(gate) * up

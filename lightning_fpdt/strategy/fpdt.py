@@ -28,6 +28,7 @@ from lightning_fpdt.integrations import SequenceParallelContext, attention_geome
 from lightning_fpdt.integrations.attributes import DEVICE_MESH
 from lightning_fpdt.lightning_private import wrapped_closure
 from lightning_fpdt.memory.surgery import find_model
+from lightning_fpdt.models.ops import FUSED_OPS
 from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.sequence.attention import FPDTAttention
 from lightning_fpdt.sequence.host_memory import HostMemoryError
@@ -113,6 +114,11 @@ class FPDTStrategy(ModelParallelStrategy):
             ``"auto"``: the planner's choice per sequence length, the faster that fits by its cost model (``False``
             where the unsharded gradients fit beside the rest as it is); ``False`` where nothing plans (no GPU, no
             model config the planner reads).
+        fused_ops: run the RMSNorms, RoPE and the gated MLPs' SiLU product (the reference Llama's, a Hugging Face
+            family's norms and SiLU-gated MLPs) as one fused kernel per pass, compiled by ``torch.compile``
+            (``lightning_fpdt.models.ops``): the same formulas, several times fewer trips through device memory.
+            ``"auto"``: on CUDA devices; ``False``: the eager forms. Where compiling fails the ops run eager, with one
+            warning.
     """
 
     strategy_name = "fpdt"
@@ -145,6 +151,7 @@ class FPDTStrategy(ModelParallelStrategy):
         preemption_timeout: float = DEFAULT_TIMEOUT,
         offload_dir: Optional[Union[str, os.PathLike]] = None,
         sync_every_batch: Union[Literal["auto"], bool] = "auto",
+        fused_ops: Union[Literal["auto"], bool] = "auto",
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -163,6 +170,9 @@ class FPDTStrategy(ModelParallelStrategy):
         if sync_every_batch not in ("auto", True, False):
             raise ValueError(f"sync_every_batch must be 'auto', True or False, got {sync_every_batch!r}")
         self.sync_every_batch = sync_every_batch
+        if fused_ops not in ("auto", True, False):
+            raise ValueError(f"fused_ops must be 'auto', True or False, got {fused_ops!r}")
+        self.fused_ops = fused_ops
         self._sequence_parallel_size = sequence_parallel_size
         self._layer_classes = layer_classes
         self.cpu_offload_params = cpu_offload_params
@@ -274,6 +284,7 @@ class FPDTStrategy(ModelParallelStrategy):
             )
             # the loss is reduced over all P ranks
             self._context = SequenceParallelContext(group=self.sequence_parallel_group, attention=attention)
+        FUSED_OPS.enabled = self.fused_ops  # the process's model ops (before any forward)
         Strategy.setup(self, trainer)
         if trainer.state.fn == TrainerFn.FITTING:  # a folder that cannot take a checkpoint fails now, not hours in
             self._checkpoint_size = storage.check_at_setup(self, trainer, preemption=self._preemption is not None)

@@ -56,8 +56,8 @@ def tiled_mlp_backward(
 ) -> Optional[Tensor]:
     """Recompute ``fn`` one tile at a time and backpropagate that tile's output gradient through it.
 
-    The gradients of ``params`` (the trainable parameters ``fn`` uses) are summed over the tiles in fp32 (at least)
-    and added to their ``.grad`` once at the end, where FSDP2 reads them in its post-backward: summed tile by tile in
+    The gradients of ``params`` (the trainable parameters ``fn`` uses) are summed over the tiles in fp32 (at least;
+    with one tile there is nothing to sum) and added to their ``.grad`` once at the end, where FSDP2 reads them in its post-backward: summed tile by tile in
     a bf16 ``.grad`` they would be rounded once per tile (84 tiles for Llama-3-8B at 256K tokens), where the untiled
     MLP's single matmul rounds once. Gradients of parameters not in ``params`` accumulate as autograd does. The
     input gradient is returned.
@@ -67,7 +67,8 @@ def tiled_mlp_backward(
     grad_x = torch.empty_like(x_flat) if input_needs_grad else None
     params = [p for p in params if p.requires_grad]
     sums: list[Optional[Tensor]] = [None] * len(params)  # fp32 sums over the tiles, allocated at first use
-    for start, end in tile_bounds(x_flat.shape[0], num_tiles):
+    bounds = tile_bounds(x_flat.shape[0], num_tiles)
+    for start, end in bounds:
         x_tile = x_flat[start:end].detach().requires_grad_(input_needs_grad)  # (n, hidden), a leaf of this tile
         with torch.enable_grad():
             y = fn(_as_input(x_tile, x.dim()))
@@ -76,7 +77,9 @@ def tiled_mlp_backward(
         if grad_x is not None:
             grad_x[start:end] = grads[0]
         for i, grad in enumerate(grads[1:] if input_needs_grad else grads):
-            if grad is not None:
+            if grad is not None and len(bounds) == 1:
+                sums[i] = grad  # one product, rounded once as the untiled MLP's: nothing to sum
+            elif grad is not None:
                 acc = torch.promote_types(grad.dtype, torch.float32)
                 sums[i] = grad.to(acc) if sums[i] is None else sums[i].add_(grad)
     for param, total in zip(params, sums):

@@ -38,9 +38,18 @@ def tile_bounds(num_tokens: int, num_tiles: int) -> list[tuple[int, int]]:
     return bounds
 
 
+MLP_UNTILED_BYTES = 2**30
+"""``TiledMLP(num_tiles="auto")``: up to this much of intermediate activations, the MLP runs as one tile. Each tile
+beyond one costs a pass over the fp32 sums of the weight gradients (three ``hidden × intermediate`` buffers: 0.7 GB
+for Llama-3-8B); one tile needs no sum at all."""
+
+
 def auto_mlp_tiles(num_tokens: int, intermediate_size: int, element_size: int) -> int:
-    """Tiles such that one tile's ``tokens × intermediate_size × 3`` activations stay under 256 MiB; at least 1."""
+    """One tile while all the ``tokens × intermediate_size × 3`` activations stay under 1 GiB, else tiles such that
+    one tile's stay under 256 MiB; at least 1."""
     tile_bytes = num_tokens * intermediate_size * INTERMEDIATE_BUFFERS * element_size
+    if tile_bytes <= MLP_UNTILED_BYTES:
+        return 1
     return max(1, math.ceil(tile_bytes / MLP_TILE_BYTES))
 
 

@@ -69,7 +69,7 @@ def _device_time_us(event: Any) -> float:
     return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0) or 0)
 
 
-def summarize(events: Any, wall_s: float, *, top: int = 12) -> dict[str, Any]:
+def summarize(events: Any, wall_s: float, *, top: int = 30) -> dict[str, Any]:
     """Device seconds per category, the busy fraction and the top kernels of ``prof.key_averages()``."""
     seconds: dict[str, float] = {}
     kernels = []

@@ -1,5 +1,5 @@
-"""The tables of the component benchmarks: the FPDT attention op, the memory tiles, head-group chunking, packed
-documents and the short training steps of bench/smoke_train.py."""
+"""The tables of the component benchmarks: the FPDT attention op, the matmul rates, the memory tiles, head-group
+chunking, packed documents and the short training steps of bench/smoke_train.py."""
 
 from __future__ import annotations
 
@@ -50,6 +50,34 @@ ATTENTION = Section(
     columns=("system", "card", "GPUs", "geometry", "S", "chunks", "offload", "step s", "TFLOP/s per GPU",
              "extra GiB", "a2a", "host GiB"),
     rows=_attention_rows, empty="No attention-op records.",
+)
+
+
+def _slowest_product(record: Record) -> str:
+    """The product of the lowest rate: its layer, which product, its TFLOP/s."""
+    products = record.get("products") or []
+    if not products:
+        return NONE
+    slowest = min(products, key=lambda p: p["tflops"])
+    return f"{slowest['layer']} {slowest['product']} {number(slowest['tflops'])}"
+
+
+def _gemm_rows(records: list[Record]) -> Iterator[Row]:
+    for r in of_kind(records, "gemm"):
+        yield r, [r["card"], str(r["gpus"]), r.get("model", NONE), length(r.get("tokens")), length(r.get("head_tokens")),
+                  number(r.get("block_tflops")), number(r.get("head_tflops")), _slowest_product(r)]
+
+
+GEMM = Section(
+    title="## Matmul rates",
+    intro="bench/gemm.py: bf16 `torch.matmul` of one decoder block's linear layers (q, k, v, o, gate, up, down) at the "
+          "local token count and of the lm head (hidden × vocab) at its rows, each as its three products in a step "
+          "(forward, input gradient, weight gradient), timed with CUDA events, the median of repeats (with several "
+          "GPUs all measure at once, the median over them). \"block\": the block's products together, their FLOPs "
+          "over their summed time; the rates the throughput table's \"kernels s\" times the matmuls at.",
+    columns=("card", "GPUs", "model", "tokens", "lm head tokens", "block TFLOP/s", "lm head TFLOP/s",
+             "slowest product TFLOP/s"),
+    rows=_gemm_rows, empty="No matmul-rate records yet: `bench/gemm.py` writes them (kind `gemm`) on a GPU.",
 )
 
 
@@ -209,4 +237,4 @@ MEMORY_TRACE = Section(
     rows=_memory_trace_rows, empty="No traced steps.",
 )
 
-SECTIONS = (ATTENTION, MEMORY_TILES, HEAD_CHUNKS, PACKED, SMOKE_TRAIN, MEMORY_TRACE)
+SECTIONS = (ATTENTION, GEMM, MEMORY_TILES, HEAD_CHUNKS, PACKED, SMOKE_TRAIN, MEMORY_TRACE)

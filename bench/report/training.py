@@ -9,6 +9,8 @@ from typing import Iterator, Optional
 from bench.report.markdown import (HOST_COLUMNS, NONE, Record, Section, gib, host_cells, length, number,
                                    percent, percent_change, plan_ratio, ratio)
 from bench.report.records import ballast_kind, card_name, latest, model_name, of_kind, stands_for_full_depth, timed
+from bench.report.speed_of_light import (LIGHT_COLUMNS, LIGHT_NOTE, PROFILE_COLUMNS, PROFILE_NOTE, light_cells,
+                                         profile_cells)
 
 SYSTEMS = ("fpdt", "fpdt-hf", "modelparallel", "ring", "alst")
 """The training systems of bench.peers, in the order the tables show them."""
@@ -93,7 +95,7 @@ def _throughput_rows(records: list[Record]) -> Iterator[Row]:
             yield r, [card, str(gpus), model_name(r), length(seq_len), system, states,
                       number(r.get("step_time_s"), 3),
                       number(r.get("tokens_per_s"), 0), number(r.get("tflops_per_gpu")), percent(r.get("mfu")),
-                      gib(r.get("peak_gpu_bytes")), *host_cells(r), *against]
+                      *light_cells(r, records), gib(r.get("peak_gpu_bytes")), *host_cells(r), *against]
 
 
 THROUGHPUT = Section(
@@ -103,9 +105,9 @@ THROUGHPUT = Section(
           "`× ring`, `× alst`: tokens/s against ring context parallelism and DeepSpeed's ALST on the same card, GPU "
           "count, depth and length, with the states in the same place (GPU or host). "
           "modelparallel's tokens/s counts every GPU's own sequence. Runs of one step (the searches) are left out: "
-          "their only step includes the warm-up.",
+          "their only step includes the warm-up.\n\n" + LIGHT_NOTE,
     columns=("card", "GPUs", "model", "S", "system", "states", "step s", "tokens/s", "TFLOP/s per GPU", "MFU",
-             "peak GiB", *HOST_COLUMNS, *(f"× {peer}" for peer in PEERS)),
+             *LIGHT_COLUMNS, "peak GiB", *HOST_COLUMNS, *(f"× {peer}" for peer in PEERS)),
     rows=_throughput_rows, empty="No completed runs.",
 )
 
@@ -116,7 +118,8 @@ def _profile_rows(records: list[Record]) -> Iterator[Row]:
         device = profile.get("device_s") or {}
         yield r, [r["system"], card_name(r), str(r["gpus"]), model_name(r), length(r["seq_len"]),
                   str(r.get("chunks") or NONE), number(profile.get("wall_s"), 3),
-                  *(number(device.get(name), 3) for name in PROFILE_CATEGORIES), percent(profile.get("busy_fraction"))]
+                  *(number(device.get(name), 3) for name in PROFILE_CATEGORIES), percent(profile.get("busy_fraction")),
+                  *profile_cells(r, records)]
 
 
 PROFILES = Section(
@@ -124,9 +127,9 @@ PROFILES = Section(
     intro="Runs with `--profile-step N`: device seconds of that step per GPU by kernel kind (bench/step_profile.py), "
           "on rank 0. \"busy\": the attention, matmul and other kernels together over the wall time; copies and "
           "communication run on streams of their own and may overlap them. The profiled step is slower than the "
-          "others (the profiler's own cost), so its wall time is not the step time.",
+          "others (the profiler's own cost), so its wall time is not the step time. " + PROFILE_NOTE,
     columns=("system", "card", "GPUs", "model", "S", "chunks", "wall s", *(f"{name} s" for name in PROFILE_CATEGORIES),
-             "busy"),
+             "busy", *PROFILE_COLUMNS),
     rows=_profile_rows, empty="No profiled steps.",
 )
 

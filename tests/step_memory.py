@@ -141,7 +141,7 @@ def scaled_tiles(config: LlamaConfig, seq_len: int, reference: LlamaConfig, refe
     hidden = seq_len * config.hidden_size / (reference_len * reference.hidden_size)
     logits = seq_len * config.vocab_size / (reference_len * reference.vocab_size)
     factors = [(ops, "TILE_BYTES", hidden), (tiling, "MLP_TILE_BYTES", hidden),
-               (tiling, "LOSS_TILE_BYTES", logits)]
+               (tiling, "MLP_UNTILED_BYTES", hidden), (tiling, "LOSS_TILE_BYTES", logits)]
     values = [getattr(module, name) for module, name, _ in factors]
     try:
         for (module, name, factor), value in zip(factors, values):

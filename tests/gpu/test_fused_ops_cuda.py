@@ -17,46 +17,50 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _run(fn, inputs, fused: bool, seed: int = 0):
-    """Outputs and input gradients of ``fn`` with the fused kernels on or off (the same output gradient)."""
+def _run(fn, inputs, fused: bool, dtype: torch.dtype, seed: int = 0):
+    """Outputs and input gradients of ``fn`` with the fused kernels on or off, on ``inputs`` cast to ``dtype``, for
+    one output gradient drawn from ``seed``."""
     ops.FUSED_OPS.enabled = fused
     try:
-        leaves = [x.detach().clone().requires_grad_() if x.is_floating_point() else x for x in inputs]
+        leaves = [x.detach().to(dtype).requires_grad_() if x.is_floating_point() else x for x in inputs]
         out = fn(*leaves)
         outs = out if isinstance(out, tuple) else (out,)
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        torch.autograd.backward(outs, [torch.randn(o.shape, device="cuda", dtype=o.dtype, generator=gen)
-                                       for o in outs])
+        grads = [torch.randn(o.shape, device="cuda", generator=gen).to(dtype) for o in outs]
+        torch.autograd.backward(outs, grads)
         return [o.detach() for o in outs] + [x.grad for x in leaves if x.is_floating_point()]
     finally:
         ops.FUSED_OPS.enabled = "auto"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_ops_match_eager(dtype):
-    """Each op fused against its eager form, output and input gradients, on fresh random inputs (16,384 tokens of
-    the Llama-3-8B widths): fp32 within 1e-5 (the same formula, another summation order); bf16 within 1e-2 (the fused
-    kernels round once where the eager forms round after each op, 2^-8 relative each)."""
+def test_fused_ops_are_as_accurate_as_eager(dtype):
+    """Each op, fused and eager, against the eager form in fp64 on the same inputs (16,384 tokens of the Llama-3-8B
+    widths, fresh random values, positions past 100,000): every output and input gradient of the fused form is within
+    twice the eager form's error (or 1e-6 where that is smaller). Not a bound on the difference between the two: at
+    long positions an fp32 RoPE angle is uncertain by ``position × 2^-24`` (about 0.01 rad past 100,000 tokens), so
+    two fp32 evaluations of the same formula differ by about that much; what must hold is that fusing loses no
+    accuracy. bf16: both round to 2^-8 relative."""
     assert ops.FUSED_OPS.failed is None
     gen = torch.Generator(device="cuda").manual_seed(1)
 
     def randn(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+        return torch.randn(*shape, device="cuda", generator=gen).to(dtype).double()  # values exact in dtype
 
     tokens = 16384
-    positions = torch.arange(tokens, device="cuda")[None] + 123_456  # long positions: large angles
+    positions = torch.arange(tokens, device="cuda")[None] + 123_456
     cases = {
         "rms_norm": (lambda x, w: ops.rms_norm(x, w, 1e-5), (randn(1, tokens, 4096), randn(4096))),
         "rotary": (lambda q: ops.rotary(q, positions, 500000.0), (randn(1, tokens, 32, 128),)),
         "swiglu": (ops.swiglu, (randn(1, tokens, 14336), randn(1, tokens, 14336))),
     }
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
     for name, (fn, inputs) in cases.items():
-        fused, eager = _run(fn, inputs, True), _run(fn, inputs, False)
+        reference = _run(fn, inputs, False, torch.float64)
+        fused, eager = _run(fn, inputs, True, dtype), _run(fn, inputs, False, dtype)
         assert ops.FUSED_OPS.failed is None, ops.FUSED_OPS.failed
-        for i, (a, b) in enumerate(zip(fused, eager)):
-            assert a.dtype == b.dtype and a.shape == b.shape
-            assert _rel(a, b) < tol, (name, i, _rel(a, b))
+        for i, (a, b, ref) in enumerate(zip(fused, eager, reference)):
+            assert a.dtype == b.dtype == dtype and a.shape == b.shape == ref.shape
+            assert _rel(a, ref) <= max(2 * _rel(b, ref), 1e-6), (name, i, _rel(a, ref), _rel(b, ref))
 
 
 def _train(fused: bool, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:

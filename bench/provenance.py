@@ -19,12 +19,16 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMMIT_VARIABLE = "FPDT_COMMIT"
-"""Names the commit where the tree runs without its .git folder (a copy sent to a GPU machine)."""
+"""Names the commit of a tree that runs as a copy (a tree sent to a GPU machine, with or without a .git folder, which
+may hold an older HEAD than the files it came with)."""
 
 
 def current_commit(root: Path = REPO_ROOT) -> Optional[str]:
-    """The short commit of the code that runs: git's where ``root`` is a checkout, else ``$FPDT_COMMIT``, else
-    ``None`` (the record then says the commit is unknown instead of guessing one)."""
+    """The short commit of the code that runs: ``$FPDT_COMMIT`` where it is set (whoever copied the tree named it),
+    else git's where ``root`` is a checkout, else ``None`` (the record then says the commit is unknown instead of
+    guessing one)."""
+    if os.environ.get(COMMIT_VARIABLE):
+        return os.environ[COMMIT_VARIABLE]
     if (root / ".git").exists():
         try:
             done = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -33,7 +37,7 @@ def current_commit(root: Path = REPO_ROOT) -> Optional[str]:
             done = None
         if done is not None and done.returncode == 0 and done.stdout.strip():
             return done.stdout.strip()
-    return os.environ.get(COMMIT_VARIABLE) or None
+    return None
 
 
 def launch_command(target: str, argv: Sequence[str], *, gpus_per_node: int, world_size: int,

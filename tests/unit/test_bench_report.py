@@ -198,11 +198,14 @@ def test_records_without_commit_are_left_out_with_a_warning(tmp_path):
 
 
 def test_commit_comes_from_git_then_the_environment(tmp_path, monkeypatch):
-    """A checkout names its own commit; a copy without .git takes $FPDT_COMMIT; neither gives None, not a guess."""
+    """$FPDT_COMMIT names the commit of a copied tree, also one whose .git folder holds an older HEAD; without it a
+    checkout names its own commit; neither gives None, not a guess."""
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     if head.returncode == 0:
         monkeypatch.setenv(provenance.COMMIT_VARIABLE, "fffffff")
-        assert provenance.current_commit() == head.stdout.strip()  # git wins over the variable
+        assert provenance.current_commit() == "fffffff"  # the variable wins over git
+        monkeypatch.delenv(provenance.COMMIT_VARIABLE)
+        assert provenance.current_commit() == head.stdout.strip()
     monkeypatch.setenv(provenance.COMMIT_VARIABLE, "1234abc")
     assert provenance.current_commit(tmp_path) == "1234abc"
     monkeypatch.delenv(provenance.COMMIT_VARIABLE)

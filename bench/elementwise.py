@@ -4,8 +4,9 @@ One GPU:  python3 bench/elementwise.py --tokens 8192,16384,32768
 CPU smoke: python3 bench/elementwise.py --device cpu --tiny
 
 Each op on one rank's tokens of the Llama-3-8B geometry (hidden 4096, 32 query and 8 kv heads of 128, intermediate
-14336) in bf16: the package's own (``lightning_fpdt.models.ops``: token tiles, fp32 inside), the plain form Hugging
-Face writes (one kernel per PyTorch op), and that form through ``torch.compile`` (fused kernels). The floor is the bytes each op must move (its inputs read once, its
+14336) in bf16: the package's own (``lightning_fpdt.models.ops``) with ``FUSED_OPS`` off (token tiles, fp32 inside)
+and on (its fused kernels), the plain form Hugging Face writes (one kernel per PyTorch op), and that form through
+``torch.compile``. The floor is the bytes each op must move (its inputs read once, its
 outputs written once, forward and backward) at the card's measured copy bandwidth (a device-to-device copy, bytes
 read plus written). Prints one row per op and token count; appends one record per row (kind ``elementwise``) to
 ``--out``.
@@ -86,7 +87,7 @@ def plain_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def cases(tokens: int, g: dict, device: torch.device, dtype: torch.dtype) -> dict[str, tuple]:
-    """``name -> (package's function or None, plain function, inputs, bytes moved forward + backward)``."""
+    """``name -> (package's function, plain function, inputs, bytes moved forward + backward)``."""
     def randn(*shape, grad=True):
         return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(grad)
 
@@ -102,7 +103,7 @@ def cases(tokens: int, g: dict, device: torch.device, dtype: torch.dtype) -> dic
         "rope": (lambda q, k: (ops.rotary(q, positions, 500000.0), ops.rotary(k, positions, 500000.0)),
                  lambda q, k: plain_rope(q, k, positions), (q, k), 4 * (q.numel() + k.numel()) * e),
         # forward reads gate and up, writes their product; backward reads gate, up, dy, writes dgate, dup
-        "swiglu": (None, plain_swiglu, (gate, up), 8 * gate.numel() * e),
+        "swiglu": (ops.swiglu, plain_swiglu, (gate, up), 8 * gate.numel() * e),
     }
 
 
@@ -119,14 +120,16 @@ def main() -> None:
     geometry = TINY if args.tiny else GEOMETRY
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written)")
-    print(f"{'op':<8} {'tokens':>7} {'package ms':>11} {'plain ms':>9} {'compiled ms':>12} {'floor ms':>9}")
+    print(f"{'op':<8} {'tokens':>7} {'package ms':>11} {'fused ms':>9} {'plain ms':>9} {'compiled ms':>12} "
+          f"{'floor ms':>9}")
     for tokens in [int(t) for t in args.tokens.split(",")]:
         for name, (package, plain, inputs, moved) in cases(tokens, geometry, device, dtype).items():
             backend = "inductor" if device.type == "cuda" else "aot_eager"
-            variants = {"package": package, "plain": plain, "compiled": torch.compile(plain, backend=backend,
-                                                                                    dynamic=False)}
+            # the package's op both ways (FUSED_OPS off: the tiled eager forms; on: its fused kernels)
+            variants = {"package_eager": (package, False), "package_fused": (package, True), "plain": (plain, False),
+                        "compiled": (torch.compile(plain, backend=backend, dynamic=False), False)}
             results = {}
-            for label, run in variants.items():
+            for label, (run, fused) in variants.items():
                 if run is None:
                     continue
 
@@ -134,10 +137,15 @@ def main() -> None:
                     outputs = run(*inputs)
                     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
                     torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
-                results[label] = time_ms(step, device, args.repeat)
+                ops.FUSED_OPS.enabled = fused
+                try:
+                    results[label] = time_ms(step, device, args.repeat)
+                finally:
+                    ops.FUSED_OPS.enabled = "auto"
             floor = moved / bandwidth * 1e3
             cells = [f"{results[label]:>{width}.3f}" if label in results else f"{'-':>{width}}"
-                     for label, width in (("package", 11), ("plain", 9), ("compiled", 12))]
+                     for label, width in (("package_eager", 11), ("package_fused", 9), ("plain", 9),
+                                          ("compiled", 12))]
             print(f"{name:<8} {tokens:>7} {' '.join(cells)} {floor:>9.3f}")
             record = stamp("elementwise", card=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                            gpus=1, command=" ".join(sys.argv))

@@ -81,6 +81,27 @@ GEMM = Section(
 )
 
 
+def _elementwise_rows(records: list[Record]) -> Iterator[Row]:
+    for r in of_kind(records, "elementwise"):
+        yield r, [r["card"], str(r["gpus"]), r["op"], length(r["tokens"]), r["dtype"].replace("torch.", ""),
+                  *(number(r.get(f"{form}_ms"), 3) for form in ("package_eager", "package_fused", "plain", "compiled",
+                                                                 "floor"))]
+
+
+ELEMENTWISE = Section(
+    title="## Elementwise ops of a block",
+    intro="bench/elementwise.py: RMSNorm (hidden 4096), RoPE (q and k: 32 and 8 heads of 128) and the SwiGLU product "
+          "(intermediate 14336) of one rank's tokens, forward + backward, in milliseconds: the package's ops "
+          "(`lightning_fpdt.models.ops`) with `fused_ops` off (token tiles, fp32 inside) and on (one kernel per pass, "
+          "compiled by `torch.compile` from the same formulas), the plain forms Hugging Face writes, and those "
+          "compiled whole; \"floor\": the bytes the op must move (inputs read and outputs written once per pass) at "
+          "the card's measured copy rate. SwiGLU has no tiled form.",
+    columns=("card", "GPUs", "op", "tokens", "dtype", "package ms", "package fused ms", "plain ms", "compiled ms",
+             "floor ms"),
+    rows=_elementwise_rows, empty="No records of the elementwise ops.",
+)
+
+
 def _memory_tile_rows(records: list[Record]) -> Iterator[Row]:
     for r in of_kind(records, "memory_tiles"):
         geometry = f"hidden {r['hidden']}, MLP {r['intermediate']}, vocab {r['vocab']:,}"
@@ -237,4 +258,4 @@ MEMORY_TRACE = Section(
     rows=_memory_trace_rows, empty="No traced steps.",
 )
 
-SECTIONS = (ATTENTION, GEMM, MEMORY_TILES, HEAD_CHUNKS, PACKED, SMOKE_TRAIN, MEMORY_TRACE)
+SECTIONS = (ATTENTION, GEMM, ELEMENTWISE, MEMORY_TILES, HEAD_CHUNKS, PACKED, SMOKE_TRAIN, MEMORY_TRACE)

@@ -12,8 +12,8 @@ import warnings
 from typing import Any, Callable, Hashable, Iterable
 
 GIB = 2**30
-KINDS = ("run", "max_length", "attention", "gemm", "memory_tiles", "head_chunks", "packed", "smoke_train",
-         "memory_trace")
+KINDS = ("run", "max_length", "attention", "gemm", "elementwise", "memory_tiles", "head_chunks", "packed",
+         "smoke_train", "memory_trace")
 PROVENANCE = ("card", "gpus", "command", "commit")
 
 

@@ -127,6 +127,10 @@ HEADLINES = (
     Headline("states on the host, stepping in the backward", dict(system="fpdt", card=H100, gpus=4, seq_len=131072,
                                                                   **{"options.host_step": "in backward"}),
              against=dict(system="fpdt", card=H100, gpus=4, seq_len=131072, layers=2, **GPU_STATES)),
+    *(Headline(f"{seq_len:,} tokens, 8 of 32 layers, against torch's ring context parallelism",
+               dict(system="fpdt", card=H100_79, gpus=4, layers=8, seq_len=seq_len, profile_step=None),
+               against=dict(system="ring", card=H100_79, gpus=4, layers=8, seq_len=seq_len))
+      for seq_len in (32768, 65536)),
     Headline("a Hugging Face family beside Llama: Qwen3-4B", dict(system="fpdt-hf", card=H100, model="qwen3-4b",
                                                                   seq_len=131072),
              against=dict(system="fpdt-hf", card=H100, model="llama3-3b", layers=2, seq_len=131072)),

@@ -112,6 +112,37 @@ THROUGHPUT = Section(
 )
 
 
+def _change_rows(records: list[Record]) -> Iterator[Row]:
+    """Per system and setting (card, GPUs, model, depth, length, states) measured at more than one commit on one day
+    (side by side): each commit's latest timed run, oldest first, against the oldest."""
+    runs = [r for r in of_kind(records, "run") if r.get("status") == "ok" and timed(r) and not r.get("profile")]
+    by_setting: dict[tuple, dict[str, Record]] = defaultdict(dict)
+    for r in runs:
+        setting = (card_name(r), r["gpus"], r["model"], r["layers"], r["seq_len"], placement(r), r["system"],
+                   (r.get("time") or "")[:10])
+        by_setting[setting][r["commit"]] = r
+    for (card, gpus, _model, _layers, seq_len, states, system, _day), commits in sorted(
+            by_setting.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][6], kv[0][4])):
+        if len(commits) < 2:
+            continue
+        ordered = sorted(commits.values(), key=lambda r: r.get("time") or "")
+        base = ordered[0]
+        for r in ordered:
+            yield r, [card, str(gpus), model_name(r), length(seq_len), system, states,
+                      number(r.get("step_time_s"), 3), percent(r.get("mfu")),
+                      ratio(base.get("step_time_s"), r.get("step_time_s"))]
+
+
+CHANGES = Section(
+    title="### The same run at several commits",
+    intro="Each setting measured at more than one commit on the same day, on the same card, GPU count, model, depth, "
+          "length and placement of the states (runs side by side): the step time at each commit, oldest first (a "
+          "profiled step left out), and the speed-up over the oldest (its step time over this one's).",
+    columns=("card", "GPUs", "model", "S", "system", "states", "step s", "MFU", "speed-up"),
+    rows=_change_rows, empty="No setting was measured at two commits on one day.",
+)
+
+
 def _profile_rows(records: list[Record]) -> Iterator[Row]:
     for r in [r for r in of_kind(records, "run") if r.get("profile")]:
         profile = r["profile"]

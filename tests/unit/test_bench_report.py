@@ -619,3 +619,15 @@ def test_block_input_placements_are_set_against_all_in_host_memory():
                                         "8 kept (24 regenerated): 8 in host memory"]
     assert [row[-1] for row in rows] == ["+0.0%", "+3.0%", "+6.0%"]
     assert [row[5] for row in rows] == ["0", "92", "105"] and rows[1][7] == "21.0"
+
+
+def test_the_same_run_at_two_commits_on_one_day():
+    """A setting measured at two commits on one day gets a row per commit, oldest first, with its speed-up over the
+    oldest; the same setting at another commit on another day is not compared with them."""
+    from bench.report import training
+
+    old = {**run_record("fpdt", gpus=4, layers=8, seq_len=32768), "commit": "aaaaaaa", "time": "2026-11-27T21:00"}
+    new = {**old, "commit": "bbbbbbb", "time": "2026-11-27T21:05", "step_time_s": 8.0, "command": old["command"] + " "}
+    later = {**old, "commit": "ccccccc", "time": "2026-11-28T09:00", "step_time_s": 5.0}
+    rows = [(r["commit"], cells[-3:]) for r, cells in training._change_rows([new, old, later])]
+    assert rows == [("aaaaaaa", ["10.000", "40.0%", "1.00×"]), ("bbbbbbb", ["8.000", "40.0%", "1.25×"])]

@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader
 
 from lightning_fpdt import ActivationOffload, FPDTStrategy, TiledLoss, TiledMLP
 from lightning_fpdt.models import ops
-from tests.gpu.small_llama import LM, batches, parameters
+from tests.gpu.small_llama import LM, batches
 
 pytestmark = pytest.mark.gpu
 
@@ -63,36 +63,40 @@ def test_fused_ops_are_as_accurate_as_eager(dtype):
             assert _rel(a, ref) <= max(2 * _rel(b, ref), 1e-6), (name, i, _rel(a, ref), _rel(b, ref))
 
 
-def _train(fused: bool, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    module = LM()
-    losses: list[float] = []
+class _Record(L.Callback):
+    """The loss of every step, and every parameter's gradient before the first optimizer step."""
 
-    class Losses(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(outputs["loss"].item())
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.first_grads: dict[str, torch.Tensor] = {}
 
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if not self.first_grads:
+            self.first_grads = {name: p.grad.full_tensor().float().cpu()
+                                for name, p in pl_module.model.named_parameters() if p.grad is not None}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+
+def _train(fused: bool, steps: int) -> _Record:
+    record = _Record()
     trainer = L.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         strategy=FPDTStrategy(fused_ops=fused, heartbeat_timeout=None),
-                        callbacks=[ActivationOffload(), TiledMLP(), TiledLoss(), Losses()])
-    trainer.fit(module, DataLoader(batches(steps), batch_size=None))
-    return losses, parameters(module)
+                        callbacks=[ActivationOffload(), TiledMLP(), TiledLoss(), record])
+    trainer.fit(LM(), DataLoader(batches(steps), batch_size=None))
+    return record
 
 
 def test_training_with_fused_ops_matches_eager():
-    """20 AdamW steps of a small reference Llama in bf16-mixed with every memory callback: the losses with the fused
-    kernels stay within 1% of those without (bf16 rounding differences compound over the steps, but a wrong gradient
-    of a norm, RoPE or SwiGLU moves the loss by far more), and after one step every parameter is within 2% of its
-    eager update (AdamW's first step moves each element by about lr whatever its gradient's size, so the parameters
-    differ only where a gradient's sign does)."""
-    fused_losses, _ = _train(True, 20)
-    eager_losses, _ = _train(False, 20)
-    for step, (a, b) in enumerate(zip(fused_losses, eager_losses)):
+    """A small reference Llama in bf16-mixed with every memory callback, with the fused kernels and without: every
+    parameter's gradient at the first step within 2% (relative norm) of the eager one (bf16 operands round at 2^-8
+    relative, about 0.4%, and the two forms round at different places through 4 layers; a wrong norm, RoPE or SwiGLU
+    gradient is off by its own size), and the losses of 20 AdamW steps within 1% of each other."""
+    fused, eager = _train(True, 20), _train(False, 20)
+    assert fused.first_grads.keys() == eager.first_grads.keys() and len(eager.first_grads) == 39
+    for name, grad in eager.first_grads.items():
+        assert _rel(fused.first_grads[name], grad) < 2e-2, name
+    for step, (a, b) in enumerate(zip(fused.losses, eager.losses)):
         assert abs(a - b) < 1e-2 * abs(b), (step, a, b)
-    _, fused_params = _train(True, 1)
-    _, eager_params = _train(False, 1)
-    start = {name: p.detach().float() for name, p in LM().model.named_parameters()}
-    for name, value in eager_params.items():
-        update = value - start[name]
-        if update.norm() > 0:
-            assert _rel(fused_params[name] - start[name], update) < 2e-2, name

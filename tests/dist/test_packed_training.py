@@ -13,12 +13,12 @@ from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload
 from lightning_fpdt.callbacks.tiled_loss import TiledLoss
 from lightning_fpdt.callbacks.tiled_mlp import TiledMLP
-from tests.dist.training import VOCAB, LitLM, build_model, full_state, trainer_kwargs
+from tests.dist.test_strategy_parity import compare_training
+from tests.dist.training import VOCAB, LitLM, build_model, trainer_kwargs
 
-# fp32, as in test_strategy_parity: the parallel run sums the same products in another order (~1e-7 relative per
-# op); after 2 SGD steps of a 2-layer model parameters agree to ~1e-6. A token attending across a document, a lost
-# or extra target at a document edge or a wrong RoPE position moves the loss by > 1e-2.
-TOL = dict(rtol=1e-4, atol=2e-5)
+# The tolerances are test_strategy_parity's (compare_training): the parallel run sums the same products in another
+# order (~1e-7 relative per op); after 2 SGD steps of a 2-layer model parameters agree to ~1e-6. A token attending
+# across a document, a lost or extra target at a document edge or a wrong RoPE position moves the loss by > 1e-2.
 
 
 class PackedDataset(Dataset):
@@ -71,10 +71,10 @@ class LitPacked(LitLM):
 
 
 def separate_documents_training(kind: str, dataset: PackedDataset, *, seed: int, lr: float, steps: int,
-                                batch_size: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+                                batch_size: int, tuning: str | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, no packing: every document alone through the model; the step's loss is the token-weighted mean
     of the documents' mean losses (a document of n tokens has n - 1 targets)."""
-    model = build_model(kind, seed)
+    model = build_model(kind, seed, tuning)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     # the order Lightning's DistributedSampler(shuffle=True, seed=0) gives the single data-parallel group
     order = list(DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0))
@@ -94,7 +94,7 @@ def separate_documents_training(kind: str, dataset: PackedDataset, *, seed: int,
 
 def train_packed_and_compare(kind: str, sp: int, chunks: int, seq_len: int, fields: tuple[str, ...],
                              steps: int = 2, batch_size: int = 2, mask_starts: bool = True,
-                             memory_callbacks: bool = False) -> None:
+                             memory_callbacks: bool = False, tuning: str | None = None) -> None:
     seed, lr = 4321, 0.5
     dataset = PackedDataset(num_samples=batch_size * steps, seq_len=seq_len, seed=11, fields=fields,
                             mask_starts=mask_starts)
@@ -103,19 +103,15 @@ def train_packed_and_compare(kind: str, sp: int, chunks: int, seq_len: int, fiel
     callbacks = [ActivationOffload(), TiledLoss(num_tiles=3), TiledMLP(num_tiles=3)] if memory_callbacks else []
     trainer = L.Trainer(strategy=strategy, devices=dist.get_world_size(), max_steps=steps, callbacks=callbacks,
                         **trainer_kwargs())
-    module = LitPacked(kind, seed, lr)
+    module = LitPacked(kind, seed, lr, tuning=tuning)
     trainer.fit(module, DataLoader(dataset, batch_size=batch_size, shuffle=False))
     assert trainer.strategy._context.attention.documents is not None, "the packed batch did not turn masking on"
 
     ref_params, ref_losses = separate_documents_training(kind, dataset, seed=seed, lr=lr, steps=steps,
-                                                         batch_size=batch_size)
+                                                         batch_size=batch_size, tuning=tuning)
     case = f"{kind} sp={sp} chunks={chunks} S={seq_len} fields={fields} mask_starts={mask_starts} " \
-           f"memory_callbacks={memory_callbacks}"
-    torch.testing.assert_close(torch.tensor(module.losses), torch.tensor(ref_losses), **TOL,
-                               msg=lambda m: f"{case} losses {module.losses} vs {ref_losses}: {m}")
-    params = full_state(module)
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params["model." + name], ref, **TOL, msg=lambda m: f"{case} {name}: {m}")
+           f"memory_callbacks={memory_callbacks} tuning={tuning}"
+    compare_training(case, module, ref_params, module.losses, ref_losses, build_model(kind, seed, tuning))
 
 
 def run_cases(cases: list[dict]) -> None:
@@ -130,6 +126,9 @@ def test_packed_training_two_processes(dist_pool):
         dict(kind="llama", sp=2, chunks=2, seq_len=15, fields=("document_ids",)),
         dict(kind="llama", sp=2, chunks=1, seq_len=16, fields=("position_ids",), mask_starts=False),
         dict(kind="hf", sp=2, chunks=2, seq_len=16, fields=("document_ids", "position_ids")),
+        # frozen embeddings under every memory callback: the checkpointed blocks train on packed documents
+        dict(kind="llama", sp=2, chunks=2, seq_len=16, fields=("document_ids",), memory_callbacks=True,
+             tuning="embeddings"),
     ])
 
 

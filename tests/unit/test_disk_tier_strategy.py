@@ -131,7 +131,7 @@ def test_too_little_space_is_refused_with_the_bytes(tmp_path, monkeypatch):
     memory.close()
 
 
-def _fit(offload_dir, monkeypatch, tmp_path):
+def _fit(offload_dir, monkeypatch, tmp_path, frozen_embeddings=False):
     """Two steps of a 3-layer model on CPU under strategy="fpdt" with ActivationOffload, planned (as on a GPU) to
     keep one block input in host memory; returns the parameters and the strategy."""
     config = LlamaConfig.from_name("tiny", **TINY)
@@ -144,6 +144,7 @@ def _fit(offload_dir, monkeypatch, tmp_path):
     monkeypatch.setattr(budget, "plan_for", planned)
     torch.manual_seed(0)
     module = LlamaLM("tiny", config_overrides=TINY)
+    module.model.model.embed_tokens.requires_grad_(not frozen_embeddings)
     data = RetrievalDataModule(seq_len=96, vocab_size=96, num_train=16, batch_size=2)
     strategy = FPDTStrategy(offload_dir=offload_dir, attention_backend="math", heartbeat_timeout=None)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="32-true", max_steps=2,
@@ -164,3 +165,16 @@ def test_training_with_block_inputs_on_disk_is_exact(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "spill") == []
     for name, value in in_memory.items():
         assert torch.equal(value, on_disk[name]), name
+
+
+def test_frozen_embeddings_with_block_inputs_on_disk(tmp_path, monkeypatch):
+    """Frozen embeddings (no block input requires grad) with two of three block inputs on disk: the same parameters as
+    with every input in host memory, bit for bit, and every block parameter trained (the embeddings did not)."""
+    torch.manual_seed(0)
+    initial = {n: p.detach().clone() for n, p in LlamaLM("tiny", config_overrides=TINY).named_parameters()}
+    in_memory, _ = _fit(None, monkeypatch, tmp_path, frozen_embeddings=True)
+    on_disk, strategy = _fit(str(tmp_path / "spill"), monkeypatch, tmp_path, frozen_embeddings=True)
+    assert strategy.memory.disk.peak_bytes_on_disk > 0
+    for name, value in in_memory.items():
+        assert torch.equal(value, on_disk[name]), name
+        assert torch.equal(value.full_tensor(), initial[name]) == ("embed_tokens" in name), name

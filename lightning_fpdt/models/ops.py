@@ -58,6 +58,8 @@ class FusedOps:
         """``fn(*args)`` compiled; ``eager()`` where compiling fails (and from then on)."""
         try:
             return _compiled(fn)(*args)
+        except torch.OutOfMemoryError:
+            raise  # the memory, not the compiler: the eager forms would need more
         except Exception as error:  # noqa: BLE001 - any compiler failure: the eager forms compute the same
             if self.failed is None:
                 self.failed = f"{type(error).__name__}: {error}"

@@ -80,6 +80,20 @@ def test_a_compiler_failure_falls_back_with_one_warning(fused, monkeypatch):
         torch.testing.assert_close(b, c, rtol=0, atol=0)
 
 
+def test_out_of_memory_is_not_a_compiler_failure(fused, monkeypatch):
+    """A fused kernel that runs out of device memory raises as it would eager: no fallback, no warning."""
+    def no_memory(fn):
+        def call(*args):
+            raise torch.OutOfMemoryError("out of memory")
+        return call
+
+    monkeypatch.setattr(ops, "_compiled", no_memory)
+    fn, inputs = _cases()["swiglu"]
+    with pytest.raises(torch.OutOfMemoryError):
+        _grads(fn, inputs)
+    assert ops.FUSED_OPS.failed is None
+
+
 def test_hugging_face_gated_mlps_compute_the_same_product():
     """A Hugging Face Llama's SiLU-gated MLPs get the fused product's forward: the same outputs and gradients."""
     from transformers import LlamaConfig, LlamaForCausalLM

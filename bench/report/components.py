@@ -64,8 +64,8 @@ def _slowest_product(record: Record) -> str:
 
 def _gemm_rows(records: list[Record]) -> Iterator[Row]:
     for r in of_kind(records, "gemm"):
-        yield r, [r["card"], str(r["gpus"]), r.get("model", NONE), length(r.get("tokens")), length(r.get("head_tokens")),
-                  number(r.get("block_tflops")), number(r.get("head_tflops")), _slowest_product(r)]
+        yield r, [r["card"], str(r["gpus"]), r.get("model", NONE), length(r.get("tokens")),
+                  length(r.get("head_tokens")), number(r.get("block_tflops")), number(r.get("head_tflops")), _slowest_product(r)]
 
 
 GEMM = Section(

@@ -66,8 +66,8 @@ def _peers(records: list[dict[str, Any]], commands: Commands, plots: Optional[li
     lines += [f"- **{system}**: {name}." for system, name in SYSTEM_NAMES.items()]
     lines += ["", "The example configurations run through `lightning_fpdt.cli` are fpdt runs too.", ""]
     lines += [*lengths.section(records, commands), ""]
-    for section in (training.DEPTH, training.THROUGHPUT, training.CHANGES, training.PROFILES, training.HOST, training.PLAN,
-                    training.FULL_DEPTH, training.PLACEMENT):
+    for section in (training.DEPTH, training.THROUGHPUT, training.CHANGES, training.PROFILES, training.HOST,
+                    training.PLAN, training.FULL_DEPTH, training.PLACEMENT):
         lines += [*section.render(records, commands), ""]
     lines += _plots(plots, commands, doc_dir, plot_note)
     return lines + training.RUNS.render(records, commands)

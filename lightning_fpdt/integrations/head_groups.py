@@ -343,10 +343,11 @@ def install_head_groups(module: nn.Module, attention: FPDTAttention, *, rope: Op
     parameters. ``rope``: the family's RoPE (``families.base.Family.rope``; ``None``: the ``apply_rotary_pos_emb`` of
     the module's file). ``ValueError`` for a module without separate ``q_proj``/``k_proj``/``v_proj``/``o_proj`` or
     heads that do not split (names the valid values)."""
-    projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    names = (*_PROJECTIONS, "o_proj")
+    projections = [getattr(module, name, None) for name in names]
     head_dim = getattr(module, "head_dim", None)
-    wrapped = [f"{name} is a {type(p).__module__}.{type(p).__name__}" for name, p in zip(_PROJECTIONS + ("o_proj",),
-               projections) if isinstance(p, nn.Module) and not isinstance(p, nn.Linear)]
+    wrapped = [f"{name} is a {type(p).__module__}.{type(p).__name__}" for name, p in zip(names, projections)
+               if isinstance(p, nn.Module) and not isinstance(p, nn.Linear)]
     if wrapped:  # head groups run slices of the projections' weights: an adapter's own weights would not train
         raise ValueError(
             f"head_chunks={attention.head_chunks} runs the q/k/v/o projections of {type(module).__name__} as slices "

@@ -29,7 +29,8 @@ from lightning_fpdt.integrations.attributes import (
     TILED_NORM,
 )
 from lightning_fpdt.integrations.context import SequenceParallelContext, inject_position_ids, loss_reduction
-from lightning_fpdt.integrations.families import Family, check_model, family_of, is_attention, tiled_norm_classes
+from lightning_fpdt.integrations.families import (Family, check_model, family_of, is_attention, mlp_classes,
+                                                  tiled_norm_classes)
 from lightning_fpdt.integrations.families.router_loss import load_balancing_loss
 from lightning_fpdt.integrations.head_groups import install_head_groups
 from lightning_fpdt.integrations.head_loss import give_head_the_loss
@@ -231,8 +232,7 @@ def fuse_hf_gated_mlps(model: nn.Module) -> int:
     """Give the SiLU-gated MLPs of the model's family (``down(act(gate(x)) · up(x))``) a forward that computes the
     product with ``lightning_fpdt.models.ops.swiglu`` (one fused kernel per pass on a GPU, the same formula);
     returns how many."""
-    family = next((f for f in map(family_of, model.modules()) if f is not None), None)
-    classes = set(family.mlp_classes) if family is not None else set()
+    classes = set(mlp_classes(model) or ())
     count = 0
     for module in model.modules():
         if (type(module).__name__ in classes and is_gated_mlp(module) and not getattr(module, FUSED_MLP, False)

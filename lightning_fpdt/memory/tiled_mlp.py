@@ -57,9 +57,9 @@ def tiled_mlp_backward(
     """Recompute ``fn`` one tile at a time and backpropagate that tile's output gradient through it.
 
     The gradients of ``params`` (the trainable parameters ``fn`` uses) are summed over the tiles in fp32 (at least;
-    with one tile there is nothing to sum) and added to their ``.grad`` once at the end, where FSDP2 reads them in its post-backward: summed tile by tile in
-    a bf16 ``.grad`` they would be rounded once per tile (84 tiles for Llama-3-8B at 256K tokens), where the untiled
-    MLP's single matmul rounds once. Gradients of parameters not in ``params`` accumulate as autograd does. The
+    with one tile there is nothing to sum) and added to their ``.grad`` once at the end, where FSDP2 reads them in
+    its post-backward: summed tile by tile in a bf16 ``.grad`` they would be rounded once per tile (84 tiles for
+    Llama-3-8B at 256K tokens), where the untiled MLP's single matmul rounds once. Gradients of parameters not in ``params`` accumulate as autograd does. The
     input gradient is returned.
     """
     x_flat = x.detach().reshape(-1, x.shape[-1])  # (N, hidden)

@@ -289,7 +289,7 @@ class SwiGLUFunction(torch.autograd.Function):
 
     | tensor | shape | kept for backward |
     |---|---|---|
-    | gate, up (in) | (..., intermediate) | yes: the SiLU is recomputed from gate in backward (eager keeps silu(gate) too) |
+    | gate, up (in) | (..., intermediate) | yes: the SiLU is recomputed from gate in backward (eager keeps it too) |
     | out | (..., intermediate) | no |
     """
 

@@ -33,13 +33,14 @@ def layers_run(args: argparse.Namespace) -> int:
     return args.layers if args.layers is not None else full_depth(args.model)
 
 
-def keep_inputs_option(args: argparse.Namespace) -> Any:
-    """``ActivationOffload(keep_inputs=...)`` of ``--keep-inputs``: ``"all"``, ``"auto"`` or a count; ``"auto"`` for
-    ``"all"`` under ``--auto-options`` (a count given stays)."""
-    keep = getattr(args, "keep_inputs", "all")
-    if getattr(args, "auto_options", False) and keep == "all":
+def count_option(args: argparse.Namespace, name: str) -> Any:
+    """``ActivationOffload``'s ``keep_inputs`` or ``checkpoint_blocks`` of ``--keep-inputs`` or
+    ``--checkpoint-blocks``: ``"all"``, ``"auto"`` or a count; ``"auto"`` for ``"all"`` under ``--auto-options`` (a
+    count given stays)."""
+    value = getattr(args, name, "all")
+    if getattr(args, "auto_options", False) and value == "all":
         return "auto"
-    return keep if keep in ("all", "auto") else int(keep)
+    return value if value in ("all", "auto") else int(value)
 
 
 def state_bytes_per_parameter(precision: str, optimizer: str = "adamw") -> int:

@@ -62,11 +62,14 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-inputs", default="all",
                         help="fpdt: ActivationOffload(keep_inputs=...): all (default), auto, or how many block inputs "
                              "wait for their backward (the others regenerated)")
+    parser.add_argument("--checkpoint-blocks", default="all",
+                        help="fpdt: ActivationOffload(checkpoint_blocks=...): all (default), auto, or how many blocks "
+                             "are checkpointed (the first ones; the others keep their activations on the GPU)")
     parser.add_argument("--auto-options", action="store_true",
                         help="fpdt, fpdt-hf: every memory option \"auto\" (chunks, offload, offload_dq, head_chunks, "
-                             "ActivationOffload's recompute_attention, reload_input, prefetch, keep_inputs): the "
-                             "strategy's choice of the fastest configuration that fits; the option flags are ignored "
-                             "but a --keep-inputs count")
+                             "ActivationOffload's recompute_attention, reload_input, prefetch, keep_inputs, "
+                             "checkpoint_blocks): the strategy's choice of the fastest configuration that fits; the "
+                             "option flags are ignored but a --keep-inputs or --checkpoint-blocks count")
     parser.add_argument("--cpu-offload-params", action="store_true",
                         help="FSDP2 CPUOffloadPolicy in every system but alst; alst: ZeRO offload_optimizer to the CPU "
                              "with DeepSpeedCPUAdam, and offload_param on one GPU (Llama-3-8B's states do not fit one "

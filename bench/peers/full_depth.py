@@ -42,7 +42,7 @@ from typing import Any, Optional
 
 import torch
 
-from bench.peers.ballast import (GIB, ON_OFF_AUTO, host_check, keep_inputs_option, layers_run, run_ballast,
+from bench.peers.ballast import (GIB, ON_OFF_AUTO, count_option, host_check, layers_run, run_ballast,
                                  state_bytes_per_parameter)
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner import PRECISIONS, MemoryPlan, parameter_counts, plan_memory
@@ -89,10 +89,14 @@ class FullDepth:
 
     def strategy_arguments(self) -> dict[str, dict[str, Any]]:
         """``{"FPDTStrategy": {...}, "ActivationOffload": {...}}`` the run trains with: the full plan's options,
-        every block input of the layers run kept, no disk tier (the disk ballast stands for the full depth's)."""
+        every block input of the layers run kept, no disk tier (the disk ballast stands for the full depth's), the
+        blocks checkpointed as the layers run's plan has them (:func:`checkpointed_run_blocks`)."""
         chosen = arguments(self.plan)
         chosen["FPDTStrategy"].pop("offload_dir", None)
-        chosen.setdefault("ActivationOffload", {})["keep_inputs"] = "all"
+        offload = chosen.setdefault("ActivationOffload", {})
+        offload["keep_inputs"] = "all"
+        if "checkpoint_blocks" in offload:
+            offload["checkpoint_blocks"] = self.run_plan.options.checkpoint_blocks
         return chosen
 
     def record(self, step_time_s: Optional[float]) -> dict[str, Any]:
@@ -108,6 +112,8 @@ class FullDepth:
             "held": held,
             "options": arguments(full),
             "kept_inputs": o.kept_inputs or full.geometry.num_layers, "disk_inputs": o.disk_inputs,
+            "checkpoint_blocks": full.geometry.num_layers if o.checkpoint_blocks == "all" else o.checkpoint_blocks,
+            "run_checkpoint_blocks": run.options.checkpoint_blocks,
             "regenerated_block_forwards": full.geometry.num_layers - o.kept_inputs if o.kept_inputs else 0,
             "planned_peak_gpu_bytes": full.peak_gpu_bytes, "planned_pinned_bytes": full.host_bytes_per_gpu,
             "planned_resident_bytes": full.host_resident_bytes_per_gpu,
@@ -139,7 +145,7 @@ def plan_fpdt(args: argparse.Namespace, geometry: ModelGeometry, *, num_gpus: in
         recompute_attention="auto" if auto else args.recompute_attention,
         reload_input="auto" if auto else args.reload_input,
         input_prefetch="auto" if auto else args.prefetch > 0,
-        keep_inputs=keep_inputs_option(args),
+        keep_inputs=count_option(args, "keep_inputs"), checkpoint_blocks=count_option(args, "checkpoint_blocks"),
     )
     if not full.fits:
         raise FullDepthRefused(f"{args.model} at full depth ({geometry.num_layers} layers), {args.seq_len:,} tokens: "
@@ -149,9 +155,20 @@ def plan_fpdt(args: argparse.Namespace, geometry: ModelGeometry, *, num_gpus: in
         geometry=dataclasses.replace(geometry, num_layers=layers_run(args)), **common, gpu_memory_gib=gpu_gib,
         chunks=o.chunks, offload=o.offload, offload_dq=o.offload_dq, head_chunks=o.head_chunks,
         recompute_attention=o.recompute_attention, reload_input=o.reload_input, input_prefetch=o.input_prefetch,
-        keep_inputs="all",
+        keep_inputs="all", checkpoint_blocks=checkpointed_run_blocks(o.checkpoint_blocks, geometry.num_layers,
+                                                                     layers_run(args)),
     )
     return full, run
+
+
+def checkpointed_run_blocks(full: Any, full_layers: int, run_layers: int) -> Any:
+    """The blocks the layers run checkpoint, of a full depth that checkpoints ``full`` (``"all"`` or a count) of its
+    ``full_layers``: as many left plain as the full depth's share of plain blocks allows, rounded down, so the run
+    never saves more recompute than the full depth does (its step is then scaled by the two plans' estimates)."""
+    if full == "all":
+        return "all"
+    plain = (full_layers - full) * run_layers // full_layers
+    return "all" if plain == 0 else run_layers - plain
 
 
 def _pageable(plan: MemoryPlan) -> int:

@@ -147,7 +147,9 @@ def options(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
                 "callbacks": ["ActivationOffload", "TiledMLP", "TiledLoss", "MFUMonitor"],
                 "recompute_attention": args.recompute_attention, "head_chunks": args.head_chunks,
                 "reload_input": args.reload_input, "prefetch": args.prefetch,
-                "keep_inputs": getattr(args, "keep_inputs", "all"), "auto_options": getattr(args, "auto_options", False),
+                "keep_inputs": getattr(args, "keep_inputs", "all"),
+                "checkpoint_blocks": getattr(args, "checkpoint_blocks", "all"),
+                "auto_options": getattr(args, "auto_options", False),
                 "offload_dir": getattr(args, "offload_dir", None) is not None,
                 **({"full_depth_arguments": args.full_depth_arguments} if hasattr(args, "full_depth_arguments") else {}),
                 "host_step": ("after backward" if args.host_step_after_backward else "in backward")

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from bench.host_readings import ResidentPeaks, pinned_bytes, plan_fields
-from bench.peers.ballast import ON_OFF_AUTO, keep_inputs_option, layers_run
+from bench.peers.ballast import ON_OFF_AUTO, count_option, layers_run
 from bench.step_profile import StepProfiler
 from lightning_fpdt import ActivationOffload, FPDTStrategy, MFUMonitor, TiledLoss, TiledMLP
 from lightning_fpdt.models.llama import IGNORE_INDEX, LlamaForCausalLM, sdpa_attention
@@ -257,12 +257,14 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
         elif getattr(args, "auto_options", False):  # the strategy chooses every memory option but a count given
             memory: dict[str, Any] = dict(chunks="auto", offload="auto", offload_dq="auto", head_chunks="auto")
             blocks: dict[str, Any] = dict(recompute_attention="auto", reload_input="auto", prefetch="auto",
-                                          keep_inputs=keep_inputs_option(args))
+                                          keep_inputs=count_option(args, "keep_inputs"),
+                                          checkpoint_blocks=count_option(args, "checkpoint_blocks"))
         else:
             memory = dict(chunks=args.chunks, offload=ON_OFF_AUTO[args.offload],
                           offload_dq=ON_OFF_AUTO[args.offload_dq], head_chunks=args.head_chunks)
             blocks = dict(recompute_attention=args.recompute_attention, reload_input=args.reload_input,
-                          prefetch=args.prefetch, keep_inputs=keep_inputs_option(args))
+                          prefetch=args.prefetch, keep_inputs=count_option(args, "keep_inputs"),
+                          checkpoint_blocks=count_option(args, "checkpoint_blocks"))
         strategy = FPDTStrategy(**memory, attention_backend=args.attention_backend,
                                 cpu_offload_params=args.cpu_offload_params, offload_dir=args.offload_dir,
                                 host_step_in_backward=not args.host_step_after_backward)

@@ -11,10 +11,14 @@ full-depth model reach lengths where the stashes of all layers exceed the host's
 from the nearest kept one (partial residency, docs/design.md §6): the host holds ``k`` inputs and one segment's
 regenerated ones instead of all ``L``, for a second forward of the blocks between the kept ones.
 
-``recompute_attention``, ``reload_input``, ``prefetch`` and ``keep_inputs`` default to ``"auto"``: under
-``strategy="fpdt"`` on a GPU the strategy chooses them, with its own ``"auto"`` options, as the fastest configuration
-that fits the GPU and the host (``lightning_fpdt.planner.search``); elsewhere ``"auto"`` is what costs nothing: the
-attention kept, the input prefetched one block ahead, not reloaded, every input kept.
+``checkpoint_blocks`` checkpoints only the first blocks and runs the others as without checkpointing (their
+activations kept on the GPU, nothing run again): where the GPU has room, the step saves those blocks' recompute.
+
+``recompute_attention``, ``reload_input``, ``prefetch``, ``keep_inputs`` and ``checkpoint_blocks`` default to
+``"auto"``: under ``strategy="fpdt"`` on a GPU the strategy chooses them, with its own ``"auto"`` options, as the
+fastest configuration that fits the GPU and the host (``lightning_fpdt.planner.search``); elsewhere ``"auto"`` is what
+the callback does by itself: the attention kept, the input prefetched one block ahead, not reloaded, every input
+kept, every block checkpointed.
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ from torch import nn
 from lightning_fpdt.callbacks.transforms import transform_without_fpdt
 from lightning_fpdt.integrations import residual_mlps, shared_attentions
 from lightning_fpdt.memory import BlockCheckpoints, apply_block_offload, find_blocks
-from lightning_fpdt.memory.block_offload import check_keep_inputs
+from lightning_fpdt.memory.block_offload import check_checkpoint_blocks, check_keep_inputs
 from lightning_fpdt.planner.options import MemoryFeatures
 from lightning_fpdt.sequence.host_stash import StashFactory
 from lightning_fpdt.sequence.options import check_switch
 
-AUTO_VALUES = dict(recompute_attention=False, reload_input=False, prefetch=1, keep_inputs="all")
-"""What ``"auto"`` is where nothing plans it (another strategy, no GPU): what costs nothing."""
+AUTO_VALUES = dict(recompute_attention=False, reload_input=False, prefetch=1, keep_inputs="all",
+                   checkpoint_blocks="all")
+"""What ``"auto"`` is where nothing plans it (another strategy, no GPU): what the callback does by itself."""
 
 
 class ActivationOffload(Callback):
@@ -64,6 +69,13 @@ class ActivationOffload(Callback):
             holds ``k`` inputs and at most ``⌈L/k⌉ - 1`` regenerated ones instead of ``L``, for a forward of the
             ``L - k`` blocks before them. The gradients are the same. ``"auto"``: chosen by the strategy (fewer only
             where the memory needs it), else ``"all"``.
+        checkpoint_blocks: ``"all"``: every block is checkpointed; an int ``n`` (``0 <= n <=`` the number of
+            blocks): only the first ``n``, and the others run plain: autograd keeps their activations on the GPU
+            until their backward (about ``S/P·(4·hidden + 4·intermediate)`` bf16 values per block), their MLPs run
+            whole (not over ``TiledMLP``'s tiles) and nothing of theirs is computed again, so the step saves their
+            recompute. Plain blocks need every input kept and the attention not recomputed (``keep_inputs="all"``,
+            ``recompute_attention=False``). ``"auto"``: chosen by the strategy (the fewest checkpointed blocks that
+            fit), else ``"all"``.
 
     With ``strategy="fpdt"`` the strategy applies it before FSDP2; with another strategy it wraps the blocks of the
     LightningModule's model at ``setup`` (checkpointing and offload work; the attention is recomputed there).
@@ -82,6 +94,7 @@ class ActivationOffload(Callback):
         recompute_attention: Union[Literal["auto"], bool] = "auto",
         reload_input: Union[Literal["auto"], bool] = "auto",
         keep_inputs: Union[Literal["auto", "all"], int] = "auto",
+        checkpoint_blocks: Union[Literal["auto", "all"], int] = "auto",
     ) -> None:
         if prefetch != "auto" and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
             raise ValueError(f"prefetch must be >= 0 blocks, got {prefetch!r} (or 'auto': the strategy chooses)")
@@ -91,11 +104,13 @@ class ActivationOffload(Callback):
             raise ValueError("reload_input brings block inputs back from the host: it needs offload=True (with "
                              "offload=False they stay on the GPU anyway)")
         check_keep_inputs(keep_inputs)
+        check_checkpoint_blocks(checkpoint_blocks)
         self.layer_classes = layer_classes
         self.prefetch = prefetch
         self.recompute_attention = recompute_attention
         self.reload_input = reload_input
         self.keep_inputs = keep_inputs
+        self.checkpoint_blocks = checkpoint_blocks
         self.stashes = StashFactory(offload=offload, pin_memory=pin_memory, what="the checkpointed block inputs")
         self._owner: Optional[BlockCheckpoints] = None
 
@@ -112,32 +127,34 @@ class ActivationOffload(Callback):
             activation_checkpointing=True, activation_offload=offload, recompute_attention=self.recompute_attention,
             reload_input=self.reload_input if offload else False,
             input_prefetch=self.prefetch if self.prefetch == "auto" else self.prefetch > 0,
-            keep_inputs=self.keep_inputs,
+            keep_inputs=self.keep_inputs, checkpoint_blocks=self.checkpoint_blocks,
         )
 
     def resolved(self, name: str) -> Any:
-        """The value of ``recompute_attention``, ``reload_input``, ``prefetch`` or ``keep_inputs`` in force: the one
-        given, or the strategy's choice for ``"auto"`` (:meth:`apply_memory_choice`), or, before any choice, what
-        costs nothing."""
+        """The value of ``recompute_attention``, ``reload_input``, ``prefetch``, ``keep_inputs`` or
+        ``checkpoint_blocks`` in force: the one given, or the strategy's choice for ``"auto"``
+        (:meth:`apply_memory_choice`), or, before any choice, what the callback does by itself."""
         value = getattr(self, name)
         if value != "auto":
             return value
         return getattr(self, "_chosen", {}).get(name, AUTO_VALUES[name])
 
     def apply_memory_choice(self, *, recompute_attention: bool, reload_input: bool, prefetch: int,
-                            keep_inputs: Union[Literal["all"], int] = "all") -> None:
+                            keep_inputs: Union[Literal["all"], int] = "all",
+                            checkpoint_blocks: Union[Literal["all"], int] = "all") -> None:
         """The strategy's choice for this run's sequence length: taken for the options left at ``"auto"`` (an
         explicit value stays; the strategy plans with it)."""
         self._chosen = dict(recompute_attention=recompute_attention, reload_input=reload_input, prefetch=prefetch,
-                            keep_inputs=keep_inputs)
+                            keep_inputs=keep_inputs, checkpoint_blocks=checkpoint_blocks)
         if self._owner is not None:
             self._owner.configure(recompute_attention=self.resolved("recompute_attention"),
                                   reload_input=self.resolved("reload_input") and self.stashes.offload,
-                                  prefetch=self.resolved("prefetch"), keep_inputs=self._kept_count())
+                                  prefetch=self.resolved("prefetch"), keep_inputs=self._count("keep_inputs"),
+                                  checkpoint_blocks=self._count("checkpoint_blocks"))
 
-    def _kept_count(self) -> Optional[int]:
-        """``keep_inputs`` in force as the blocks' owner takes it: ``None`` for all."""
-        value = self.resolved("keep_inputs")
+    def _count(self, name: str) -> Optional[int]:
+        """``keep_inputs`` or ``checkpoint_blocks`` in force as the blocks' owner takes it: ``None`` for all."""
+        value = self.resolved(name)
         return None if value == "all" else value
 
     def fpdt_transform(self, model: nn.Module, blocks: list[nn.Module]) -> None:
@@ -147,11 +164,13 @@ class ActivationOffload(Callback):
                 f"ActivationOffload found no transformer blocks in {type(model).__name__}: give layer_classes=[...]"
             )
         check_keep_inputs(self.keep_inputs, num_blocks=len(blocks))
+        check_checkpoint_blocks(self.checkpoint_blocks, num_blocks=len(blocks))
         # the attentions record their first pass (and do not run again) unless the recompute runs them
         self._owner = apply_block_offload(
             blocks, stashes=self.stashes, prefetch=self.resolved("prefetch"), attentions=shared_attentions(model),
             unused_mlp_values=residual_mlps(blocks), reload_input=self.resolved("reload_input"),
-            recompute_attention=self.resolved("recompute_attention"), keep_inputs=self._kept_count(),
+            recompute_attention=self.resolved("recompute_attention"), keep_inputs=self._count("keep_inputs"),
+            checkpoint_blocks=self._count("checkpoint_blocks"),
         )
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:

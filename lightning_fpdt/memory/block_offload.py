@@ -34,6 +34,14 @@ taken without being consumed, and the layer's own recompute replays it later as 
 previous block's output as it left that block (anything ran between the blocks) cannot be regenerated that way: it
 is kept, whatever the schedule.
 
+Blocks not checkpointed (``checkpoint_blocks``): only the first ``n`` blocks are checkpointed; the others run as
+without checkpointing: autograd keeps their activations on the GPU until their backward, their attention keeps its
+stash for its own backward (nothing recorded, nothing run again) and their MLPs run whole, not over tiles (a tiled
+MLP runs its forward again in its backward, which is what such a block saves). The last blocks are the ones left
+plain: their backward comes first, frees their activations before any recompute runs, and waits for no input coming
+back from the host. Partial residency and ``recompute_attention`` apply to the checkpointed blocks; both serve runs
+whose memory every block must save, so a schedule with plain blocks is refused with either.
+
 Frozen parameters and adapters: a checkpointed block's output requires grad whenever the block has a trainable
 parameter, also when its input needs no gradient (frozen embeddings, a frozen block before it); its recompute then
 computes the parameters' gradients and no input gradient. A block with no trainable parameter on an input without
@@ -63,6 +71,8 @@ from lightning_fpdt.sequence.host_stash import ChunkStash, HostStash, StashFacto
 
 _UNUSED_VALUES: ContextVar[frozenset[int]] = ContextVar("fpdt_unused_mlp_values", default=frozenset())
 """Ids of the MLPs whose value nothing reads in the block recompute running on this thread (empty otherwise)."""
+_PLAIN_BLOCK: ContextVar[bool] = ContextVar("fpdt_plain_block", default=False)
+"""Whether the forward running on this thread is a block's that is not checkpointed (``checkpoint_blocks``)."""
 
 
 STATE_ARGUMENTS: dict[str, Any] = {"use_cache": False, "cache": None, "past_key_values": None,
@@ -76,6 +86,39 @@ none). A training forward has no use for the cache; transformers' own checkpoint
 def mlp_value_unused(mlp: nn.Module) -> bool:
     """Whether ``mlp`` runs inside its block's recompute, where nothing reads its output value."""
     return id(mlp) in _UNUSED_VALUES.get()
+
+
+def in_plain_block() -> bool:
+    """Whether a block that is not checkpointed is running its forward here (its MLP runs whole: module
+    docstring)."""
+    return _PLAIN_BLOCK.get()
+
+
+def check_checkpoint_blocks(value: Any, num_blocks: Optional[int] = None,
+                            words: tuple[str, ...] = ("auto", "all")) -> None:
+    """``checkpoint_blocks`` is one of ``words`` or a count from 0 to the ``num_blocks`` blocks (when known);
+    ValueError naming the choices."""
+    if isinstance(value, str) and value in words:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (num_blocks is not None
+                                                                               and value > num_blocks):
+        blocks = "the number of blocks" if num_blocks is None else f"the model's {num_blocks} blocks"
+        choices = "".join(f"{word!r}, " for word in words[:-1]) + (f"{words[-1]!r} or " if words else "")
+        raise ValueError(f"checkpoint_blocks must be {choices}a number of blocks from 0 to {blocks} (the first ones "
+                         f"are checkpointed, the others keep their activations on the GPU), got {value!r}")
+
+
+def check_plain_blocks(checkpoint_blocks: Optional[int], num_blocks: Optional[int], *, keep_inputs: Optional[int],
+                       recompute_attention: bool) -> None:
+    """Blocks left plain (fewer than all checkpointed) go with every input kept and the attention not recomputed:
+    ValueError naming the fix otherwise."""
+    if checkpoint_blocks is None or (num_blocks is not None and checkpoint_blocks >= num_blocks):
+        return
+    if keep_inputs is not None or recompute_attention:
+        what = f"keep_inputs={keep_inputs}" if keep_inputs is not None else "recompute_attention=True"
+        raise ValueError(f"checkpoint_blocks={checkpoint_blocks} leaves blocks plain (their activations kept on the "
+                         f"GPU) while {what} saves memory on every block: use checkpoint_blocks='all' with it, or "
+                         f"drop it")
 
 
 def check_keep_inputs(value: Any, num_blocks: Optional[int] = None, words: tuple[str, ...] = ("auto", "all")) -> None:
@@ -113,14 +156,14 @@ class BlockCheckpoints:
 
     def __init__(self, stashes: StashFactory, prefetch: int, attentions: Sequence[Any] = (),
                  reload_input: bool = False, recompute_attention: bool = False, num_blocks: int = 1,
-                 keep_inputs: Optional[int] = None) -> None:
+                 keep_inputs: Optional[int] = None, checkpoint_blocks: Optional[int] = None) -> None:
         self.stashes = stashes
         self.attentions = list(attentions)
         """Told to keep what the recompute needs (unless it recomputes them); objects with ``recording`` and
         ``regenerating`` flags."""
         self.num_blocks = num_blocks
         self.configure(recompute_attention=recompute_attention, reload_input=reload_input, prefetch=prefetch,
-                       keep_inputs=keep_inputs)
+                       keep_inputs=keep_inputs, checkpoint_blocks=checkpoint_blocks)
         self.forward_order: list[int] = []  # stash keys of this step's blocks, in forward order
         self._stash: Optional[ChunkStash] = None
         self._calls: dict[int, tuple[CheckpointedForward, Any, tuple, _RngState]] = {}
@@ -130,10 +173,14 @@ class BlockCheckpoints:
         """Block inputs regenerated in backwards so far."""
 
     def configure(self, *, recompute_attention: bool, reload_input: bool, prefetch: int,
-                  keep_inputs: Optional[int] = None) -> None:
+                  keep_inputs: Optional[int] = None, checkpoint_blocks: Optional[int] = None) -> None:
         """Set how the next steps run (between steps: the strategy's choice for a sequence length)."""
         if keep_inputs is not None:  # a count of at least the blocks keeps all (a plan made for a deeper config)
             check_keep_inputs(keep_inputs, words=())
+        if checkpoint_blocks is not None:
+            check_checkpoint_blocks(checkpoint_blocks, words=())
+        check_plain_blocks(checkpoint_blocks, self.num_blocks, keep_inputs=keep_inputs,
+                           recompute_attention=recompute_attention)
         self.prefetch = prefetch
         """Blocks ahead whose inputs come back during a block's backward."""
         self.reload_input = reload_input
@@ -143,6 +190,8 @@ class BlockCheckpoints:
         self.keep_inputs = keep_inputs
         """Block inputs kept in the stash, evenly spaced; ``None``: all (module docstring)."""
         self._kept = kept_positions(self.num_blocks, keep_inputs)
+        self.checkpointed = self.num_blocks if checkpoint_blocks is None else min(checkpoint_blocks, self.num_blocks)
+        """Blocks checkpointed, the first ones; the others run plain (module docstring)."""
 
     def stash(self, device: torch.device) -> ChunkStash:
         if self._stash is None:
@@ -486,12 +535,22 @@ class CheckpointedForward:
         params = self.module.parameters() if self.module is not None else ()
         return any(isinstance(x, Tensor) and x.requires_grad for x in leaves) or any(p.requires_grad for p in params)
 
+    def plain(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward of a block that is not checkpointed: autograd keeps what it needs, its MLPs run whole."""
+        token = _PLAIN_BLOCK.set(True)
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            _PLAIN_BLOCK.reset(token)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, _ = tree_flatten((args, kwargs))
         if not leaves or not isinstance(leaves[0], Tensor) or not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)  # evaluation, or a call without hidden states first
         if not self.trains(leaves):
             return self.forward(*args, **kwargs)  # a frozen block on frozen inputs: no graph, nothing to recompute
+        if self.key >= self.owner.checkpointed:
+            return self.plain(*args, **kwargs)
         # the forward runs twice (and a third time to regenerate an input): it must not fill a KV cache each time
         kwargs = {**kwargs, **{name: value for name, value in STATE_ARGUMENTS.items() if name in kwargs}}
         leaves, spec = tree_flatten((args, kwargs))
@@ -512,20 +571,21 @@ def offloaded_blocks(blocks: Sequence[nn.Module]) -> Optional[BlockCheckpoints]:
 def apply_block_offload(
     blocks: Sequence[nn.Module], *, stashes: StashFactory, prefetch: int = 1, attentions: Sequence[Any] = (),
     unused_mlp_values: Optional[Mapping[nn.Module, nn.Module]] = None, reload_input: bool = False,
-    recompute_attention: bool = False, keep_inputs: Optional[int] = None,
+    recompute_attention: bool = False, keep_inputs: Optional[int] = None, checkpoint_blocks: Optional[int] = None,
 ) -> BlockCheckpoints:
     """Checkpoint each of ``blocks`` with its input in ``stashes`` (host memory when offloading); in place,
     idempotent. ``attentions`` record their first pass unless ``recompute_attention``; ``unused_mlp_values`` maps a
     block to its MLP whose output only feeds the block's residual add; ``reload_input`` leaves a block's input on the
     host through its backward; ``keep_inputs`` keeps that many inputs (``None``: all) and regenerates the others in
-    the backward (all: see the module docstring). Returns the blocks' owner."""
+    the backward (all: see the module docstring); ``checkpoint_blocks`` checkpoints the first that many (``None``:
+    all) and runs the others plain. Returns the blocks' owner."""
     if not blocks:
         raise ValueError("apply_block_offload got no blocks")
     wrapped = offloaded_blocks(blocks)
     if wrapped is not None:
         return wrapped  # fit then validate must not wrap twice
     owner = BlockCheckpoints(stashes, prefetch, attentions, reload_input, recompute_attention, len(blocks),
-                             keep_inputs)
+                             keep_inputs, checkpoint_blocks)
     unused = unused_mlp_values or {}
     for key, block in enumerate(blocks):
         replace_forward(block, CheckpointedForward(block.forward, owner, key, unused.get(block), block))

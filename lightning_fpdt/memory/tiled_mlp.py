@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.dropout import _DropoutNd
 
-from lightning_fpdt.memory.block_offload import mlp_value_unused
+from lightning_fpdt.memory.block_offload import in_plain_block, mlp_value_unused
 from lightning_fpdt.memory.forwards import replace_forward
 from lightning_fpdt.memory.surgery import find_mlps
 from lightning_fpdt.memory.tiling import auto_mlp_tiles, check_num_tiles, tile_bounds
@@ -173,6 +173,9 @@ class TiledForward:
         self.intermediate_size = _intermediate_size(mlp)
 
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if in_plain_block():  # a block that is not checkpointed keeps its activations: nothing to run again
+            return self.forward(x, *args, **kwargs)
+
         def fn(tile: Tensor) -> Tensor:
             return self.forward(tile, *args, **kwargs)  # the original forward: no hooks, no second tiling
 

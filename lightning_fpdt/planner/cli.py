@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from lightning_fpdt.models.llama import NAMED_CONFIGS
 from lightning_fpdt.planner.arguments import python_arguments, yaml_arguments
@@ -101,13 +101,15 @@ def _switch(value: str) -> Union[str, bool]:
     return choices[value]
 
 
-def _keep_inputs(value: str) -> Union[str, int]:
-    if value in ("auto", "all"):
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"choose auto, all or a number of block inputs, not {value!r}") from None
+def _all_or_count(what: str) -> Callable[[str], Any]:
+    def parse(value: str) -> Union[str, int]:
+        if value in ("auto", "all"):
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"choose auto, all or a number of {what}, not {value!r}") from None
+    return parse
 
 
 def _host_memory(value: str) -> Union[str, float]:
@@ -167,9 +169,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "input stays on the host through its backward")
     parser.add_argument("--prefetch", type=_auto_or_int, default="auto",
                         help="ActivationOffload(prefetch=...): block inputs brought back ahead (0: none), or auto")
-    parser.add_argument("--keep-inputs", type=_keep_inputs, default="auto",
+    parser.add_argument("--keep-inputs", type=_all_or_count("block inputs"), default="auto",
                         help="ActivationOffload(keep_inputs=...): all, a number k of block inputs kept (the others "
                              "regenerated in the backward: k + ceil(L/k) - 1 held instead of L), or auto")
+    parser.add_argument("--checkpoint-blocks", type=_all_or_count("blocks"), default="auto",
+                        help="ActivationOffload(checkpoint_blocks=...): all, a number n of blocks checkpointed (the "
+                             "first ones; the others keep their activations on the GPU and are not run again), or "
+                             "auto")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
                         help="GiB of one GPU (an H100 80GB reports ~79, an H200 ~139); the plan fills it less the CUDA "
                              "context and the allocator's fragmentation, as the strategy does")
@@ -207,7 +213,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             host_memory_gib=host, recompute_attention=args.recompute_attention, head_chunks=args.head_chunks,
             reload_input=args.reload_input,
             input_prefetch=args.prefetch if args.prefetch == "auto" else args.prefetch > 0,
-            keep_inputs=args.keep_inputs, host_baseline_gib=args.host_baseline_gib, disk_memory_gib=args.disk_gib,
+            keep_inputs=args.keep_inputs, checkpoint_blocks=args.checkpoint_blocks, host_baseline_gib=args.host_baseline_gib, disk_memory_gib=args.disk_gib,
             disk_gbps=args.disk_gbps, accumulate_grad_batches=args.accumulate_grad_batches,
             sync_every_batch=args.sync_every_batch,
         )

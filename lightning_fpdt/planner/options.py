@@ -62,6 +62,10 @@ class PlanOptions:
     """``ActivationOffload(keep_inputs=k)``: how many block inputs wait for their backward, evenly spaced, the
     others regenerated in the backward (partial residency); ``0``: every block's (``keep_inputs="all"``). A count
     is below the number of layers: keeping all of them is ``0``."""
+    checkpoint_blocks: Union[Literal["all"], int] = "all"
+    """``ActivationOffload(checkpoint_blocks=n)``: only the first ``n`` blocks checkpointed, the others plain (their
+    activations on the GPU until their backward, their MLPs whole); ``"all"``: every block (under
+    ``activation_checkpointing`` only)."""
     accumulate_grad_batches: int = 1
     """``Trainer(accumulate_grad_batches=...)``: batches of a window, each with its forward and backward, before one
     optimizer step."""
@@ -81,6 +85,15 @@ class PlanOptions:
         if self.kept_inputs < 0 or (self.kept_inputs and not self.activation_checkpointing):
             raise ValueError(f"kept_inputs={self.kept_inputs} needs checkpointed blocks and a count >= 0 (0: all "
                              f"kept): set activation_checkpointing=True with it, or kept_inputs=0")
+        if self.checkpoint_blocks != "all":
+            if isinstance(self.checkpoint_blocks, bool) or not isinstance(self.checkpoint_blocks, int) or \
+                    self.checkpoint_blocks < 0 or not self.activation_checkpointing:
+                raise ValueError(f"checkpoint_blocks={self.checkpoint_blocks!r} needs checkpointed blocks and a count "
+                                 f">= 0: set activation_checkpointing=True with it, or checkpoint_blocks='all'")
+            if self.kept_inputs or self.recompute_attention or self.disk_inputs:
+                raise ValueError(f"checkpoint_blocks={self.checkpoint_blocks} leaves blocks plain, which keep their "
+                                 f"activations on the GPU; keep_inputs, recompute_attention and the disk tier save "
+                                 f"memory on every block: use checkpoint_blocks='all' with them")
         check_ring(self.ring_size, chunks=self.chunks, offload_dq=self.offload_dq, head_chunks=self.head_chunks)
 
     def describe(self) -> str:
@@ -101,6 +114,7 @@ class PlanOptions:
             + (" prefetch=0" if self.activation_offload and not self.input_prefetch else "")
             + (f" disk_inputs={self.disk_inputs}" if self.disk_inputs else "")
             + (f" keep_inputs={self.kept_inputs}" if self.kept_inputs else "")
+            + (f" checkpoint_blocks={self.checkpoint_blocks}" if self.checkpoint_blocks != "all" else "")
             + (f" accumulate_grad_batches={self.accumulate_grad_batches}" if self.accumulate_grad_batches > 1 else "")
             + (" sync_every_batch" if self.accumulate_grad_batches > 1 and self.sync_every_batch else "")
         )
@@ -127,6 +141,9 @@ class MemoryFeatures:
     """``ActivationOffload(prefetch=...)`` of one block or more (``False``: ``prefetch=0``)."""
     keep_inputs: Union[Literal["auto", "all"], int] = "all"
     """``ActivationOffload(keep_inputs=...)``: ``"all"``, a count of block inputs kept, or ``"auto"``."""
+    checkpoint_blocks: Union[Literal["auto", "all"], int] = "all"
+    """``ActivationOffload(checkpoint_blocks=...)``: ``"all"``, a count of blocks checkpointed (the first ones), or
+    ``"auto"``."""
     tiled_mlp: bool = False
     """``TiledMLP``."""
     tiled_loss: bool = False
@@ -172,7 +189,7 @@ def resolve_options(
     activation_checkpointing: Optional[bool], tiled_mlp: bool, tiled_loss: bool, precision: str, optimizer: str,
     cpu_offload_params: bool, gpu_memory_bytes: int, recompute_attention: bool = False, reload_input: bool = False,
     input_prefetch: bool = True, disk_inputs: int = 0, kept_inputs: int = 0, accumulate_grad_batches: int = 1,
-    sync_every_batch: bool = False,
+    sync_every_batch: bool = False, checkpoint_blocks: Union[Literal["all"], int] = "all",
 ) -> PlanOptions:
     """The sizes (as the strategy resolves its mesh) and the attention options (:meth:`FPDTOptions.resolve`, with
     the free memory of :func:`free_for_auto`) of a plan."""
@@ -196,6 +213,7 @@ def resolve_options(
         optimizer=optimizer, recompute_attention=recompute_attention, ring_size=ring, head_chunks=head_chunks,
         reload_input=reload_input, input_prefetch=input_prefetch, disk_inputs=disk_inputs, kept_inputs=kept_inputs,
         accumulate_grad_batches=accumulate_grad_batches, sync_every_batch=sync_every_batch,
+        checkpoint_blocks=checkpoint_blocks,
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Optional, Union
 
-from lightning_fpdt.memory.block_offload import check_keep_inputs
+from lightning_fpdt.memory.block_offload import check_checkpoint_blocks, check_keep_inputs
 from lightning_fpdt.planner.components import GIB, MemoryPlan
 from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, geometry_name, resolve_geometry
@@ -17,7 +17,7 @@ from lightning_fpdt.planner.search import SEARCHED, Run, changes_between, fastes
 from lightning_fpdt.sequence.options import FPDTOptions
 
 AUTO_NEUTRAL = dict(head_chunks=1, recompute_attention=False, reload_input=False, input_prefetch=True, disk_inputs=0,
-                    kept_inputs=0, sync_every_batch=False)
+                    kept_inputs=0, sync_every_batch=False, checkpoint_blocks="all")
 """What these options are before the search resolves their ``"auto"`` (and when nothing fits)."""
 
 Switch = Union[Literal["auto"], bool]
@@ -49,6 +49,7 @@ def plan_memory(
     reload_input: Switch = False,
     input_prefetch: Switch = True,
     keep_inputs: Union[Literal["auto", "all"], int] = "all",
+    checkpoint_blocks: Union[Literal["auto", "all"], int] = "all",
     host_baseline_gib: Optional[float] = None,
     disk_memory_gib: Optional[float] = None,
     disk_gbps: float = DISK_GBPS,
@@ -77,6 +78,8 @@ def plan_memory(
             ``reload_input`` and ``prefetch`` (``input_prefetch``: one block or more), or ``"auto"``.
         keep_inputs: ``ActivationOffload(keep_inputs=...)``: ``"all"``, a count of block inputs kept (1 to the
             model's layers; the others regenerated in the backward), or ``"auto"``.
+        checkpoint_blocks: ``ActivationOffload(checkpoint_blocks=...)``: ``"all"``, a count of blocks checkpointed
+            (0 to the model's layers; the first ones, the others plain), or ``"auto"`` (the fewest that fit).
         precision: ``"bf16-mixed"``, ``"bf16-true"`` or ``"32-true"``.
         optimizer: ``"adamw"``, ``"adam"`` (two moments) or ``"sgd"`` (none).
         gpu_memory_gib: memory of one GPU in GiB (about 79 for an H100 80GB, 139 for an H200).
@@ -127,12 +130,19 @@ def plan_memory(
             raise ValueError(f"disk_inputs={disk_inputs} puts block inputs on disk: it needs activation_offload=True "
                              f"and a disk (disk_memory_gib)")
     check_keep_inputs(keep_inputs, geometry.num_layers)
+    check_checkpoint_blocks(checkpoint_blocks, geometry.num_layers)
+    if checkpoint_blocks == geometry.num_layers:
+        checkpoint_blocks = "all"
+    if checkpoint_blocks != "all" and not (activation_offload or activation_checkpointing):
+        raise ValueError(f"checkpoint_blocks={checkpoint_blocks!r} chooses which blocks ActivationOffload checkpoints: "
+                         f"it needs activation_offload=True (or activation_checkpointing=True)")
     # PlanOptions counts kept inputs below L; all of them is 0
     kept_inputs = keep_inputs if keep_inputs == "auto" else (
         0 if keep_inputs == "all" or keep_inputs == geometry.num_layers else keep_inputs)
     given = dict(chunks=chunks, offload=offload, offload_dq=offload_dq, head_chunks=head_chunks,
                  recompute_attention=recompute_attention, reload_input=reload_input, input_prefetch=input_prefetch,
-                 disk_inputs=disk_inputs, kept_inputs=kept_inputs, sync_every_batch=sync_every_batch)
+                 disk_inputs=disk_inputs, kept_inputs=kept_inputs, sync_every_batch=sync_every_batch,
+                 checkpoint_blocks=checkpoint_blocks)
     free = {name for name, value in given.items() if value == "auto"}
     attention_options = FPDTOptions(chunks=chunks, offload=offload, offload_dq=offload_dq,
                                     head_chunks=1 if head_chunks == "auto" else head_chunks, ring_size=ring_size)

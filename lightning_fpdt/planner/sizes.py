@@ -121,7 +121,23 @@ class StepSizes:
         """Block inputs held at once for their backwards: ``L``, or with ``kept_inputs = k`` the kept ones and the
         largest segment regenerated at once, ``k + ⌈L/k⌉ - 1`` (``memory.block_offload.largest_segment``)."""
         k = self.o.kept_inputs
-        return self.L if not k else k + largest_segment(self.L, k)
+        if not k:  # every checkpointed block's (those left plain hold theirs in their activations)
+            return self.checkpointed if self.o.activation_checkpointing else self.L
+        return k + largest_segment(self.L, k)
+
+    @property
+    def checkpointed(self) -> int:
+        """Blocks checkpointed: ``L``, or the first ``checkpoint_blocks`` of them; 0 without checkpointing."""
+        o = self.o
+        if not o.activation_checkpointing:
+            return 0
+        return self.L if o.checkpoint_blocks == "all" else min(o.checkpoint_blocks, self.L)
+
+    @property
+    def plain_blocks(self) -> int:
+        """Blocks checkpointing leaves plain (``checkpoint_blocks``): their activations wait on the GPU, their MLPs
+        whole; 0 without checkpointing (every block's activations are then the no-checkpointing term)."""
+        return self.L - self.checkpointed if self.o.activation_checkpointing else 0
 
     # ---- what one layer keeps for its backward -------------------------------------------------------------------
     @property
@@ -163,6 +179,13 @@ class StepSizes:
         output before its backward (memory/block_offload.py)."""
         return (2 * self.norm + self.A + (self.rope + self.head_norm if self.G == 1 else 0)
                 + (0 if self.out_kept else self.out) + self.mlp_saved)
+
+    @property
+    def plain_layer(self) -> int:
+        """:attr:`layer` of a block that is not checkpointed: nothing recorded by the attention, the MLP whole."""
+        return self.with_options(activation_checkpointing=False, activation_offload=False, recompute_attention=False,
+                                 reload_input=False, kept_inputs=0, disk_inputs=0, checkpoint_blocks="all",
+                                 tiled_mlp=False).layer
 
     def with_options(self, **changes: object) -> "StepSizes":
         """The same step with some options changed."""

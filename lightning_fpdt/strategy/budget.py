@@ -346,7 +346,8 @@ class MemoryBudget:
             if hasattr(callback, "apply_memory_choice"):
                 callback.apply_memory_choice(recompute_attention=o.recompute_attention, reload_input=o.reload_input,
                                              prefetch=1 if o.input_prefetch else 0,
-                                             keep_inputs=o.kept_inputs or "all")
+                                             keep_inputs=o.kept_inputs or "all",
+                                             checkpoint_blocks=o.checkpoint_blocks)
         rank_zero_info(choice_message(plan))
 
     def planned(self, seq_len: int, batch_size: int) -> bool:

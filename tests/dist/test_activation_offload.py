@@ -59,3 +59,19 @@ def test_regenerated_inputs_under_fsdp2(dist_pool):
         dict(kind="llama", dp=1, sp=2, chunks=2, accumulate=2, seq_len=15),
         dict(kind="hf", dp=1, sp=2, chunks=2, accumulate=1, seq_len=16),
     ])
+
+
+def run_with_plain_blocks(cases: list[dict]) -> None:
+    for case in cases:
+        callback = ActivationOffload(checkpoint_blocks=1)
+        parity.train_and_compare(**case, callbacks=[callback, TiledMLP(num_tiles=3)])
+        assert callback._owner.checkpointed == 1
+
+
+def test_plain_blocks_under_fsdp2(dist_pool):
+    """checkpoint_blocks=1 at P = 2: the first block checkpointed, the second plain (its activations kept, its MLP
+    whole under TiledMLP); training equals one process (reference Llama with gradient accumulation, HF Llama)."""
+    dist_pool(2).run(run_with_plain_blocks, cases=[
+        dict(kind="llama", dp=1, sp=2, chunks=2, accumulate=2, seq_len=15),
+        dict(kind="hf", dp=1, sp=2, chunks=2, accumulate=1, seq_len=16),
+    ])

@@ -21,6 +21,7 @@ CALLBACKS = {
     "offload-reload": lambda: [ActivationOffload(reload_input=True, prefetch=0)],
     "offload-keep1": lambda: [ActivationOffload(keep_inputs=1)],
     "offload-keep1-mlp": lambda: [ActivationOffload(keep_inputs=1), TiledMLP(num_tiles=3)],
+    "offload-plain-mlp": lambda: [ActivationOffload(checkpoint_blocks=1), TiledMLP(num_tiles=3)],
     "all": lambda: [ActivationOffload(), TiledMLP(num_tiles=3), TiledLoss(num_tiles=3)],
 }
 """The memory callbacks of a case, by name (built in the process that trains)."""
@@ -35,8 +36,9 @@ def run_frozen(cases: list[dict]) -> None:
 
 def test_frozen_parameters_two_processes(dist_pool):
     """sp=2 under the fpdt strategy: frozen embeddings (every callback, head groups, partial residency, the input
-    reloaded, accumulation, a plain SDPA module), a frozen first block (the attention recomputed), only the MLPs, LoRA on the
-    attention (every callback; peft's zero-initialised B, whose A trains from the second step) and on the MLP."""
+    reloaded, accumulation, a plain SDPA module, a block left plain), a frozen first block (the attention recomputed),
+    only the MLPs, LoRA on the attention (every callback, a block left plain; peft's zero-initialised B, whose A trains
+    from the second step) and on the MLP."""
     dist_pool(2).run(run_frozen, cases=[
         dict(kind="hf", tuning="embeddings", callbacks="all", chunks=2, seq_len=16),
         dict(kind="llama", tuning="embeddings", callbacks="offload-reload", chunks=2, seq_len=15, accumulate=2,
@@ -48,6 +50,8 @@ def test_frozen_parameters_two_processes(dist_pool):
         dict(kind="hf", tuning="lora-attention", callbacks="all", chunks=2, seq_len=16),
         dict(kind="llama", tuning="lora-default", callbacks="offload-keep1", chunks=1, seq_len=16),
         dict(kind="hf", tuning="lora-mlp", callbacks="offload-keep1-mlp", chunks=2, seq_len=16),
+        dict(kind="hf", tuning="lora-attention", callbacks="offload-plain-mlp", chunks=2, seq_len=16),
+        dict(kind="llama", tuning="embeddings", callbacks="offload-plain-mlp", chunks=2, seq_len=16),
     ])
 
 

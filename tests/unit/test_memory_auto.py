@@ -91,6 +91,7 @@ def test_the_choice_reads_as_arguments_and_yaml():
                                       "chunks": o.chunks, "head_chunks": o.head_chunks}
     assert chosen["ActivationOffload"] == {"reload_input": o.reload_input, "prefetch": int(o.input_prefetch),
                                            "keep_inputs": o.kept_inputs or "all",
+                                           "checkpoint_blocks": o.checkpoint_blocks,
                                            "recompute_attention": o.recompute_attention}
     config = yaml.safe_load(textwrap.dedent(text.split("as YAML:\n", 1)[1].rsplit("\n(a model", 1)[0]))
     assert config["trainer"]["strategy"]["init_args"] == chosen["FPDTStrategy"]

@@ -319,3 +319,77 @@ def test_keep_inputs_option_messages():
     callback.fpdt_transform(model, find_blocks(model))
     callback.apply_memory_choice(recompute_attention=False, reload_input=False, prefetch=1, keep_inputs=14)
     assert callback._owner._kept == {0, 1, 2}
+
+
+# ---- blocks not checkpointed: checkpoint_blocks ------------------------------------------------------------------
+@pytest.mark.parametrize("checkpoint_blocks", [0, 1, 2, "all"])
+@pytest.mark.parametrize("offload, tiled", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("frozen, head_chunks", [(False, 1), (True, 1), (False, 2)])
+def test_plain_blocks_give_the_same_gradients(checkpoint_blocks, offload, tiled, frozen, head_chunks):
+    """checkpoint_blocks=n of 3 blocks: the first n are checkpointed, the others run plain: every parameter (and,
+    with frozen embeddings, every trainable one) gets the gradient of the model without checkpointing, on fresh
+    random tokens, with one or two head groups; a plain block's MLP runs whole and once (its tokens pass the MLP once
+    a step, a checkpointed block's twice: the recompute, or the tiled MLP's tiles in the backward), the attention
+    runs once per layer and head group, and each step frees every stashed input."""
+    from lightning_fpdt.memory import apply_tiled_mlp
+
+    plain, model = _models()
+    if frozen:
+        for m in (plain, model):
+            m.model.embed_tokens.weight.requires_grad_(False)
+    rows = []
+    for layer in model.model.layers:
+        layer.mlp.gate_proj.register_forward_hook(lambda m, args, out: rows.append(args[0].numel() // args[0].shape[-1]))
+    attentions = []
+    for m in (plain, model):
+        attentions.append(FPDTAttention(num_chunks=2, backend="math", offload=offload, head_chunks=head_chunks))
+        install_reference_llama(m, SequenceParallelContext(group=None, attention=attentions[-1]))
+    if tiled:
+        apply_tiled_mlp(model, num_tiles=2)
+    callback = ActivationOffload(offload=offload, checkpoint_blocks=checkpoint_blocks)
+    callback.fpdt_transform(model, find_blocks(model))
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    ids = torch.randint(0, 256, (2, 16), generator=gen)
+    targets = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    for m in (plain, model):
+        m(input_ids=ids, labels=targets).backward()
+    checkpointed = 3 if checkpoint_blocks == "all" else checkpoint_blocks
+    tokens = 2 * 16
+    assert sum(rows) == 2 * checkpointed * tokens + (3 - checkpointed) * tokens
+    assert attentions[1].kernel_calls == attentions[0].kernel_calls == 3 * head_chunks
+    for (name, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
+        if a.requires_grad:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12, msg=name)  # fp64, same arithmetic
+        else:
+            assert b.grad is None, name
+    assert len(callback._owner._stash or ()) == 0  # (no stash at all when no block is checkpointed)
+
+
+def test_checkpoint_blocks_from_the_strategy_choice():
+    """checkpoint_blocks="auto" takes the strategy's choice between steps (and "all" before any); a count of at least
+    the blocks checkpoints them all; plain blocks with keep_inputs or recompute_attention are refused by name, as is a
+    count outside 0..L."""
+    model, _ = _models()
+    install_reference_llama(model, SequenceParallelContext(group=None, attention=FPDTAttention(backend="math")))
+    callback = ActivationOffload()
+    callback.fpdt_transform(model, find_blocks(model))
+    assert callback._owner.checkpointed == 3
+    callback.apply_memory_choice(recompute_attention=False, reload_input=False, prefetch=1, checkpoint_blocks=1)
+    assert callback._owner.checkpointed == 1
+    callback.apply_memory_choice(recompute_attention=False, reload_input=False, prefetch=1, checkpoint_blocks=32)
+    assert callback._owner.checkpointed == 3  # a plan made for a deeper config
+    with pytest.raises(ValueError, match="checkpoint_blocks=1 leaves blocks plain .* while keep_inputs=2"):
+        callback.apply_memory_choice(recompute_attention=False, reload_input=False, prefetch=1, keep_inputs=2,
+                                     checkpoint_blocks=1)
+    with pytest.raises(ValueError, match="while recompute_attention=True .* use checkpoint_blocks='all'"):
+        ActivationOffload(checkpoint_blocks=2, recompute_attention=True).fpdt_transform(*_models_and_blocks())
+    for wrong in (-1, True, "some", 1.5):
+        with pytest.raises(ValueError, match="checkpoint_blocks must be 'auto', 'all' or a number of blocks from 0"):
+            ActivationOffload(checkpoint_blocks=wrong)
+    with pytest.raises(ValueError, match="from 0 to the model's 3 blocks .*, got 4"):
+        ActivationOffload(checkpoint_blocks=4).fpdt_transform(*_models_and_blocks())
+
+
+def _models_and_blocks():
+    model, _ = _models()
+    return model, find_blocks(model)

@@ -578,7 +578,7 @@ def test_cli_prints_the_table(capsys):
     assert out == format_plan(plan_memory(
         geometry=resolve_geometry("llama3-8b", num_layers=4), seq_len=262144, num_gpus=4, chunks=4, offload=True,
         activation_offload=True, tiled_mlp=True, tiled_loss=True, head_chunks="auto", recompute_attention="auto",
-        reload_input="auto", input_prefetch="auto", keep_inputs="auto",
+        reload_input="auto", input_prefetch="auto", keep_inputs="auto", checkpoint_blocks="auto",
         gpu_memory_gib=plannable_gpu_bytes(139 * GIB, expandable_segments=expandable_segments()) / GIB)) + "\n"
 
 

@@ -45,7 +45,8 @@ class AttentionStash(MemoryFeature):
         if G > 1:  # head groups keep each group's output for their backward (the layer in backward's, under recompute)
             kept = layers_stashed
         else:
-            kept = L if o.activation_checkpointing and not o.recompute_attention else 0  # first-pass outputs kept
+            # first-pass outputs kept, by the checkpointed blocks (a plain block's output is in its activations)
+            kept = s.checkpointed if o.activation_checkpointing and not o.recompute_attention else 0
         stash = stashed * stash_bytes(s.attention, **s.size, **s.ring)
         host = attention_host_bytes(dataclasses.replace(s.attention, num_layers=stashed), offload=o.offload,
                                     offload_dq=o.offload_dq, kept_out_layers=kept * G, **s.size, **s.ring)

@@ -1,14 +1,17 @@
 """Checkpointed blocks and where their inputs wait (``ActivationOffload``): no checkpointing, checkpointing with the
 inputs on the GPU (``offload=False``), or in host memory (the default), and how they come back (``reload_input``,
-``prefetch``; memory/block_offload.py)."""
+``prefetch``; memory/block_offload.py); and how many blocks are checkpointed (``checkpoint_blocks``): the others
+keep their activations on the GPU and are not run again."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
-from lightning_fpdt.planner.components import Component
+from lightning_fpdt.planner.components import Component, MemoryPlan
 from lightning_fpdt.planner.cost import COPY_BYTES, dense_forward_seconds
 from lightning_fpdt.planner.features.base import MemoryFeature
+from lightning_fpdt.planner.features.tiled_mlp import mlp_backward_work
 from lightning_fpdt.planner.sizes import StepSizes
 
 RELOAD_EXPOSED = 0.25
@@ -16,15 +19,17 @@ RELOAD_EXPOSED = 0.25
 
 
 class BlockInputs(MemoryFeature):
-    fields = ("activation_checkpointing", "activation_offload", "reload_input", "input_prefetch")
+    fields = ("activation_checkpointing", "activation_offload", "reload_input", "input_prefetch", "checkpoint_blocks")
 
     def describe_cost(self, s: StepSizes) -> str:
         o = s.o
-        return (f"block checkpointing: {s.L} block forwards recomputed"
+        return (f"block checkpointing: {s.checkpointed} block forwards recomputed"
                 + (", inputs back without prefetch" if o.activation_offload and not o.input_prefetch else "")
                 + (", inputs reloaded for their backward" if o.activation_offload and o.reload_input else ""))
 
     def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
+        if field == "checkpoint_blocks":
+            return (0, "all")  # every block plain, from which relieve checkpoints as many as the GPU needs; all
         return (True, False) if field == "input_prefetch" else (False, True)
 
     def normalise(self, changes: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -32,13 +37,19 @@ class BlockInputs(MemoryFeature):
             return None  # ActivationOffload checkpoints the blocks: counted once, as (True, True)
         if not changes["activation_offload"]:  # counted under the offload only
             changes.update(reload_input=False, input_prefetch=True)
+        if not changes["activation_checkpointing"]:
+            changes["checkpoint_blocks"] = "all"  # no block is checkpointed: the count means nothing
+        elif changes["checkpoint_blocks"] != "all" and (
+                changes["kept_inputs"] or changes["recompute_attention"] or changes["disk_inputs"]):
+            return None  # plain blocks go with every input kept and the attention not recomputed
         return changes
 
     def components(self, s: StepSizes) -> list[Component]:
         o, L, A = s.o, s.L, s.A
         parts = []
-        # every block's input, or under partial residency the kept ones and one segment's regenerated ones
-        held, count = s.resident_inputs * A, "k + ⌈L/k⌉ - 1" if o.kept_inputs else "L"
+        # every checkpointed block's input, or under partial residency the kept ones and one segment's regenerated ones
+        held = s.resident_inputs * A
+        count = "k + ⌈L/k⌉ - 1" if o.kept_inputs else ("L" if s.checkpointed == L else "n (checkpoint_blocks)")
         if o.activation_offload:
             # the disk tier's share of them is its own component (features/disk_tier.py)
             parts.append(Component("checkpointed block inputs", 0, held - o.disk_inputs * A,
@@ -59,6 +70,15 @@ class BlockInputs(MemoryFeature):
         else:
             parts.append(Component("activations (no checkpointing)", L * (A + s.layer),
                                    formula="L x (block input + layer activations)"))
+        if s.plain_blocks:
+            # blocks not checkpointed keep everything for their backward, from their forward (the last blocks: freed
+            # in the first backwards, counted through the step); their MLPs run whole, so one of their backwards
+            # holds all tokens' MLP buffers where a tiled MLP holds one tile's
+            parts.append(Component("activations (blocks not checkpointed)", s.plain_blocks * (A + s.plain_layer),
+                                   formula="(L - n) x (block input + layer activations, the MLP whole)"))
+            whole = mlp_backward_work(s, tiled=False) - mlp_backward_work(s, tiled=o.tiled_mlp)
+            parts.append(Component("MLP backward (a block not checkpointed)", max(0, whole), phase="MLP backward",
+                                   formula="all tokens' MLP buffers beyond the tiled MLP's"))
         # the recomputed layer, in its MLP backward and at its attention (without checkpointing: in "activations")
         checkpointed = o.activation_checkpointing
         # the recomputed output, if not kept; the per-head norms' inputs until their backward, after the attention's
@@ -75,17 +95,29 @@ class BlockInputs(MemoryFeature):
         o = s.o
         if not o.activation_checkpointing:
             return 0.0
-        # the recompute runs each block's dense layers again (its attention too: see the attention stash)
-        seconds = dense_forward_seconds(s, s.L * s.block_parameters)
+        # the recompute runs each checkpointed block's dense layers again (its attention too: see the attention stash)
+        seconds = dense_forward_seconds(s, s.checkpointed * s.block_parameters)
         if o.activation_offload:
-            inputs = s.L * s.A / COPY_BYTES  # every input back once, overlapped with the block after
+            inputs = s.checkpointed * s.A / COPY_BYTES  # every input back once, overlapped with the block after
             seconds += (0 if o.input_prefetch else inputs) + (RELOAD_EXPOSED * inputs if o.reload_input else 0)
         return seconds
+
+    def relieve(self, plan: MemoryPlan, s: StepSizes) -> Optional[dict[str, Any]]:
+        """A plan with plain blocks over the GPU: checkpoint as many more as the overshoot needs (each one frees its
+        activations, less its input where that stays on the GPU)."""
+        o = s.o
+        if not o.activation_checkpointing or o.checkpoint_blocks == "all" or plan.fits_gpu:
+            return None
+        freed = s.plain_layer + (s.A if o.activation_offload else 0)
+        more = max(1, math.ceil((plan.peak_gpu_bytes - plan.gpu_memory_bytes) / max(1, freed)))
+        count = o.checkpoint_blocks + more
+        return {"checkpoint_blocks": "all" if count >= s.L else count}
 
     def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
         o = s.o
         if not o.activation_checkpointing:
             return {}
-        if not o.activation_offload:
-            return {"ActivationOffload": {"offload": False}}  # (keep_inputs: the residency feature's)
-        return {"ActivationOffload": {"reload_input": o.reload_input, "prefetch": 1 if o.input_prefetch else 0}}
+        if not o.activation_offload:  # (keep_inputs: the residency feature's)
+            return {"ActivationOffload": {"offload": False, "checkpoint_blocks": o.checkpoint_blocks}}
+        return {"ActivationOffload": {"reload_input": o.reload_input, "prefetch": 1 if o.input_prefetch else 0,
+                                      "checkpoint_blocks": o.checkpoint_blocks}}

@@ -101,7 +101,7 @@ def spilled_inputs(plan: MemoryPlan, s: StepSizes) -> Optional[int]:
     ``None`` where block inputs cannot relieve it (the host fits, the inputs are not offloaded, or all of them on
     disk are not enough)."""
     o = s.o
-    if not o.activation_offload or plan.host_memory_bytes is None or plan.fits_host:
+    if not o.activation_offload or o.checkpoint_blocks != "all" or plan.host_memory_bytes is None or plan.fits_host:
         return None
     over = math.ceil((plan.host_resident_bytes_per_node - plan.host_memory_bytes) / plan.gpus_per_node)
     staging = 0 if o.disk_inputs else staging_bytes(s.A)  # the first spill adds the staging buffers

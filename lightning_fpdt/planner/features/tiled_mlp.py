@@ -10,6 +10,18 @@ from lightning_fpdt.planner.features.base import MemoryFeature
 from lightning_fpdt.planner.sizes import StepSizes
 
 
+def mlp_backward_work(s: StepSizes, *, tiled: bool) -> int:
+    """The MLP backward's buffers beyond what its forward saved: one tile's (with the fp32 weight-gradient sums over
+    the tiles) or all tokens'."""
+    g = s.g
+    rows = mlp_tile_tokens(s.N, g.intermediate_size, s.b) if tiled else s.N
+    saved = 0 if tiled else s.with_options(tiled_mlp=False).mlp_saved
+    work = MLP_BACKWARD_BUFFERS * rows * g.intermediate_size * s.b - saved
+    if tiled:  # the fp32 sums of the gate, up and down weight gradients over the tiles
+        work += 3 * g.hidden_size * g.intermediate_size * MLP_GRAD_SUM_BYTES
+    return work
+
+
 class TiledMLPFeature(MemoryFeature):
     fields = ("tiled_mlp",)
     label = "tiled MLP: each tile's forward run again in its backward"
@@ -18,12 +30,8 @@ class TiledMLPFeature(MemoryFeature):
         return (False, True)
 
     def components(self, s: StepSizes) -> list[Component]:
-        g, tiled = s.g, s.o.tiled_mlp
-        rows = mlp_tile_tokens(s.N, g.intermediate_size, s.b) if tiled else s.N
-        work = MLP_BACKWARD_BUFFERS * rows * g.intermediate_size * s.b - s.mlp_saved
-        if tiled:  # the fp32 sums of the gate, up and down weight gradients over the tiles
-            work += 3 * g.hidden_size * g.intermediate_size * MLP_GRAD_SUM_BYTES
-        return [Component("MLP backward", 2 * s.A + work, phase="MLP backward",
+        tiled = s.o.tiled_mlp
+        return [Component("MLP backward", 2 * s.A + mlp_backward_work(s, tiled=tiled), phase="MLP backward",
                           formula=f"grads in/out + {'one tile' if tiled else 'all tokens'} x {MLP_BACKWARD_BUFFERS} x I"
                           + (" + fp32 weight-gradient sums" if tiled else ""))]
 

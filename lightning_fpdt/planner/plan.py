@@ -133,7 +133,7 @@ def plan_memory(
     check_checkpoint_blocks(checkpoint_blocks, geometry.num_layers)
     if checkpoint_blocks == geometry.num_layers:
         checkpoint_blocks = "all"
-    if checkpoint_blocks != "all" and not (activation_offload or activation_checkpointing):
+    if checkpoint_blocks not in ("all", "auto") and not (activation_offload or activation_checkpointing):
         raise ValueError(f"checkpoint_blocks={checkpoint_blocks!r} chooses which blocks ActivationOffload checkpoints: "
                          f"it needs activation_offload=True (or activation_checkpointing=True)")
     # PlanOptions counts kept inputs below L; all of them is 0

@@ -668,10 +668,11 @@ def test_callbacks_declare_what_the_planner_takes():
                                      TiledMLP(), TiledLoss()]).plan_kwargs()
     assert flags == {"tiled_mlp": True, "tiled_loss": True, "activation_checkpointing": True,
                      "activation_offload": True, "recompute_attention": True, "reload_input": True,
-                     "input_prefetch": False, "keep_inputs": "auto"}
+                     "input_prefetch": False, "keep_inputs": "auto", "checkpoint_blocks": "auto"}
     assert MemoryFeatures.declared([ActivationOffload(), TiledMLP()]).plan_kwargs() == {
         "tiled_mlp": True, "tiled_loss": False, "activation_checkpointing": True, "activation_offload": True,
-        "recompute_attention": "auto", "reload_input": "auto", "input_prefetch": "auto", "keep_inputs": "auto"}
+        "recompute_attention": "auto", "reload_input": "auto", "input_prefetch": "auto", "keep_inputs": "auto",
+        "checkpoint_blocks": "auto"}
     assert MemoryFeatures.declared([]) == MemoryFeatures()  # no callback: nothing checkpointed or tiled
     plan = plan_memory(geometry="llama3-8b", seq_len=1_572_864, num_gpus=1, chunks=24, offload=True,
                        offload_dq=True, head_chunks=4, cpu_offload_params=True, gpu_memory_gib=79, **flags)

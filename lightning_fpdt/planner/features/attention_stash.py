@@ -15,7 +15,12 @@ from lightning_fpdt.planner.sizes import StepSizes
 from lightning_fpdt.sequence.planning import stash_bytes
 
 OFFLOAD_SLOWDOWN = 0.02
-"""Share of the attention's time the chunks' copies to and from the host add (they overlap the kernels)."""
+"""Share of the attention's time the chunks' copies to and from the host add where the kernels cover them (long
+sequences: the attention's work grows as ``S²``, its chunks as ``S``)."""
+OFFLOAD_EXPOSED_BYTES = 17e9
+"""Bytes per second at which the stash's copies to the host and back lengthen the step where the kernels do not
+cover them: Llama-3-8B on 4 H100s at 32,768 and 65,536 tokens, each layer's stash to the host and back, measured as
+the step with ``offload=True`` less the step without (12.5 and 25 ms a layer)."""
 OFFLOAD_DQ_SLOWDOWN = 0.03
 """The same for the partial dQ sums' copies, which the backward's inner loop waits on more often."""
 
@@ -57,7 +62,10 @@ class AttentionStash(MemoryFeature):
     def extra_seconds(self, s: StepSizes) -> float:
         o = s.o
         seconds = attention_forward_seconds(s) if o.recompute_attention else 0.0
-        return seconds + attention_seconds(s) * (OFFLOAD_SLOWDOWN * o.offload + OFFLOAD_DQ_SLOWDOWN * o.offload_dq)
+        if o.offload:  # the kernels' time the copies add, or the copies themselves where they are the longer
+            moved = 2 * self.components(s)[0].host_bytes  # to the host in the forward, back in the backward
+            seconds += max(OFFLOAD_SLOWDOWN * attention_seconds(s), moved / OFFLOAD_EXPOSED_BYTES)
+        return seconds + attention_seconds(s) * OFFLOAD_DQ_SLOWDOWN * o.offload_dq
 
     def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
         o = s.o

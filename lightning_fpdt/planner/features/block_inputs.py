@@ -14,6 +14,11 @@ from lightning_fpdt.planner.features.base import MemoryFeature
 from lightning_fpdt.planner.features.tiled_mlp import mlp_backward_work
 from lightning_fpdt.planner.sizes import StepSizes
 
+PLAIN_BLOCKS_ROOM = 6 * 2**30
+"""GPU memory a plan with blocks not checkpointed leaves free beside them: their activations live through the step
+among the transient buffers of every block, and the caching allocator needs room to keep reusing its blocks (filled
+to the last GiB, a step now and then frees and retries allocations: Llama-3-8B on 4 H100s at 32,768 and 65,536 tokens,
+one step in four 10-20% slower)."""
 RELOAD_EXPOSED = 0.25
 """Share of the extra input copy of ``reload_input`` a block's backward waits for (the rest overlaps its end)."""
 
@@ -79,6 +84,8 @@ class BlockInputs(MemoryFeature):
             whole = mlp_backward_work(s, tiled=False) - mlp_backward_work(s, tiled=o.tiled_mlp)
             parts.append(Component("MLP backward (a block not checkpointed)", max(0, whole), phase="MLP backward",
                                    formula="all tokens' MLP buffers beyond the tiled MLP's"))
+            parts.append(Component("allocator room (blocks not checkpointed)", PLAIN_BLOCKS_ROOM,
+                                   formula="room the caching allocator keeps beside long-lived activations"))
         # the recomputed layer, in its MLP backward and at its attention (without checkpointing: in "activations")
         checkpointed = o.activation_checkpointing
         # the recomputed output, if not kept; the per-head norms' inputs until their backward, after the attention's

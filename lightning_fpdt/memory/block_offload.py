@@ -94,18 +94,24 @@ def in_plain_block() -> bool:
     return _PLAIN_BLOCK.get()
 
 
-def check_checkpoint_blocks(value: Any, num_blocks: Optional[int] = None,
-                            words: tuple[str, ...] = ("auto", "all")) -> None:
-    """``checkpoint_blocks`` is one of ``words`` or a count from 0 to the ``num_blocks`` blocks (when known);
-    ValueError naming the choices."""
+def _check_count(name: str, value: Any, num_blocks: Optional[int], words: tuple[str, ...], least: int,
+                 counted: str) -> None:
+    """``value`` is one of ``words`` or an int from ``least`` to the ``num_blocks`` blocks (when known); ValueError
+    naming the choices otherwise."""
     if isinstance(value, str) and value in words:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (num_blocks is not None
-                                                                               and value > num_blocks):
+    if isinstance(value, bool) or not isinstance(value, int) or value < least or (num_blocks is not None
+                                                                                   and value > num_blocks):
         blocks = "the number of blocks" if num_blocks is None else f"the model's {num_blocks} blocks"
         choices = "".join(f"{word!r}, " for word in words[:-1]) + (f"{words[-1]!r} or " if words else "")
-        raise ValueError(f"checkpoint_blocks must be {choices}a number of blocks from 0 to {blocks} (the first ones "
-                         f"are checkpointed, the others keep their activations on the GPU), got {value!r}")
+        raise ValueError(f"{name} must be {choices}a number of {counted} from {least} to {blocks}, got {value!r}")
+
+
+def check_checkpoint_blocks(value: Any, num_blocks: Optional[int] = None,
+                            words: tuple[str, ...] = ("auto", "all")) -> None:
+    """``checkpoint_blocks`` is one of ``words`` or a count from 0 to the ``num_blocks`` blocks (when known), the
+    first ones checkpointed and the others plain; ValueError naming the choices."""
+    _check_count("checkpoint_blocks", value, num_blocks, words, 0, "blocks checkpointed")
 
 
 def check_plain_blocks(checkpoint_blocks: Optional[int], num_blocks: Optional[int], *, keep_inputs: Optional[int],
@@ -124,13 +130,7 @@ def check_plain_blocks(checkpoint_blocks: Optional[int], num_blocks: Optional[in
 def check_keep_inputs(value: Any, num_blocks: Optional[int] = None, words: tuple[str, ...] = ("auto", "all")) -> None:
     """``keep_inputs`` is one of ``words`` (an option's ``"auto"``, ``"all"``) or a count from 1 to the
     ``num_blocks`` blocks (when known); ValueError naming the choices."""
-    if isinstance(value, str) and value in words:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (num_blocks is not None
-                                                                               and value > num_blocks):
-        blocks = "the number of blocks" if num_blocks is None else f"the model's {num_blocks} blocks"
-        choices = "".join(f"{word!r}, " for word in words[:-1]) + (f"{words[-1]!r} or " if words else "")
-        raise ValueError(f"keep_inputs must be {choices}a number of block inputs from 1 to {blocks}, got {value!r}")
+    _check_count("keep_inputs", value, num_blocks, words, 1, "block inputs")
 
 
 def kept_positions(num_blocks: int, keep_inputs: Optional[int]) -> frozenset[int]:

@@ -384,9 +384,10 @@ def test_checkpoint_blocks_from_the_strategy_choice():
     with pytest.raises(ValueError, match="while recompute_attention=True .* use checkpoint_blocks='all'"):
         ActivationOffload(checkpoint_blocks=2, recompute_attention=True).fpdt_transform(*_models_and_blocks())
     for wrong in (-1, True, "some", 1.5):
-        with pytest.raises(ValueError, match="checkpoint_blocks must be 'auto', 'all' or a number of blocks from 0"):
+        with pytest.raises(ValueError, match="checkpoint_blocks must be 'auto', 'all' or a number of blocks "
+                                             "checkpointed from 0"):
             ActivationOffload(checkpoint_blocks=wrong)
-    with pytest.raises(ValueError, match="from 0 to the model's 3 blocks .*, got 4"):
+    with pytest.raises(ValueError, match="from 0 to the model's 3 blocks, got 4"):
         ActivationOffload(checkpoint_blocks=4).fpdt_transform(*_models_and_blocks())
 
 

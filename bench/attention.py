@@ -1,8 +1,8 @@
 """The FPDT attention op alone, forward + backward: memory, TFLOP/s, offload cost, all-to-all share.
 
-One GPU:   python3 bench/attention.py --seq-lens 131072,262144,524288,1048576 --chunk-tokens 32768 --offload on
-Several:   torchrun --standalone --nproc_per_node 4 bench/attention.py --seq-lens 262144,524288 --chunk-tokens 65536
-Ring:      torchrun --standalone --nproc_per_node 4 bench/attention.py --seq-lens 262144 --ring-size 2 --offload both
+One GPU:   python3 -m bench.attention --seq-lens 131072,262144,524288,1048576 --chunk-tokens 32768 --offload on
+Several:   torchrun --standalone --nproc_per_node 4 -m bench.attention --seq-lens 262144,524288 --chunk-tokens 65536
+Ring:      torchrun --standalone --nproc_per_node 4 -m bench.attention --seq-lens 262144 --ring-size 2 --offload both
            (the Ulysses x ring hybrid of sequence/ring.py: U = GPUs / ring size Ulysses ranks, chunks 1; run
            --ring-size 1 on the same machine for the Ulysses baseline)
 
@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench.provenance import append_record, stamp, this_command  # noqa: E402
 from bench.timing import time_step  # noqa: E402
@@ -91,7 +88,7 @@ def run_case(seq_len: int, num_chunks: int, offload: bool, args, rank: int, worl
 
 
 def _stamp(world: int) -> dict:
-    return stamp("attention", card=torch.cuda.get_device_name(), gpus=world, command=this_command("bench/attention.py"))
+    return stamp("attention", card=torch.cuda.get_device_name(), gpus=world, command=this_command("-m bench.attention"))
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The elementwise work of a transformer block, eager against compiled: RMSNorm, RoPE and SwiGLU, forward + backward.
 
-One GPU:  python3 bench/elementwise.py --tokens 8192,16384,32768
-CPU smoke: python3 bench/elementwise.py --device cpu --tiny
+One GPU:  python3 -m bench.elementwise --tokens 8192,16384,32768
+CPU smoke: python3 -m bench.elementwise --device cpu --tiny
 
 Each op on one rank's tokens of the Llama-3-8B geometry (hidden 4096, 32 query and 8 kv heads of 128, intermediate
 14336) in bf16: the package's own (``lightning_fpdt.models.ops``) with ``FUSED_OPS`` off (token tiles, fp32 inside)
@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench.provenance import append_record, stamp  # noqa: E402
 from lightning_fpdt.models import ops  # noqa: E402

@@ -1,10 +1,10 @@
 """bf16 matmul rates of one decoder block's products and of the lm head, forward- and backward-shaped: the GEMM rates
 the results page divides a training step's matmul FLOPs by (its "kernels s", bench/report/speed_of_light.py).
 
-One GPU:   python3 bench/gemm.py --tokens 8192,32768,131072 --out bench/results/gemm-h100.jsonl
-Several:   torchrun --standalone --nproc_per_node 4 bench/gemm.py --tokens 32768,131072 --out ...
+One GPU:   python3 -m bench.gemm --tokens 8192,32768,131072 --out bench/results/gemm-h100.jsonl
+Several:   torchrun --standalone --nproc_per_node 4 -m bench.gemm --tokens 32768,131072 --out ...
            (every GPU measures at once, as in a training step, where they share the host's power and cooling)
-CPU:       python3 bench/gemm.py --device cpu --tiny          (a smoke run of the script itself)
+CPU:       python3 -m bench.gemm --device cpu --tiny          (a smoke run of the script itself)
 
 ``--tokens`` are local token counts M (the rows each GPU's projections see: S / GPUs for a sequence shared by the
 GPUs). The products are those of the geometry's linear layers (Llama-3-8B by default): the q, k, v and o projections,
@@ -28,13 +28,11 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench.provenance import append_record, card_name, stamp, this_command  # noqa: E402
 from lightning_fpdt.flops import ModelGeometry  # noqa: E402
@@ -168,7 +166,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     geometry = ModelGeometry.from_config(LlamaConfig.from_name(args.model))
-    command = this_command("bench/gemm.py", sys.argv[1:] if argv is None else argv)
+    command = this_command("-m bench.gemm", sys.argv[1:] if argv is None else argv)
     records = []
     for tokens in args.tokens:
         rows = measure(geometry, tokens, args, device)

@@ -1,8 +1,8 @@
 """Peak GPU memory and step time of one Llama-3-8B-geometry layer with head-group chunking.
 
-    python3 bench/head_chunks.py --seq-len 262144 --head-chunks 1,2,4,8 --out head_chunks.jsonl
-    python3 bench/head_chunks.py --seq-len 262144 --budget-gib 70          # + extrapolated maximum length per G
-    python3 bench/head_chunks.py --device cpu --tiny --seq-len 64          # CPU smoke run of the script itself
+    python3 -m bench.head_chunks --seq-len 262144 --head-chunks 1,2,4,8 --out head_chunks.jsonl
+    python3 -m bench.head_chunks --seq-len 262144 --budget-gib 70          # + extrapolated maximum length per G
+    python3 -m bench.head_chunks --device cpu --tiny --seq-len 64          # CPU smoke run of the script itself
 
 One GPU, so the local length is the whole sequence. The layer is the reference Llama's decoder layer (hidden 4096,
 32 query / 8 kv heads of 128, MLP 14336, bf16 weights and activations), its attention the FPDT attention with
@@ -32,12 +32,10 @@ import gc
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench.provenance import append_record, stamp, this_command  # noqa: E402
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload  # noqa: E402
@@ -224,7 +222,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                     half, row, args.budget_gib, lambda n: allocated_before_gib(args, dtype, n))
             rows.append(row)
             print(f"  {case:<9} G={head_chunks}: {row}", file=sys.stderr, flush=True)
-    command = this_command("bench/head_chunks.py", sys.argv[1:] if argv is None else argv)
+    command = this_command("-m bench.head_chunks", sys.argv[1:] if argv is None else argv)
     record = dict(
         **stamp("head_chunks", card=card, gpus=1, command=command),
         geometry="tiny" if args.tiny else "llama3-8b (1 layer)", seq_len=args.seq_len,

@@ -1,7 +1,7 @@
 """Peak GPU memory of the tiled loss and the tiled MLP against their untiled forms, Llama-3-8B layer geometry.
 
-    python3 bench/memory_tiles.py --out memory_tiles.jsonl   # 512K-token loss, 256K-token MLP, bf16, one GPU
-    python3 bench/memory_tiles.py --loss-tokens 262144 --mlp-tokens 131072 --small-loss-tokens 8192
+    python3 -m bench.memory_tiles --out memory_tiles.jsonl   # 512K-token loss, 256K-token MLP, bf16, one GPU
+    python3 -m bench.memory_tiles --loss-tokens 262144 --mlp-tokens 131072 --small-loss-tokens 8192
 
 Every case runs forward + backward on one GPU, from inputs already on it: the loss from final hidden states
 ``(N, 4096)`` and a ``(128256, 4096)`` lm_head weight, the MLP (gate/up 14336 wide, down) from its input
@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench.provenance import append_record, stamp, this_command  # noqa: E402
 from lightning_fpdt.memory import apply_tiled_mlp, auto_loss_tiles, auto_mlp_tiles, tiled_cross_entropy  # noqa: E402
@@ -135,7 +132,7 @@ def fmt(value: Optional[float], spec: str = "8.2f") -> str:
 def write_records(rows: list[Row], args: argparse.Namespace) -> None:
     """One record per case: the row, its work (peak minus grads), the geometry and where it ran."""
     provenance = stamp("memory_tiles", card=torch.cuda.get_device_name(), gpus=1,
-                       command=this_command("bench/memory_tiles.py"))
+                       command=this_command("-m bench.memory_tiles"))
     for row in rows:
         work = None if row.peak_gib is None else row.peak_gib - row.grads_gib
         append_record(args.out, {**provenance, "hidden": args.hidden, "intermediate": args.intermediate,

@@ -319,7 +319,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     from bench.peers.hf_llama import HFLlamaLM, named_vocab
-    from bench.peers.systems import RandomTokens, prime_adam_states
+    from bench.peers.common import RandomTokens, prime_adam_states
     from bench.provenance import append_record, card_name, launch_command, stamp
     from lightning_fpdt import ActivationOffload, FPDTStrategy, TiledLoss, TiledMLP
     from lightning_fpdt.models.module import LlamaLM

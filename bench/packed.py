@@ -1,8 +1,8 @@
 """Packed documents in the FPDT attention op: time of forward + backward with per-document masking against the same
 sequence as one document, and the block kernel calls each makes.
 
-One GPU:   python3 bench/packed.py --seq-lens 32768,131072 --doc-lens 2048,8192 --chunk-tokens 32768
-Several:   torchrun --standalone --nproc_per_node 4 bench/packed.py --seq-lens 262144 --doc-lens 8192
+One GPU:   python3 -m bench.packed --seq-lens 32768,131072 --doc-lens 2048,8192 --chunk-tokens 32768
+Several:   torchrun --standalone --nproc_per_node 4 -m bench.packed --seq-lens 262144 --doc-lens 8192
            --chunk-tokens 65536
 Per-segment calls instead of one varlen flash call per block: add --no-varlen.
 
@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench.provenance import append_record, stamp, this_command  # noqa: E402
 from lightning_fpdt.sequence import fpdt as fpdt_module  # noqa: E402
@@ -89,7 +86,7 @@ def run_case(seq_len: int, doc_len: int, args, rank: int, world: int) -> dict:
                if documents else [seq_len])
     flops = 3.5 * 2 * args.heads * sum(n * n / 2 for n in lengths) * args.head_dim  # useful causal flops
     provenance = stamp("packed", card=torch.cuda.get_device_name(), gpus=world,
-                       command=this_command("bench/packed.py"))
+                       command=this_command("-m bench.packed"))
     return dict(**provenance, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                 seq_len=seq_len, chunks=num_chunks, doc_len=doc_len, documents=len(lengths), backend=args.backend,
                 varlen=not args.no_varlen, step_s=step,

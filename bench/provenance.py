@@ -43,7 +43,7 @@ def current_commit(root: Path = REPO_ROOT) -> Optional[str]:
 def launch_command(target: str, argv: Sequence[str], *, gpus_per_node: int, world_size: int,
                    under_torchrun: bool) -> str:
     """The command that reproduces a run from the repository root. ``target`` is what python runs: a module
-    (``-m bench.peers``) or a script path (``bench/attention.py``)."""
+    (``-m bench.peers``; a script path, ``bench/attention.py``, in records made before the scripts ran as modules)."""
     tail = f"{target} {shlex.join(argv)}".rstrip()
     if world_size == 1 and not under_torchrun:
         return f"python3 {tail}"

@@ -1,6 +1,6 @@
 """A few real training steps of the reference Llama under Trainer(strategy="fpdt") on the GPUs of one host.
 
-    torchrun --standalone --nproc_per_node N bench/smoke_train.py --model llama3-1b --layers 2 --seq-len 32768 \\
+    torchrun --standalone --nproc_per_node N -m bench.smoke_train --model llama3-1b --layers 2 --seq-len 32768 \\
         --chunks 4 --out smoke_train.jsonl
 
 Prints the first-step loss (compare it across GPU counts: same init, same data) and MFUMonitor's summary; with
@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench.provenance import append_record, stamp, this_command  # noqa: E402
 from lightning_fpdt import ActivationOffload, FPDTStrategy, MFUMonitor, TiledLoss, TiledMLP  # noqa: E402
@@ -105,7 +102,7 @@ def main() -> None:
           f"peak_minus_states_gib={peak - states:.1f} offload={offload}")
     if args.out:
         provenance = stamp("smoke_train", card=torch.cuda.get_device_name(), gpus=trainer.world_size,
-                           command=this_command("bench/smoke_train.py"))
+                           command=this_command("-m bench.smoke_train"))
         append_record(args.out, {
             **provenance, "model": args.model, "layers": args.layers, "seq_len": args.seq_len,
             "sequence_parallel_size": trainer.strategy.sequence_parallel_size, "chunks": args.chunks,

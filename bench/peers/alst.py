@@ -58,6 +58,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from bench.peers.ballast import layers_run
+from bench.peers.common import RandomTokens, append_step, prime_adam_states, reset_peaks, sdpa_backend, step_profiler
 from bench.peers.hf_llama import build_hf_llama
 from lightning_fpdt.models.llama import IGNORE_INDEX, LlamaConfig
 from lightning_fpdt.sequence.layout import SequenceLayout
@@ -108,9 +109,8 @@ def logits_loss_shards(tokens: int, vocab_size: int) -> int:
 
 def prime_optimizer_states(optimizer: torch.optim.Optimizer) -> None:
     """Create the AdamW moments of ZeRO's inner optimizer now, as its first step would (``DeepSpeedCPUAdam``: fp32
-    zeros on the CPU, step 0; ``torch.optim.AdamW``: :func:`bench.peers.systems.prime_adam_states`), so the first
+    zeros on the CPU, step 0; ``torch.optim.AdamW``: :func:`bench.peers.common.prime_adam_states`), so the first
     step's peak memory is the steady state's."""
-    from bench.peers.systems import prime_adam_states
 
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         prime_adam_states(optimizer)
@@ -230,7 +230,6 @@ def train_alst(args: argparse.Namespace, *, device: torch.device, world_size: in
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama import modeling_llama
 
-    from bench.peers.systems import sdpa_backend, step_profiler
 
     # DeepSpeed reads torchrun's variables (zero.Init: LOCAL_RANK); a one-GPU run started with python3 has none
     for name, value in (("LOCAL_RANK", device.index or 0), ("RANK", dist.get_rank()), ("WORLD_SIZE", world_size)):
@@ -267,7 +266,6 @@ def train_alst(args: argparse.Namespace, *, device: torch.device, world_size: in
 def _batches(args: argparse.Namespace, engine: Any, world_size: int) -> Iterator[dict[str, Tensor]]:
     """This rank's shard of sample ``i`` at step ``i``: ``input_ids``, ``position_ids``, ``shift_labels``, each
     ``(1, S/P)``."""
-    from bench.peers.systems import RandomTokens
 
     vocab = LlamaConfig.from_name(args.model).vocab_size
     num_samples = math.ceil(args.steps / world_size) * world_size
@@ -290,7 +288,6 @@ def _batches(args: argparse.Namespace, engine: Any, world_size: int) -> Iterator
 
 def _train_steps(args: argparse.Namespace, engine: Any, *, device: torch.device, world_size: int,
                  info: dict[str, Any], profiler: Any, offload: Any, backend: Callable[[str], Any]) -> None:
-    from bench.peers.systems import _append_step, _reset_peaks
 
     sp_group = None
     if world_size > 1:
@@ -302,7 +299,7 @@ def _train_steps(args: argparse.Namespace, engine: Any, *, device: torch.device,
     with backend(args.attention_backend):
         for step, batch in zip(range(args.steps), _batches(args, engine, world_size)):
             batch = {k: v.to(device) for k, v in batch.items()}
-            _reset_peaks(device, info)
+            reset_peaks(device, info)
             profiler.start(step)
             start = time.perf_counter()
             with offload:  # backward must run inside the context that saw the forward
@@ -315,4 +312,4 @@ def _train_steps(args: argparse.Namespace, engine: Any, *, device: torch.device,
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - start
             profiler.stop(step)
-            _append_step(info, device, seconds, loss.detach().float().item())
+            append_step(info, device, seconds, loss.detach().float().item())

@@ -18,7 +18,8 @@ from bench.peers.full_depth import FullDepth, FullDepthRefused, HeldBallast, dis
 from bench.host_readings import largest
 from bench.peers.records import (RankFigures, RunContext, agree_on_status, host_peak_rss, out_of_memory, run_record,
                                  timed)
-from bench.peers.systems import SYSTEM_FUNCTIONS, device_peaks, host_peaks
+from bench.peers.common import device_peaks, host_peaks
+from bench.peers.systems import SYSTEM_FUNCTIONS
 from bench.provenance import card_name
 from lightning_fpdt.flops import peak_flops
 from bench.peers.hf_llama import named_geometry

@@ -8,10 +8,8 @@ and peak GPU memory as the run goes, so an out-of-memory error still leaves the 
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -24,9 +22,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from bench.host_readings import ResidentPeaks, pinned_bytes, plan_fields
+from bench.host_readings import plan_fields
 from bench.peers.ballast import ON_OFF_AUTO, count_option, layers_run
-from bench.step_profile import StepProfiler
+from bench.peers.common import RandomTokens, append_step, prime_adam_states, reset_peaks, sdpa_backend, step_profiler
 from lightning_fpdt import ActivationOffload, FPDTStrategy, MFUMonitor, TiledLoss, TiledMLP
 from lightning_fpdt.models.llama import IGNORE_INDEX, LlamaForCausalLM, sdpa_attention
 from lightning_fpdt.models.module import LlamaLM
@@ -36,46 +34,9 @@ from lightning_fpdt.sequence.layout import SequenceLayout
 SYSTEMS = ("fpdt", "fpdt-hf", "modelparallel", "ring", "alst")
 FPDT_SYSTEMS = ("fpdt", "fpdt-hf")
 """The systems trained by this project's strategy: the reference Llama and the Hugging Face Llama."""
-HOST_PEAKS = "host_peaks"
-"""``info``'s key for the run's :class:`bench.host_readings.ResidentPeaks`."""
-
-
-class RandomTokens(Dataset):
-    """Sample ``i``: ``seq_len`` token ids from a generator seeded with ``i`` (bench/smoke_train.py's data)."""
-
-    def __init__(self, vocab_size: int, seq_len: int, num_samples: int) -> None:
-        self.vocab_size, self.seq_len, self.num_samples = vocab_size, seq_len, num_samples
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, index: int) -> dict[str, Tensor]:
-        generator = torch.Generator().manual_seed(index)
-        ids = torch.randint(0, self.vocab_size, (self.seq_len,), generator=generator)
-        return {"input_ids": ids, "labels": ids}
 
 
 # ---- shared pieces of the systems ------------------------------------------------------------------------------------
-def prime_adam_states(optimizer: torch.optim.Optimizer) -> None:
-    """Create Adam(W)'s moments now, exactly as its first ``step`` would (zeros, step 0), so that the first step's peak
-    memory is already the steady state's. Parameters that already have state are left alone."""
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise TypeError(f"prime_adam_states: expected Adam or AdamW, got {type(optimizer).__name__}")
-    scalar_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    for group in optimizer.param_groups:
-        on_device = bool(group.get("capturable")) or bool(group.get("fused"))
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if state or not p.requires_grad:
-                continue
-            # torch keeps `step` on the CPU unless capturable or fused (torch/optim/adam.py, _init_group)
-            state["step"] = torch.zeros((), dtype=scalar_dtype, device=p.device if on_device else "cpu")
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group.get("amsgrad"):
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
 def mixed_precision(precision: str) -> Optional[MixedPrecisionPolicy]:
     """FSDP2's policy for ``--precision``: the one ``FPDTPrecision`` uses, so all three systems compute alike."""
     if precision == "bf16-mixed":
@@ -108,63 +69,6 @@ def sdpa_expanded_kv(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, sc
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
                                          scale=scale)  # (B, H, S, D)
     return out.transpose(1, 2)
-
-
-@contextmanager
-def sdpa_backend(name: str) -> Iterator[None]:
-    """``torch.nn.attention.sdpa_kernel`` for ``--attention-backend`` (``auto``: torch's own choice)."""
-    if name == "auto":
-        yield
-        return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
-    with sdpa_kernel(backend):
-        yield
-
-
-def device_peaks(device: torch.device) -> tuple[Optional[int], Optional[int]]:
-    """``(max allocated, max reserved)`` bytes since the last reset; ``(None, None)`` off a GPU."""
-    if device.type != "cuda":
-        return None, None
-    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
-
-
-def host_peaks(info: dict[str, Any]) -> ResidentPeaks:
-    """The run's reader of this process's peak resident memory per step (kept in ``info``; not a record field)."""
-    if HOST_PEAKS not in info:
-        info[HOST_PEAKS] = ResidentPeaks()
-    return info[HOST_PEAKS]
-
-
-def _reset_peaks(device: torch.device, info: dict[str, Any]) -> None:
-    """A step starts: new GPU peaks, and a new span of the process's peak resident memory."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    host_peaks(info).start()
-
-
-def _append_step(info: dict[str, Any], device: torch.device, seconds: Optional[float], loss: float, *,
-                 strategy: Any = None) -> None:
-    """A step ended: its time, loss, GPU peaks and peak resident memory, and the pinned bytes held now (the fpdt
-    ``strategy``'s own buffers counted where it is one; the other systems pin through PyTorch's allocator only)."""
-    allocated, reserved = device_peaks(device)
-    info.setdefault("step_times_s", []).append(seconds)
-    info.setdefault("losses", []).append(loss)
-    info.setdefault("peak_gpu_bytes_per_step", []).append(allocated)
-    info.setdefault("peak_reserved_bytes_per_step", []).append(reserved)
-    info.setdefault("peak_host_rss_bytes_per_step", []).append(host_peaks(info).stop())
-    info.update(pinned_bytes(strategy, fpdt=isinstance(strategy, FPDTStrategy)))
-
-
-def step_profiler(args: argparse.Namespace, device: torch.device, info: dict[str, Any]) -> StepProfiler:
-    """The run's :class:`StepProfiler` (inert without ``--profile-step``); its summary lands in ``info["profile"]``."""
-    prefix = os.path.join(os.path.dirname(os.path.abspath(args.out)),
-                          f"profile-{args.system}-{args.seq_len}-{args.layers or 'all'}layers")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return StepProfiler(args.profile_step, prefix, device=device, rank=rank, trace=args.profile_trace, sink=info)
 
 
 # ---- the Lightning systems: fpdt and modelparallel -----------------------------------------------------------------
@@ -213,7 +117,7 @@ class _StepLog(L.Callback):
             self.info.update(_layout(trainer, self.seq_len))
             if self.at_first_batch is not None:
                 self.at_first_batch()
-        _reset_peaks(trainer.strategy.root_device, self.info)
+        reset_peaks(trainer.strategy.root_device, self.info)
         self.profiler.start(idx)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -222,7 +126,7 @@ class _StepLog(L.Callback):
         record = self.monitor.step_records[-1] if self.monitor.step_records else None
         # the strategy's loss (under fpdt the sequence group's token mean); callbacks run before the module's own hook
         loss = outputs["loss"].detach().float().item() * trainer.accumulate_grad_batches
-        _append_step(self.info, trainer.strategy.root_device, record and record.step_time_s, loss,
+        append_step(self.info, trainer.strategy.root_device, record and record.step_time_s, loss,
                      strategy=trainer.strategy)
         self.info["tokens_per_step"] = record.tokens if record else None
         if isinstance(trainer.strategy, FPDTStrategy):
@@ -346,7 +250,7 @@ def train_ring(args: argparse.Namespace, *, device: torch.device, world_size: in
             position_ids = torch.arange(args.seq_len, device=device)[None]  # (1, S)
             targets = SequenceLayout.shift_labels(input_ids)  # (1, S): shifted on the whole sequence, then sharded
             buffers = [input_ids, position_ids, targets]
-            _reset_peaks(device, info)
+            reset_peaks(device, info)
             profiler.start(step)
             start = time.perf_counter()
             with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
@@ -363,7 +267,7 @@ def train_ring(args: argparse.Namespace, *, device: torch.device, world_size: in
             profiler.stop(step)
             loss_sum = (local_mean.detach().float() * count).reshape(1)
             dist.all_reduce(loss_sum)
-            _append_step(info, device, seconds, loss_sum.item() / global_targets)
+            append_step(info, device, seconds, loss_sum.item() / global_targets)
 
 
 def train_alst(args: argparse.Namespace, **kwargs: Any) -> None:

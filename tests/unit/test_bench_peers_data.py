@@ -4,7 +4,8 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.peers.systems import InOrder, RandomTokens
+from bench.peers.common import RandomTokens
+from bench.peers.systems import InOrder
 
 
 def test_lightning_systems_train_the_samples_in_order_over_data_parallel_ranks():

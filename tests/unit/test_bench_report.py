@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from bench import provenance, step_profile
-from bench.peers import ballast, cli, records, runner, search, systems
+from bench.peers import ballast, cli, common, records, runner, search, systems
 from bench.report import lengths, page
 from bench.report import records as shown
 from bench.report.plots import Plot, write_plots
@@ -373,7 +373,7 @@ def test_primed_adam_states_train_exactly_like_lazy_ones():
     primed = torch.nn.Linear(8, 4)
     primed.load_state_dict(reference.state_dict())
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (reference, primed)]
-    systems.prime_adam_states(optimizers[1])
+    common.prime_adam_states(optimizers[1])
     state = optimizers[1].state[primed.weight]
     assert float(state["step"]) == 0 and not state["exp_avg"].any() and state["exp_avg_sq"].shape == (4, 8)
     for _ in range(3):
@@ -385,7 +385,7 @@ def test_primed_adam_states_train_exactly_like_lazy_ones():
     for a, b in zip(reference.parameters(), primed.parameters()):
         assert torch.equal(a, b)
     with pytest.raises(TypeError, match="Adam or AdamW"):
-        systems.prime_adam_states(torch.optim.SGD(primed.parameters(), lr=0.1))
+        common.prime_adam_states(torch.optim.SGD(primed.parameters(), lr=0.1))
 
 
 def test_expanded_kv_attention_matches_the_reference():

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_fpdt"
+BENCH = PACKAGE.parent / "bench"
 
 LAYERS = ["flops", "sequence", "data", "models", "memory", "integrations", "planner", "lightning_private", "callbacks", "strategy", "top"]
 """Bottom to top: a subpackage imports only from its own layer and those before it (``top`` is the package's
@@ -23,8 +24,8 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def modules() -> dict[str, Path]:
-    return {module_name(path): path for path in PACKAGE.rglob("*.py")}
+def modules(*roots: Path) -> dict[str, Path]:
+    return {module_name(path): path for root in roots or (PACKAGE,) for path in root.rglob("*.py")}
 
 
 def imported(path: Path, known: dict[str, Path]) -> set[str]:
@@ -43,8 +44,8 @@ def imported(path: Path, known: dict[str, Path]) -> set[str]:
     return found
 
 
-def graph() -> dict[str, set[str]]:
-    known = modules()
+def graph(*roots: Path) -> dict[str, set[str]]:
+    known = modules(*roots)
     return {name: imported(path, known) - {name} for name, path in known.items()}
 
 
@@ -56,8 +57,9 @@ def layer(module: str) -> str:
 
 
 def test_no_import_cycle():
-    """No module reaches itself through imports, counting imports inside functions (no lazy import hides a cycle)."""
-    edges = graph()
+    """No module of the package or of bench/ reaches itself through imports, counting imports inside functions (no
+    lazy import hides a cycle)."""
+    edges = graph(PACKAGE, BENCH)
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -97,3 +99,10 @@ def test_sequence_imports_no_lightning():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             offending += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("lightning", "pytorch_lightning")]
     assert not offending, offending
+
+
+def test_bench_runs_as_modules():
+    """bench/ is a package like the library: its scripts run as ``python3 -m bench.<name>`` from the repository root,
+    none edits ``sys.path`` to find the package."""
+    edits = [path.name for path in BENCH.rglob("*.py") if "sys.path.insert" in path.read_text()]
+    assert not edits, edits

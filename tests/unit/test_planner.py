@@ -743,3 +743,77 @@ def test_keep_inputs_is_refused_outside_1_to_l(capsys):
     assert main(["--model", "llama3-3b", "--seq-len", "65536", "--keep-inputs", "7",
                  "--gpu-memory-gib", "139"]) == 0
     assert "keep_inputs=7" in capsys.readouterr().out
+
+
+# ---- blocks not checkpointed: checkpoint_blocks --------------------------------------------------------------------
+def test_plain_blocks_hold_their_activations_and_save_their_recompute():
+    """checkpoint_blocks=n: n block inputs in the host stash, the L - n plain blocks' input and activations (the MLP
+    whole) on the GPU through the step, the allocator's room beside them, all tokens' MLP buffers in the MLP backward
+    where a tiled MLP has one tile's; the first-pass outputs kept for the n checkpointed blocks only; each plain block
+    saves one block forward; the plan prints and writes the count. Counts outside 0..L, and plain blocks with
+    partial residency or the attention recomputed, are refused by name."""
+    from lightning_fpdt.planner import step_seconds
+    from lightning_fpdt.planner.arguments import arguments
+    from lightning_fpdt.planner.features.block_inputs import PLAIN_BLOCKS_ROOM
+    from lightning_fpdt.planner.options import PlanOptions
+    from lightning_fpdt.planner.phases import plan_sizes
+
+    run = dict(geometry="llama3-8b", seq_len=32768, num_gpus=4, chunks=1, offload=False, offload_dq=False,
+               tiled_mlp=True, tiled_loss=True, activation_offload=True, gpu_memory_gib=200)
+    every, some = plan_memory(**run), plan_memory(**run, checkpoint_blocks=20)
+    s = plan_sizes(some)
+    A = 8192 * 4096 * 2  # one bf16 hidden-state tensor of a GPU's 8,192 tokens
+    assert some.options.checkpoint_blocks == 20 and every.options.checkpoint_blocks == "all"
+    assert every.component("checkpointed block inputs").host_bytes == 32 * A
+    assert some.component("checkpointed block inputs").host_bytes == 20 * A
+    plain = some.component("activations (blocks not checkpointed)")
+    assert plain.phase is None and plain.gpu_bytes == 12 * (A + s.plain_layer)
+    assert s.plain_layer - s.with_options(checkpoint_blocks="all").layer >= 4 * 8192 * 14336 * 2  # the MLP saves
+    assert some.component("allocator room (blocks not checkpointed)").gpu_bytes == PLAIN_BLOCKS_ROOM
+    with pytest.raises(KeyError):
+        every.component("activations (blocks not checkpointed)")
+    # the attention's first-pass outputs: kept for the checkpointed blocks only (none offloaded here)
+    out = 8192 * 32 * 128 * 2
+    assert every.component("attention stash").gpu_bytes - some.component("attention stash").gpu_bytes == 12 * out
+    assert "checkpoint_blocks=20" in some.options.describe()
+    assert arguments(some)["ActivationOffload"]["checkpoint_blocks"] == 20
+    seconds = [step_seconds(plan_sizes(plan_memory(**run, checkpoint_blocks=n))) for n in ("all", 24, 8, 0)]
+    assert seconds == sorted(seconds, reverse=True) and len(set(seconds)) == 4
+    at_256k = plan_memory(**{**run, "seq_len": 262144}, checkpoint_blocks=31)  # 64K tokens a GPU: 2 MLP tiles
+    assert at_256k.component("MLP backward (a block not checkpointed)").gpu_bytes > 0
+    assert plan_memory(**run, checkpoint_blocks=32).options.checkpoint_blocks == "all"
+    for wrong in (-1, 33, "some", True):
+        with pytest.raises(ValueError, match="checkpoint_blocks must be 'auto', 'all' or a number of blocks"):
+            plan_memory(**run, checkpoint_blocks=wrong)
+    with pytest.raises(ValueError, match="needs activation_offload=True"):
+        plan_memory(**{**run, "activation_offload": False}, checkpoint_blocks=4)
+    for other in (dict(kept_inputs=4), dict(recompute_attention=True)):
+        with pytest.raises(ValueError, match="checkpoint_blocks=4 leaves blocks plain"):
+            dataclasses.replace(some.options, checkpoint_blocks=4, **other)
+    assert isinstance(some.options, PlanOptions)
+
+
+def test_auto_leaves_blocks_plain_where_the_gpu_has_room():
+    """checkpoint_blocks="auto" for Llama-3-8B on 4 H100s (79 GiB): at 32,768 tokens most blocks plain, at 65,536
+    fewer, at 1,048,576 every block checkpointed; each plan fits, and one block more left plain would not (the
+    fewest checkpointed blocks that fit). Without ActivationOffload "auto" means nothing."""
+    gpu = plannable_gpu_bytes(79 * GIB) / GIB
+    run = dict(geometry="llama3-8b", num_gpus=4, activation_offload=True, tiled_mlp=True, tiled_loss=True,
+               gpu_memory_gib=gpu, chunks="auto", offload="auto", offload_dq="auto", head_chunks="auto",
+               recompute_attention="auto", reload_input="auto", input_prefetch="auto", keep_inputs="auto",
+               checkpoint_blocks="auto", host_memory_gib=2000)
+    counts = {}
+    for seq_len in (32768, 65536, 1 << 20):
+        plan = plan_memory(**run, seq_len=seq_len)
+        assert plan.fits
+        counts[seq_len] = n = plan.options.checkpoint_blocks
+        if n != "all":
+            o = plan.options
+            fewer = plan_memory(**{**run, "checkpoint_blocks": n - 1, "chunks": o.chunks, "offload": o.offload,
+                                   "offload_dq": o.offload_dq, "head_chunks": o.head_chunks,
+                                   "recompute_attention": False, "reload_input": o.reload_input,
+                                   "input_prefetch": o.input_prefetch, "keep_inputs": "all"}, seq_len=seq_len)
+            assert not fewer.fits_gpu, seq_len
+    assert counts[32768] < counts[65536] < 32 and counts[1 << 20] == "all"
+    plain = plan_memory(**{**run, "activation_offload": False}, seq_len=32768)
+    assert plain.options.checkpoint_blocks == "all" and not plain.options.activation_checkpointing

@@ -2,7 +2,7 @@
 the pinned bytes it holds, and the memory plan the run was accepted on.
 
 - :class:`ResidentPeaks` gives the peak resident memory (RSS: pinned and pageable pages alike) of this process within
-  each span between two calls: ``lightning_fpdt.sequence.host_memory.reset_peak_resident`` starts a new peak at a
+  each span between two calls: ``lightning_fpdt.offload.host_memory.reset_peak_resident`` starts a new peak at a
   boundary and ``peak_resident_bytes`` reads it at the next (``"peak"``). Where the kernel refuses the reset, the span's
   figure is the larger of the resident memory read at its two boundaries (``"sampled"``), a lower bound of its peak.
 - :func:`pinned_bytes` is what the process holds page-locked: the fpdt strategy's exact count of its own buffers
@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_fpdt.sequence import host_memory
+from lightning_fpdt.offload import host_memory
 
 PHASES = ("forward", "backward", "optimizer")
 """The spans of a Lightning training step: start of batch to ``on_before_backward``, to ``on_after_backward``, to

@@ -50,7 +50,7 @@ from lightning_fpdt.planner.arguments import arguments
 from lightning_fpdt.planner.components import expandable_segments, plannable_gpu_bytes
 from lightning_fpdt.planner.phases import plan_sizes
 from lightning_fpdt.planner.search import step_seconds
-from lightning_fpdt.sequence.host_memory import HostAllocator
+from lightning_fpdt.offload.host_memory import HostAllocator
 from lightning_fpdt.strategy.budget import host_reserve_bytes
 
 PINNED_PIECE = 2**30

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from bench.host_readings import PLAN_FIELDS, largest
 from bench.provenance import launch_command, stamp
 from lightning_fpdt.flops import ModelGeometry, flops_per_token
-from lightning_fpdt.sequence.host_memory import HostMemoryError
+from lightning_fpdt.offload.host_memory import HostMemoryError
 
 GIB = 2**30
 MODULE = "-m bench.peers"

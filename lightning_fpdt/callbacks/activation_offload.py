@@ -32,9 +32,9 @@ from torch import nn
 from lightning_fpdt.callbacks.transforms import transform_without_fpdt
 from lightning_fpdt.integrations import residual_mlps, shared_attentions
 from lightning_fpdt.memory import BlockCheckpoints, apply_block_offload, find_blocks
-from lightning_fpdt.memory.block_offload import check_checkpoint_blocks, check_keep_inputs
+from lightning_fpdt.memory.block_schedule import check_checkpoint_blocks, check_keep_inputs
 from lightning_fpdt.planner.options import MemoryFeatures
-from lightning_fpdt.sequence.host_stash import StashFactory
+from lightning_fpdt.offload.host_stash import StashFactory
 from lightning_fpdt.sequence.options import check_switch
 
 AUTO_VALUES = dict(recompute_attention=False, reload_input=False, prefetch=1, keep_inputs="all",

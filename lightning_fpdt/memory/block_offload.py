@@ -53,11 +53,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import weakref
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -66,8 +64,11 @@ from torch.autograd.graph import get_gradient_edge
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_fpdt.memory.block_schedule import (check_checkpoint_blocks, check_keep_inputs, check_plain_blocks,
+                                                  kept_positions)
 from lightning_fpdt.memory.forwards import replace_forward
-from lightning_fpdt.sequence.host_stash import ChunkStash, HostStash, StashFactory
+from lightning_fpdt.memory.recompute_input import RecomputeInput, RngState
+from lightning_fpdt.offload.host_stash import ChunkStash, StashFactory
 
 _UNUSED_VALUES: ContextVar[frozenset[int]] = ContextVar("fpdt_unused_mlp_values", default=frozenset())
 """Ids of the MLPs whose value nothing reads in the block recompute running on this thread (empty otherwise)."""
@@ -94,62 +95,6 @@ def in_plain_block() -> bool:
     return _PLAIN_BLOCK.get()
 
 
-def _check_count(name: str, value: Any, num_blocks: Optional[int], words: tuple[str, ...], least: int,
-                 counted: str) -> None:
-    """``value`` is one of ``words`` or an int from ``least`` to the ``num_blocks`` blocks (when known); ValueError
-    naming the choices otherwise."""
-    if isinstance(value, str) and value in words:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < least or (num_blocks is not None
-                                                                                   and value > num_blocks):
-        blocks = "the number of blocks" if num_blocks is None else f"the model's {num_blocks} blocks"
-        choices = "".join(f"{word!r}, " for word in words[:-1]) + (f"{words[-1]!r} or " if words else "")
-        raise ValueError(f"{name} must be {choices}a number of {counted} from {least} to {blocks}, got {value!r}")
-
-
-def check_checkpoint_blocks(value: Any, num_blocks: Optional[int] = None,
-                            words: tuple[str, ...] = ("auto", "all")) -> None:
-    """``checkpoint_blocks`` is one of ``words`` or a count from 0 to the ``num_blocks`` blocks (when known), the
-    first ones checkpointed and the others plain; ValueError naming the choices."""
-    _check_count("checkpoint_blocks", value, num_blocks, words, 0, "blocks checkpointed")
-
-
-def check_plain_blocks(checkpoint_blocks: Optional[int], num_blocks: Optional[int], *, keep_inputs: Optional[int],
-                       recompute_attention: bool) -> None:
-    """Blocks left plain (fewer than all checkpointed) go with every input kept and the attention not recomputed:
-    ValueError naming the fix otherwise."""
-    if checkpoint_blocks is None or (num_blocks is not None and checkpoint_blocks >= num_blocks):
-        return
-    if keep_inputs is not None or recompute_attention:
-        what = f"keep_inputs={keep_inputs}" if keep_inputs is not None else "recompute_attention=True"
-        raise ValueError(f"checkpoint_blocks={checkpoint_blocks} leaves blocks plain (their activations kept on the "
-                         f"GPU) while {what} saves memory on every block: use checkpoint_blocks='all' with it, or "
-                         f"drop it")
-
-
-def check_keep_inputs(value: Any, num_blocks: Optional[int] = None, words: tuple[str, ...] = ("auto", "all")) -> None:
-    """``keep_inputs`` is one of ``words`` (an option's ``"auto"``, ``"all"``) or a count from 1 to the
-    ``num_blocks`` blocks (when known); ValueError naming the choices."""
-    _check_count("keep_inputs", value, num_blocks, words, 1, "block inputs")
-
-
-def kept_positions(num_blocks: int, keep_inputs: Optional[int]) -> frozenset[int]:
-    """The forward positions of the blocks whose inputs are kept: ``keep_inputs`` of the ``num_blocks`` evenly spaced
-    from the first (``⌊i·L/k⌋``), or all of them for ``None`` (or ``k >= L``)."""
-    if keep_inputs is None or keep_inputs >= num_blocks:
-        return frozenset(range(num_blocks))
-    return frozenset(i * num_blocks // keep_inputs for i in range(keep_inputs))
-
-
-def largest_segment(num_blocks: int, keep_inputs: Optional[int]) -> int:
-    """The most inputs regenerated at once, between two kept ones of :func:`kept_positions`: ``⌈L/k⌉ - 1`` (the
-    ``k`` gaps between kept positions add up to ``L``, none is longer than ``⌈L/k⌉``, one is as long); 0 when all
-    are kept."""
-    if keep_inputs is None or keep_inputs >= num_blocks:
-        return 0
-    return math.ceil(num_blocks / keep_inputs) - 1
-
-
 class BlockCheckpoints:
     """The stash of block inputs of one model, the order blocks ran in (for the one-ahead prefetch) and, under partial
     residency, what each block was called with (for the regenerating forward)."""
@@ -166,7 +111,7 @@ class BlockCheckpoints:
                        keep_inputs=keep_inputs, checkpoint_blocks=checkpoint_blocks)
         self.forward_order: list[int] = []  # stash keys of this step's blocks, in forward order
         self._stash: Optional[ChunkStash] = None
-        self._calls: dict[int, tuple[CheckpointedForward, Any, tuple, _RngState]] = {}
+        self._calls: dict[int, tuple[CheckpointedForward, Any, tuple, RngState]] = {}
         """key -> (block, spec, other leaves, random states): what a regenerating forward calls the block with."""
         self._previous: Optional[tuple[weakref.ref, int]] = None  # the last block's hidden output and its version
         self.regenerated = 0
@@ -214,7 +159,7 @@ class BlockCheckpoints:
             attention.recording = on
 
     # ---- partial residency ------------------------------------------------------------------------------------------
-    def begin_forward(self, block: "CheckpointedForward", spec: Any, leaves: tuple, rng: "_RngState") -> bool:
+    def begin_forward(self, block: "CheckpointedForward", spec: Any, leaves: tuple, rng: "RngState") -> bool:
         """A block's first forward starts: note it and what it was called with (and the random states it starts
         from); whether its input goes to the stash (kept by the schedule, or not regenerable: module docstring)."""
         key = block.key
@@ -329,7 +274,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         stash = owner.stash(hidden.device)
         if key in stash:
             stash.free(key)  # a graph discarded without backward
-        rng = _RngState(hidden.device)
+        rng = RngState(hidden.device)
         if owner.begin_forward(block, spec, leaves, rng):
             stash.put(key, hidden.detach())
         ctx.block, ctx.spec, ctx.others, ctx.rng = block, spec, leaves[1:], rng
@@ -349,7 +294,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         owner.regenerate(block.key)  # a block whose input was not kept: regenerated into the stash first
         if block.mlp is None:
             owner.prefetch_before(block.key)
-        hidden = _RecomputeInput(owner, block, needs_grad=ctx.needs_input_grad[3])
+        hidden = RecomputeInput(owner._stash, block.key, reload_input=owner.reload_input,
+                                frees_early=block.mlp is not None, needs_grad=ctx.needs_input_grad[3])
         others = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x for x in ctx.others]
         unused = _UNUSED_VALUES.set(block.unused_mlp_values)
         # the MLP's input gradient is complete when the MLP's backward ends: start the prefetch there
@@ -377,130 +323,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         return (None, None, None, grad_hidden, *other_grads)
 
 
-class _RngState:
-    """The random number generator states a block's first forward starts from (CPU, and ``device``'s when it is a
-    CUDA device), so that the recompute, and a forward regenerating block inputs, draw the same dropout masks; the
-    states outside are left as they were (``torch.utils.checkpoint``'s ``preserve_rng_state``)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cpu = torch.get_rng_state()
-        self.device = device if device.type == "cuda" else None
-        self.cuda = torch.cuda.get_rng_state(device) if self.device is not None else None
-
-    @contextlib.contextmanager
-    def restored(self) -> Any:
-        with torch.random.fork_rng(devices=[] if self.device is None else [self.device], device_type="cuda"):
-            torch.set_rng_state(self.cpu)
-            if self.device is not None:
-                torch.cuda.set_rng_state(self.cuda, self.device)
-            yield
-
-
-class _RecomputeInput:
-    """The input of a block's recompute: its device copy from the stash (prefetched, or loaded now). Without
-    ``reload_input`` a leaf whose ``grad`` is the block's input gradient (a leaf without grad where the block's input
-    had none: only the parameters' gradients are computed). With it (and a host stash) an alias from
-    :class:`_InputTap`, whose gradient goes to ``taps``; the tensors the recompute saves from it point at the host
-    copy (:class:`_SavedOnHost`), and :meth:`free_device_copy` lets the memory go before the recompute ends."""
-
-    def __init__(self, owner: BlockCheckpoints, block: "CheckpointedForward", needs_grad: bool) -> None:
-        stash, key = owner._stash, block.key
-        self.stash, self.key = stash, key
-        loaded = stash.get(key)
-        stash.release(key)
-        self.taps: list[Tensor] = []
-        self._storage: Optional[torch.UntypedStorage] = None
-        if owner.reload_input and isinstance(stash, HostStash):
-            if needs_grad:
-                with torch.enable_grad():  # a backward runs with grad mode off
-                    self._tensor = _InputTap.apply(loaded.new_empty(0).requires_grad_(), loaded, self.taps)
-            else:  # an input without gradient (frozen embeddings): only the parameters' gradients are computed
-                self._tensor = loaded
-            self.saved_tensor_hooks: Any = _SavedOnHost(stash, key, loaded)
-            if block.mlp is not None:  # freed when the MLP starts; other blocks may read the input to their end
-                self._storage = loaded.untyped_storage()
-            self.leaf = None
-        else:
-            stash.free(key)
-            self._tensor = self.leaf = loaded.detach().requires_grad_(needs_grad)
-            self.saved_tensor_hooks = contextlib.nullcontext()
-
-    def pop(self) -> Tensor:
-        """The tensor, handed over once: this object keeps no reference to its value (but the leaf's)."""
-        tensor, self._tensor = self._tensor, None
-        return tensor
-
-    def free_device_copy(self) -> None:
-        """Under ``reload_input``: the recompute reads the input no more; its device copy goes now."""
-        if self._storage is not None:
-            self.saved_tensor_hooks.free_input(self._storage)
-            self._storage = None
-
-    def finish(self) -> Optional[Tensor]:
-        """After the block's backward: the input's gradient; the stash entry freed."""
-        self._storage = None
-        if self.leaf is not None:
-            return self.leaf.grad
-        self.stash.release(self.key)  # the copy the first norm's backward took back
-        self.stash.free(self.key)
-        return self.taps[0] if self.taps else None
-
-
-class _InputTap(torch.autograd.Function):
-    """The identity on a block input ``x`` (no grad) as a graph node: the gradient it receives is appended to
-    ``into``. Unlike a leaf (whose gradient accumulator keeps the tensor), it leaves ``x``'s memory to whoever else
-    holds it; ``anchor`` (empty, requiring grad) makes the output require grad."""
-
-    @staticmethod
-    def forward(ctx, anchor: Tensor, x: Tensor, into: list) -> Tensor:
-        ctx.into = into
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[None, None, None]:
-        ctx.into.append(grad)
-        return None, None, None
-
-
-@dataclass(frozen=True)
-class _OnHost:
-    """A saved tensor that views a block input, by its view of the input's host copy."""
-
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-
-class _SavedOnHost(torch.autograd.graph.saved_tensors_hooks):
-    """Saved-tensor hooks of a recompute under ``reload_input``: a tensor saved that views the block input
-    ``value`` is kept as its view of the input's copy in ``stash`` (entry ``key``), brought back to the device
-    (and shared by every such tensor) when the backward unpacks it. The hooks keep integers, not ``value``: they
-    live as long as the saved tensors do."""
-
-    def __init__(self, stash: ChunkStash, key: int, value: Tensor) -> None:
-        device = value.device
-        self._address: Optional[int] = value.untyped_storage().data_ptr()  # None once the device copy is gone
-
-        def pack(t: Tensor) -> Any:
-            if t.device == device and t.untyped_storage().data_ptr() == self._address:
-                return _OnHost(tuple(t.size()), tuple(t.stride()), t.storage_offset())
-            return t
-
-        def unpack(packed: Any) -> Tensor:
-            if isinstance(packed, _OnHost):
-                return stash.get(key).as_strided(packed.size, packed.stride, packed.offset)
-            return packed
-
-        super().__init__(pack, unpack)
-
-    def free_input(self, storage: torch.UntypedStorage) -> None:
-        """Free the input's device copy (``storage``) before the recompute ends; a tensor allocated at its address
-        afterwards is not the input."""
-        storage.resize_(0)
-        self._address = None
-
-
-def _at_mlp(owner: BlockCheckpoints, key: int, hidden: _RecomputeInput, mlp: nn.Module, args: tuple) -> None:
+def _at_mlp(owner: BlockCheckpoints, key: int, hidden: RecomputeInput, mlp: nn.Module, args: tuple) -> None:
     """Forward pre-hook on a block's MLP in its recompute. The block's input is read no more (in these blocks the
     MLP follows the attention's residual add): under ``reload_input`` its device copy goes now. The inputs of the
     blocks before ``key`` come back once the gradient of the MLP's input is complete, i.e. when the MLP's backward

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Optional, Union
 
-from lightning_fpdt.memory.block_offload import check_checkpoint_blocks, check_keep_inputs
+from lightning_fpdt.memory.block_schedule import check_checkpoint_blocks, check_keep_inputs
 from lightning_fpdt.planner.components import GIB, MemoryPlan
 from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, geometry_name, resolve_geometry

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from lightning_fpdt.flops import ModelGeometry
-from lightning_fpdt.memory.block_offload import largest_segment
+from lightning_fpdt.memory.block_schedule import largest_segment
 from lightning_fpdt.planner.geometry import PRECISIONS, attention_geometry, parameter_counts, total_parameters
 from lightning_fpdt.planner.options import PlanOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry
@@ -119,7 +119,7 @@ class StepSizes:
     @property
     def resident_inputs(self) -> int:
         """Block inputs held at once for their backwards: ``L``, or with ``kept_inputs = k`` the kept ones and the
-        largest segment regenerated at once, ``k + ⌈L/k⌉ - 1`` (``memory.block_offload.largest_segment``)."""
+        largest segment regenerated at once, ``k + ⌈L/k⌉ - 1`` (``memory.block_schedule.largest_segment``)."""
         k = self.o.kept_inputs
         if not k:  # every checkpointed block's (those left plain hold theirs in their activations)
             return self.checkpointed if self.o.activation_checkpointing else self.L

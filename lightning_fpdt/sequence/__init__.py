@@ -10,7 +10,7 @@ from lightning_fpdt.sequence.attention import (
 )
 from lightning_fpdt.sequence.blocks import check_heads, merge_partial
 from lightning_fpdt.sequence.documents import DocumentBoundaries
-from lightning_fpdt.sequence.host_stash import ChunkStash, HostBufferPool, HostStash, StashFactory
+from lightning_fpdt.offload.host_stash import ChunkStash, HostBufferPool, HostStash, StashFactory
 from lightning_fpdt.sequence.kernels import make_kernel, supported_backends
 from lightning_fpdt.sequence.layout import IGNORE_INDEX, RingBlock, SequenceLayout
 from lightning_fpdt.sequence.loss import sequence_parallel_loss, shift_labels, token_cross_entropy

@@ -32,7 +32,7 @@ from lightning_fpdt.sequence.blocks import (
     sum_kv_replicas,
 )
 from lightning_fpdt.sequence.documents import BlockPlan, DocumentBoundaries, Segment
-from lightning_fpdt.sequence.host_stash import ChunkStash, StashFactory
+from lightning_fpdt.offload.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.kernels import BlockKernel, VarlenFlashKernel, accumulation_dtype, make_kernel
 from lightning_fpdt.sequence.layout import SequenceLayout
 

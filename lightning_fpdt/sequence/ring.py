@@ -40,7 +40,7 @@ from lightning_fpdt.sequence.blocks import (
     softmax_scale,
     sum_kv_replicas,
 )
-from lightning_fpdt.sequence.host_stash import ChunkStash, StashFactory
+from lightning_fpdt.offload.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.kernels import BlockKernel, accumulation_dtype, make_kernel
 from lightning_fpdt.sequence.layout import SequenceLayout
 

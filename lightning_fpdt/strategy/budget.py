@@ -20,9 +20,9 @@ from lightning_fpdt.planner.arguments import python_arguments
 from lightning_fpdt.planner.components import MemoryPlan, expandable_segments, plannable_gpu_bytes
 from lightning_fpdt.planner.host import gib
 from lightning_fpdt.planner.options import MemoryFeatures
-from lightning_fpdt.sequence.disk_stash import DiskTier, SpillDirectory, check_free_space, stale_directories
-from lightning_fpdt.sequence.host_memory import HostAllocator, HostMemoryGuard, available_host_memory, resident_bytes
-from lightning_fpdt.sequence.host_stash import StashFactory
+from lightning_fpdt.offload.disk import DiskTier, SpillDirectory, check_free_space, stale_directories
+from lightning_fpdt.offload.host_memory import HostAllocator, HostMemoryGuard, available_host_memory, resident_bytes
+from lightning_fpdt.offload.host_stash import StashFactory
 from lightning_fpdt.sequence.options import ResolvedOptions
 from lightning_fpdt.sequence.ring_rules import ring_refusal
 

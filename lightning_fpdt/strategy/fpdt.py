@@ -31,7 +31,7 @@ from lightning_fpdt.memory.surgery import find_model
 from lightning_fpdt.models.ops import FUSED_OPS
 from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.sequence.attention import FPDTAttention
-from lightning_fpdt.sequence.host_memory import HostMemoryError
+from lightning_fpdt.offload.host_memory import HostMemoryError
 from lightning_fpdt.sequence.layout import SequenceLayout
 from lightning_fpdt.sequence.loss import sequence_parallel_loss
 from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions

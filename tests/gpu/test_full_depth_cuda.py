@@ -7,8 +7,8 @@ import torch
 
 from lightning_fpdt.memory import apply_block_offload, find_blocks
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
-from lightning_fpdt.sequence.disk_stash import STAGING_PIECE_BYTES, DiskTier, SpillDirectory, staging_bytes
-from lightning_fpdt.sequence.host_stash import StashFactory
+from lightning_fpdt.offload.disk import STAGING_PIECE_BYTES, DiskTier, SpillDirectory, staging_bytes
+from lightning_fpdt.offload.host_stash import StashFactory
 
 pytestmark = pytest.mark.gpu
 GIB = 2**30

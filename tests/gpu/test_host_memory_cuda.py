@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from lightning_fpdt import ActivationOffload, FPDTStrategy, TiledLoss, TiledMLP
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
-from lightning_fpdt.sequence.host_memory import HostAllocator, resident_bytes
+from lightning_fpdt.offload.host_memory import HostAllocator, resident_bytes
 
 pytestmark = pytest.mark.gpu
 GIB = 2**30

@@ -9,8 +9,8 @@ import torch
 
 from bench import host_readings
 from bench.peers import records
-from lightning_fpdt.sequence import host_memory
-from lightning_fpdt.sequence.host_memory import HostMemoryError
+from lightning_fpdt.offload import host_memory
+from lightning_fpdt.offload.host_memory import HostMemoryError
 
 MIB = 2**20
 

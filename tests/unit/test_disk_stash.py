@@ -1,6 +1,6 @@
 """The disk tier under the host stash: entries beyond the host budget in files, written behind and read ahead a piece
 at a time through a few staging buffers; files removed when freed and at exit; failures named, never garbage
-(sequence/disk_stash.py)."""
+(offload/disk/)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from lightning_fpdt.integrations import SequenceParallelContext, install_referen
 from lightning_fpdt.memory import find_blocks
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
 from lightning_fpdt.sequence import FPDTAttention, StashFactory, fpdt_attention
-from lightning_fpdt.sequence.disk_stash import (
+from lightning_fpdt.offload.disk import (
     DiskStash,
     DiskTier,
     DiskTierError,
@@ -190,13 +190,13 @@ def test_a_write_error_reported_at_writeback_is_not_lost(tmp_path, monkeypatch, 
     the call (EINVAL) only leaves the pages to the file's fdatasync."""
     import ctypes
 
-    from lightning_fpdt.sequence import disk_stash
+    from lightning_fpdt.offload.disk import files as disk_files
 
     def refused(fd, offset, count, flags):
         ctypes.set_errno(error)
         return -1
 
-    monkeypatch.setattr(disk_stash, "_sync_file_range", refused)
+    monkeypatch.setattr(disk_files, "_sync_file_range", refused)
     files = SpillDirectory(str(tmp_path), rank=0, pin_memory=False, piece_bytes=64)
     stash = _stash(files, budget=0)
     value = torch.randn(100)
@@ -214,8 +214,8 @@ def test_files_removed_at_exit(tmp_path):
     """A process that ends without closing its spill directory leaves no file: the directory is removed at exit."""
     code = (
         "import sys, torch\n"
-        "from lightning_fpdt.sequence.disk_stash import SpillDirectory, DiskTier\n"
-        "from lightning_fpdt.sequence.host_stash import StashFactory\n"
+        "from lightning_fpdt.offload.disk import SpillDirectory, DiskTier\n"
+        "from lightning_fpdt.offload.host_stash import StashFactory\n"
         "files = SpillDirectory(sys.argv[1], rank=0, pin_memory=False)\n"
         "f = StashFactory(offload=True); f.disk = DiskTier(files, 0)\n"
         "s = f.chunks(torch.device('cpu')); s.put('a', torch.randn(1000)); s._entries['a'].written.result()\n"

@@ -21,7 +21,7 @@ from lightning_fpdt.integrations import (
 from lightning_fpdt.memory import find_blocks
 from lightning_fpdt.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
 from lightning_fpdt.sequence import FPDTAttention, check_head_groups
-from lightning_fpdt.sequence.host_stash import HostBufferPool
+from lightning_fpdt.offload.host_stash import HostBufferPool
 from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry
 from tests.live_bytes import LiveBytes
 

@@ -8,7 +8,7 @@ import mmap
 import pytest
 import torch
 
-from lightning_fpdt.sequence.host_memory import (
+from lightning_fpdt.offload.host_memory import (
     HostAllocator,
     HostMemoryError,
     HostMemoryGuard,
@@ -17,7 +17,7 @@ from lightning_fpdt.sequence.host_memory import (
     reset_peak_resident,
     resident_bytes,
 )
-from lightning_fpdt.sequence.host_stash import HostBufferPool, HostStash, StashFactory
+from lightning_fpdt.offload.host_stash import HostBufferPool, HostStash, StashFactory
 
 PAGE = mmap.PAGESIZE
 
@@ -159,7 +159,7 @@ def test_host_buffers_are_not_inherited_by_child_processes():
 def test_a_registration_that_cannot_end_keeps_its_memory_mapped(cudart, monkeypatch):
     """cudaHostUnregister failing (released, or at close): the buffer stays alive, so its memory is not unmapped while
     the driver may still have it registered, and a warning names it; a registration that ends lets its buffer go."""
-    from lightning_fpdt.sequence import host_memory
+    from lightning_fpdt.offload import host_memory
 
     monkeypatch.setattr(host_memory, "_STILL_REGISTERED", [])
     allocator = HostAllocator(pin=True)
@@ -180,7 +180,7 @@ def test_a_registration_that_cannot_end_keeps_its_memory_mapped(cudart, monkeypa
 
 def test_memory_that_cannot_be_kept_from_a_child_is_named():
     """MADV_DONTFORK refused (here: pages nobody mapped) is a warning naming the range, not silence."""
-    from lightning_fpdt.sequence.host_memory import _not_inherited
+    from lightning_fpdt.offload.host_memory import _not_inherited
 
     with pytest.warns(RuntimeWarning, match=f"MADV_DONTFORK.*{PAGE:#x} failed"):
         _not_inherited(PAGE, PAGE)

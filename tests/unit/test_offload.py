@@ -260,7 +260,7 @@ def test_regenerated_inputs_give_the_same_gradients(head_chunks, recompute, pack
 def test_stash_holds_kept_inputs_and_one_segment(keep):
     """The host stash never holds more than the kept inputs and one segment's regenerated ones, ``k + ⌈L/k⌉ - 1``
     (largest_segment), and is empty after each step; the gradients are those of keeping every input."""
-    from lightning_fpdt.memory.block_offload import kept_positions, largest_segment
+    from lightning_fpdt.memory.block_schedule import kept_positions, largest_segment
 
     counts = []
 

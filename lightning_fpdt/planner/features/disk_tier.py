@@ -1,8 +1,8 @@
-"""The disk tier (``FPDTStrategy(offload_dir=...)``, sequence/disk_stash.py): checkpointed block inputs beyond the host
+"""The disk tier (``FPDTStrategy(offload_dir=...)``, offload/disk/): checkpointed block inputs beyond the host
 budget go to files on a local disk instead of pinned host memory.
 
 Memory: ``disk_inputs = k`` block inputs per GPU move from the pinned host column to the disk column (``k·A``), and
-the writer's and the reader's staging buffers are pinned beside the rest (``disk_stash.staging_bytes(A)``: two each
+the writer's and the reader's staging buffers are pinned beside the rest (``offload.disk.staging_bytes(A)``: two each
 of ``min(256 MiB, A)``; an input streams through them a piece at a time). At run time the inputs that spill are the
 last ``k`` of the forward: the stash keeps an input in host memory while its buffers stay within the budget, the
 plan's ``(L - k)·A``. A written-behind input stays on the GPU until it is on the disk, within its own block's forward:
@@ -35,7 +35,7 @@ from lightning_fpdt.planner.components import Component, MemoryPlan
 from lightning_fpdt.planner.cost import attention_forward_seconds, dense_forward_seconds
 from lightning_fpdt.planner.features.base import MemoryFeature
 from lightning_fpdt.planner.sizes import StepSizes
-from lightning_fpdt.sequence.disk_stash import STAGING_DEPTH, STAGING_PIECE_BYTES, staging_bytes
+from lightning_fpdt.offload.disk import STAGING_DEPTH, STAGING_PIECE_BYTES, staging_bytes
 
 DISK_GBPS = 1.5
 """The disk's read and write rate the command plans with by default, GB/s: a local NVMe of an H200 host, measured

@@ -2,7 +2,7 @@
 ``CPUOffloadPolicy``).
 
 On the host the fp32 master weights are page-locked, each exactly its size (the strategy registers FSDP2's shards
-itself, ``lightning_fpdt.sequence.host_memory``), so the GPU copies them in asynchronously; the gradients arrive in
+itself, ``lightning_fpdt.offload.host_memory``), so the GPU copies them in asynchronously; the gradients arrive in
 pageable memory (the optimizer steps them on the host as they land) and the optimizer's moments are pageable too.
 """
 

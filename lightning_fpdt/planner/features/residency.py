@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from lightning_fpdt.memory.block_offload import largest_segment
+from lightning_fpdt.memory.block_schedule import largest_segment
 from lightning_fpdt.planner.components import Component
 from lightning_fpdt.planner.cost import COPY_BYTES, attention_forward_seconds, dense_forward_seconds
 from lightning_fpdt.planner.features.base import MemoryFeature

@@ -9,11 +9,11 @@ otherwise show up as wrong gradients or a hang.
 - :class:`ChunkStash` keeps the tensors where they are (device memory): ``offload=False``.
 - :class:`HostStash` keeps them in host memory (pinned on CUDA) from a :class:`HostBufferPool` that allocates each
   buffer size once and reuses it across chunks, layers and steps (pinning is slow); its buffers hold exactly the bytes
-  asked for (:class:`~lightning_fpdt.sequence.host_memory.HostAllocator`). On CUDA, ``put`` copies on a
+  asked for (:class:`~lightning_fpdt.offload.host_memory.HostAllocator`). On CUDA, ``put`` copies on a
   device-to-host stream and ``prefetch`` on a host-to-device stream, ordered by CUDA events only: no
   ``synchronize()`` and no barrier anywhere in the chunk loops. On CPU the same logic runs with plain tensors and
   no streams, so the multi-process CPU tests cover it.
-- :class:`~lightning_fpdt.sequence.disk_stash.DiskStash` (a factory with a ``disk`` tier) keeps them in host memory
+- :class:`~lightning_fpdt.offload.disk.DiskStash` (a factory with a ``disk`` tier) keeps them in host memory
   up to a budget and in files beyond it.
 """
 
@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_fpdt.sequence.host_memory import HostAllocator, HostMemoryGuard
+from lightning_fpdt.offload.host_memory import HostAllocator, HostMemoryGuard
 
 
 class ChunkStash:
@@ -256,8 +256,8 @@ class StashFactory:
         self.guard: Optional[HostMemoryGuard] = None
         """Asked before each new host buffer (set before the first one; the strategy sets it at setup)."""
         self.disk: Optional[Any] = None
-        """A :class:`~lightning_fpdt.sequence.disk_stash.DiskTier`: chunks beyond its host budget go to files
-        (``sequence/disk_stash.py``); ``None``: all in host memory. The strategy sets it per planned length."""
+        """A :class:`~lightning_fpdt.offload.disk.DiskTier`: chunks beyond its host budget go to files
+        (``offload/disk/``); ``None``: all in host memory. The strategy sets it per planned length."""
         self._pool: Optional[HostBufferPool] = None
         self._streams: dict[torch.device, CopyStreams] = {}
 

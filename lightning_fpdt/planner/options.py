@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 from lightning_fpdt.flops import ModelGeometry
+from lightning_fpdt.memory.block_schedule import check_checkpoint_blocks, check_plain_blocks
 from lightning_fpdt.planner.geometry import PRECISIONS, attention_geometry, total_parameters
 from lightning_fpdt.sequence.options import FPDTOptions
 from lightning_fpdt.sequence.ring_rules import check_ring
@@ -86,14 +87,16 @@ class PlanOptions:
             raise ValueError(f"kept_inputs={self.kept_inputs} needs checkpointed blocks and a count >= 0 (0: all "
                              f"kept): set activation_checkpointing=True with it, or kept_inputs=0")
         if self.checkpoint_blocks != "all":
-            if isinstance(self.checkpoint_blocks, bool) or not isinstance(self.checkpoint_blocks, int) or \
-                    self.checkpoint_blocks < 0 or not self.activation_checkpointing:
-                raise ValueError(f"checkpoint_blocks={self.checkpoint_blocks!r} needs checkpointed blocks and a count "
-                                 f">= 0: set activation_checkpointing=True with it, or checkpoint_blocks='all'")
-            if self.kept_inputs or self.recompute_attention or self.disk_inputs:
-                raise ValueError(f"checkpoint_blocks={self.checkpoint_blocks} leaves blocks plain, which keep their "
-                                 f"activations on the GPU; keep_inputs, recompute_attention and the disk tier save "
-                                 f"memory on every block: use checkpoint_blocks='all' with them")
+            check_checkpoint_blocks(self.checkpoint_blocks, words=("all",))
+            if not self.activation_checkpointing:
+                raise ValueError(f"checkpoint_blocks={self.checkpoint_blocks} needs checkpointed blocks: set "
+                                 f"activation_checkpointing=True with it, or checkpoint_blocks='all'")
+            check_plain_blocks(self.checkpoint_blocks, None, keep_inputs=self.kept_inputs or None,
+                               recompute_attention=self.recompute_attention)
+            if self.disk_inputs:
+                raise ValueError(f"checkpoint_blocks={self.checkpoint_blocks} leaves blocks plain (their activations "
+                                 f"kept on the GPU) while disk_inputs={self.disk_inputs} spills block inputs: use "
+                                 f"checkpoint_blocks='all' with the disk tier")
         check_ring(self.ring_size, chunks=self.chunks, offload_dq=self.offload_dq, head_chunks=self.head_chunks)
 
     def describe(self) -> str:

@@ -54,10 +54,11 @@ class FusedOps:
             return False  # fp64: the references of the tests, computed exactly as the tiled forms
         return self.enabled is True or (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
 
-    def run(self, fn: Callable[..., Any], eager: Callable[[], Any], *args: Any) -> Any:
-        """``fn(*args)`` compiled; ``eager()`` where compiling fails (and from then on)."""
+    def run(self, fn: Callable[..., Any], eager: Callable[[], Any], *args: Any, staged: bool = False) -> Any:
+        """``fn(*args)`` compiled (``staged``: ``fn`` calls compiled stages itself, each its own kernel); ``eager()``
+        where compiling fails (and from then on)."""
         try:
-            return _compiled(fn)(*args)
+            return fn(*args) if staged else _compiled(fn)(*args)
         except torch.OutOfMemoryError:
             raise  # the memory, not the compiler: the eager forms would need more
         except Exception as error:  # noqa: BLE001 - any compiler failure: the eager forms compute the same
@@ -221,23 +222,36 @@ def rotary_forward(x: Tensor, position_ids: Tensor, theta: float, *, inverse: bo
     return out
 
 
-def _fused_rotary(x: Tensor, position_ids: Tensor, theta: float, inverse: bool) -> Tensor:
-    """:func:`rotary_forward` as one expression (fused when compiled)."""
-    acc = torch.promote_types(x.dtype, torch.float32)
-    head_dim, half = x.shape[-1], x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=acc) / head_dim))  # (D/2,)
+def _rotary_table(position_ids: Tensor, theta: float, head_dim: int, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``cos`` and ``sin`` of the RoPE angles, ``(B, S, D/2)`` in ``acc`` (fused when compiled): a kernel of its own,
+    so the rotation reads one angle per token and frequency instead of computing it again for every head."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=acc) / head_dim))
     angles = position_ids.to(acc)[..., None] * inv_freq  # (B, S, D/2)
-    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # (B, S, 1, D)
-    sin = -angles.sin() if inverse else angles.sin()
-    x_acc = x.to(acc)
+    return angles.cos(), angles.sin()
+
+
+def _fused_rotation(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
+    """:func:`rotary_forward`'s arithmetic given the angle table (fused when compiled)."""
+    half = x.shape[-1] // 2
+    cos = torch.cat((cos, cos), dim=-1)[:, :, None, :]  # (B, S, 1, D), broadcast over heads
+    sin = torch.cat((sin, sin), dim=-1)[:, :, None, :]
+    x_acc = x.to(cos.dtype)
     rotated = torch.cat((-x_acc[..., half:], x_acc[..., :half]), dim=-1)  # rotate_half(x)
-    return (x_acc * angles.cos() + rotated * sin).to(x.dtype)
+    return (x_acc * cos + rotated * (-sin if inverse else sin)).to(x.dtype)
+
+
+def _fused_rotary(x: Tensor, position_ids: Tensor, theta: float, inverse: bool) -> Tensor:
+    """:func:`rotary_forward` as two compiled stages: the angle table, then the rotation (compiled as one, the angles
+    were computed in the rotation's kernel for every element: sin and cos of fp32 angles dominated its time)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    cos, sin = _compiled(_rotary_table)(position_ids, theta, x.shape[-1], acc)
+    return _compiled(_fused_rotation)(x, cos, sin, inverse)
 
 
 def _rotate(x: Tensor, position_ids: Tensor, theta: float, *, inverse: bool = False) -> Tensor:
     if FUSED_OPS.applies(x):
         return FUSED_OPS.run(_fused_rotary, lambda: rotary_forward(x, position_ids, theta, inverse=inverse),
-                             x, position_ids, theta, inverse)
+                             x, position_ids, theta, inverse, staged=True)
     return rotary_forward(x, position_ids, theta, inverse=inverse)
 
 

@@ -237,7 +237,8 @@ def train_ring(args: argparse.Namespace, *, device: torch.device, world_size: in
 
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("cp",))
     model = _ring_model(args, mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)  # LlamaLM's optimizer
+    # LlamaLM's optimizer, with torchtitan's default implementation (fused) on the GPU
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=device.type == "cuda")
     prime_adam_states(optimizer)
     set_rotate_method(args.rotate_method)
     info.update(sequence_parallel_size=world_size, data_parallel_size=1, tokens_per_step=args.seq_len)

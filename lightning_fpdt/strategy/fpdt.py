@@ -40,7 +40,13 @@ from lightning_fpdt.strategy import budget
 from lightning_fpdt.strategy import checkpoint as checkpointing
 from lightning_fpdt.strategy import noise, storage, tokens
 from lightning_fpdt.strategy.batch import BatchPlan, check_batch, length_message, padding_message, shard_batch
-from lightning_fpdt.strategy.host_optimizer import InBackwardStep, host_step, host_threads, prepare_host_step
+from lightning_fpdt.strategy.host_optimizer import (
+    InBackwardStep,
+    fuse_optimizers,
+    host_step,
+    host_threads,
+    prepare_host_step,
+)
 from lightning_fpdt.strategy.loss import check_training_loss, no_target_message, unwrap_loss, with_loss
 from lightning_fpdt.strategy.materialize import has_meta_parameters, materialize
 from lightning_fpdt.strategy.mesh import attention_group, build_mesh, ring_size_of, sequence_mesh
@@ -118,7 +124,8 @@ class FPDTStrategy(ModelParallelStrategy):
             family's norms and SiLU-gated MLPs) as one fused kernel per pass, compiled by ``torch.compile``
             (``lightning_fpdt.models.ops``): the same formulas, several times fewer trips through device memory.
             ``"auto"``: on CUDA devices; ``False``: the eager forms. Where compiling fails the ops run eager, with one
-            warning.
+            warning. Unless ``False``, Adam and AdamW whose ``fused`` and ``foreach`` the module left unset step with
+            torch's fused CUDA kernel where their parameters are on the GPU (the same update in one pass per tensor).
     """
 
     strategy_name = "fpdt"
@@ -332,6 +339,8 @@ class FPDTStrategy(ModelParallelStrategy):
         if self.cpu_offload_params:
             self._in_backward = prepare_host_step(self.optimizers, trainer, in_backward=self._host_step_in_backward,
                                                   threads=host_threads(self.num_processes), replaces=self._in_backward)
+        elif self.root_device.type == "cuda" and self.fused_ops is not False:
+            fuse_optimizers(self.optimizers, "cuda")  # one pass per tensor instead of foreach's eight
 
     @property
     def memory_plan(self) -> Optional[MemoryPlan]:

@@ -8,7 +8,8 @@ memory, so the optimizer step runs on the CPU. Two defaults make that step slow:
 - ``torchrun`` starts every process with ``OMP_NUM_THREADS=1``, so those passes run on one core.
 
 :func:`fuse_host_optimizers` switches Adam and AdamW to torch's fused CPU kernel (one vectorised pass per tensor, the
-same update), where the user left both ``fused`` and ``foreach`` unset. :func:`host_step` runs the optimizer's own
+same update), where the user left both ``fused`` and ``foreach`` unset; with states on the GPU the strategy does the
+same with the CUDA kernel (:func:`fuse_optimizers`, unless ``fused_ops=False``). :func:`host_step` runs the optimizer's own
 arithmetic on every core of this rank's share of the host (:func:`host_threads`), and the closure it calls (forward
 and backward, which only launch GPU work) with the thread count it had.
 
@@ -50,14 +51,16 @@ def host_threads(local_world_size: int) -> int:
     return max(1, cores // max(1, local_world_size))
 
 
-def fuse_host_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> list[str]:
-    """Turn on ``fused`` in the groups of Adam and AdamW whose parameters are all in host memory and that left
-    ``fused`` and ``foreach`` unset; return a description of each optimizer left as it was (for a warning)."""
+def fuse_optimizers(optimizers: Iterable[torch.optim.Optimizer], device_type: str) -> list[str]:
+    """Turn on ``fused`` in the groups of Adam and AdamW whose parameters are all floating point on ``device_type``
+    (``"cpu"``: host-resident states; ``"cuda"``) and that left ``fused`` and ``foreach`` unset; return a description
+    of each optimizer left as it was. torch's fused kernel makes one pass over a tensor's parameter, gradient and two
+    moments where the per-tensor loop makes about ten and ``foreach`` about eight (one per elementwise op)."""
     left: list[str] = []
     for optimizer in optimizers:
         name = type(optimizer).__name__
         if type(optimizer) not in FUSABLE:
-            left.append(f"{name} (torch has no fused CPU step for it)")
+            left.append(f"{name} (torch has no fused step for it)")
             continue
         for index, group in enumerate(optimizer.param_groups):
             if group.get("fused") is not None or group.get("foreach") is not None:
@@ -66,11 +69,16 @@ def fuse_host_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> list[st
             if group.get("differentiable") or group.get("capturable"):
                 left.append(f"{name} group {index} (differentiable or capturable)")
                 continue
-            if any(p.device.type != "cpu" or not p.is_floating_point() for p in group["params"]):
-                left.append(f"{name} group {index} (parameters not all floating point in host memory)")
+            if any(p.device.type != device_type or not p.is_floating_point() for p in group["params"]):
+                left.append(f"{name} group {index} (parameters not all floating point on {device_type})")
                 continue
             group["fused"] = True
     return left
+
+
+def fuse_host_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> list[str]:
+    """:func:`fuse_optimizers` of the groups whose parameters are all in host memory."""
+    return fuse_optimizers(optimizers, "cpu")
 
 
 def prepare_host_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None:

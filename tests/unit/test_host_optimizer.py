@@ -10,6 +10,7 @@ from lightning.pytorch import Callback, LightningModule
 from lightning_fpdt.strategy.host_optimizer import (
     InBackwardStep,
     fuse_host_optimizers,
+    fuse_optimizers,
     host_step,
     host_threads,
     in_backward_refusal,
@@ -48,6 +49,14 @@ def test_optimizers_torch_cannot_fuse_or_the_user_configured_are_left_as_they_we
     left = fuse_host_optimizers([sgd, chosen])
     assert len(left) == 2 and left[0].startswith("SGD") and "foreach=False" in left[1]
     assert chosen.param_groups[0]["fused"] is None
+
+
+def test_only_groups_whose_parameters_all_live_on_the_device_are_fused():
+    """Fusing for the GPU leaves a group with parameters elsewhere (here in host memory) as the user made it."""
+    on_host = torch.optim.AdamW(_params(2))
+    left = fuse_optimizers([on_host], "cuda")
+    assert on_host.param_groups[0]["fused"] is None and "not all floating point on cuda" in left[0]
+    assert fuse_optimizers([on_host], "cpu") == [] and on_host.param_groups[0]["fused"] is True
 
 
 def test_host_step_runs_the_closure_with_the_threads_it_had_and_the_step_with_the_hosts():

@@ -32,11 +32,14 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
 
 
 def _exchange(blocks: list[Tensor], group: Optional[dist.ProcessGroup], sp_size: int) -> list[Tensor]:
-    """One all-to-all over ``blocks``, each ``(P, …)`` indexed by destination; returns them indexed by source."""
+    """One all-to-all over ``blocks``, each ``(P, …)`` indexed by destination (any strides: each is copied once,
+    straight into the send buffer); returns them indexed by source."""
     if sp_size == 1:
-        return blocks
+        return [b.contiguous() for b in blocks]  # the outputs own their memory, as after an exchange
     sizes = [b[0].numel() for b in blocks]
-    send = torch.cat([b.reshape(sp_size, -1) for b in blocks], dim=1)  # (P, sum n_t)
+    send = blocks[0].new_empty((sp_size, sum(sizes)))  # (P, sum n_t)
+    for piece, block in zip(send.split(sizes, dim=1), blocks):
+        piece.view(block.shape).copy_(block)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return [r.view(b.shape) for r, b in zip(recv.split(sizes, dim=1), blocks)]
@@ -50,7 +53,7 @@ def seq_to_head(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup]) -
         b, s, h, d = x.shape
         assert h % sp_size == 0, "head counts are validated before the all-to-all"
         # (B, s, h, D) -reshape-> (B, s, P, h/P, D) -permute-> (P, B, h/P, s, D): block p goes to rank p
-        blocks.append(x.reshape(b, s, sp_size, h // sp_size, d).permute(2, 0, 3, 1, 4).contiguous())
+        blocks.append(x.reshape(b, s, sp_size, h // sp_size, d).permute(2, 0, 3, 1, 4))
     received = _exchange(blocks, group, sp_size)
     out = []
     for y in received:
@@ -68,7 +71,7 @@ def head_to_seq(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup]) -
         b, hp, seq, d = x.shape
         s = seq // sp_size
         # (B, h/P, P·s, D) -reshape-> (B, h/P, P, s, D) -permute-> (P, B, s, h/P, D): piece p goes back to rank p
-        blocks.append(x.reshape(b, hp, sp_size, s, d).permute(2, 0, 3, 1, 4).contiguous())
+        blocks.append(x.reshape(b, hp, sp_size, s, d).permute(2, 0, 3, 1, 4))
     received = _exchange(blocks, group, sp_size)
     out = []
     for y in received:

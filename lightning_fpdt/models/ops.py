@@ -75,9 +75,12 @@ FUSED_OPS = FusedOps()
 
 @functools.lru_cache(maxsize=None)
 def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    # one compilation per function for every token count (dynamic shapes); a CPU run (tests) compiles without code
-    # generation, which would take minutes on a small machine
-    return torch.compile(fn, dynamic=True, backend="inductor" if torch.cuda.is_available() else "eager")
+    # automatic dynamic shapes: compiled first for the sizes it meets, then again once with the sizes that changed
+    # (the token count between sequence lengths, the head count between q and k) left symbolic; the model's widths
+    # stay constants, which the kernels' indexing and reductions need to run at memory speed (all sizes symbolic made
+    # RoPE several times slower than the bytes it moves). A CPU run (tests) compiles without code generation, which
+    # would take minutes on a small machine.
+    return torch.compile(fn, dynamic=None, backend="inductor" if torch.cuda.is_available() else "eager")
 
 
 def _tiles(num_tokens: int, width: int) -> list[tuple[int, int]]:

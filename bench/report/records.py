@@ -7,7 +7,9 @@ give each the commit that added it to the repository (``git log --diff-filter=A 
 
 from __future__ import annotations
 
+import functools
 import json
+import subprocess
 import warnings
 from typing import Any, Callable, Hashable, Iterable
 
@@ -121,3 +123,18 @@ def variant(record: dict[str, Any]) -> str:
     if record.get("system") == "fpdt" and options.get("offload") is False:
         parts.append("offload off")
     return ", ".join(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def commit_time(commit: str) -> str:
+    """When ``commit`` was made (ISO 8601, from the repository's history), or ``""`` where git does not know it."""
+    try:
+        done = subprocess.run(["git", "log", "-1", "--format=%cI", commit], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def by_commit_age(record: dict[str, Any]) -> tuple[str, str]:
+    """A sort key: the record's commit's own time, then the run's (runs side by side may run the newer code first)."""
+    return commit_time(str(record.get("commit"))), record.get("time") or ""

@@ -8,7 +8,8 @@ from typing import Iterator, Optional
 
 from bench.report.markdown import (HOST_COLUMNS, NONE, Record, Section, gib, host_cells, length, number,
                                    percent, percent_change, plan_ratio, ratio)
-from bench.report.records import ballast_kind, card_name, latest, model_name, of_kind, stands_for_full_depth, timed
+from bench.report.records import (ballast_kind, by_commit_age, card_name, latest, model_name, of_kind,
+                                  stands_for_full_depth, timed)
 from bench.report.speed_of_light import (LIGHT_COLUMNS, LIGHT_NOTE, PROFILE_COLUMNS, PROFILE_NOTE, light_cells,
                                          profile_cells)
 
@@ -114,7 +115,7 @@ THROUGHPUT = Section(
 
 def _change_rows(records: list[Record]) -> Iterator[Row]:
     """Per system and setting (card, GPUs, model, depth, length, states) measured at more than one commit on one day
-    (side by side): each commit's latest timed run, oldest first, against the oldest."""
+    (side by side): each commit's latest timed run, oldest commit first, against the oldest."""
     runs = [r for r in of_kind(records, "run") if r.get("status") == "ok" and timed(r) and not r.get("profile")]
     by_setting: dict[tuple, dict[str, Record]] = defaultdict(dict)
     for r in runs:
@@ -125,7 +126,7 @@ def _change_rows(records: list[Record]) -> Iterator[Row]:
             by_setting.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][6], kv[0][4])):
         if len(commits) < 2:
             continue
-        ordered = sorted(commits.values(), key=lambda r: r.get("time") or "")
+        ordered = sorted(commits.values(), key=by_commit_age)
         base = ordered[0]
         for r in ordered:
             yield r, [card, str(gpus), model_name(r), length(seq_len), system, states,

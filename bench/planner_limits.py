@@ -35,12 +35,12 @@ def fits(model: Any, seq_len: int, *, gpus: int, gpu_gib: float, host_gib: float
             tiled_mlp=True, tiled_loss=True, cpu_offload_params=offload_params,
             gpu_memory_gib=plannable_gpu_bytes(int(gpu_gib * 2**30)) / 2**30, host_memory_gib=host_gib,
             chunks="auto", offload="auto", offload_dq="auto", head_chunks="auto", recompute_attention="auto",
-            reload_input="auto", input_prefetch="auto", keep_inputs=keep_inputs,
+            reload_input="auto", prefetch="auto", keep_inputs=keep_inputs,
             disk_memory_gib=disk_gib, disk_gbps=disk_gbps, disk_inputs="auto" if disk_gib else 0,
         )
         if plan.fits:
             o = plan.options
-            return (f"kept {o.kept_inputs or 'all'}, disk {o.disk_inputs}, chunks {o.chunks}, G {o.head_chunks}"
+            return (f"kept {o.keep_inputs}, disk {o.disk_inputs}, chunks {o.chunks}, G {o.head_chunks}"
                     + (", states on host" if offload_params else ""))
     return None
 

@@ -143,7 +143,7 @@ def host_check(
         gpu_memory_gib=(gpu_memory_bytes or 80 * GIB) / GIB,
         host_memory_gib=None if available_bytes is None else available_bytes / GIB,
         recompute_attention=fpdt and args.recompute_attention, head_chunks=args.head_chunks if fpdt else 1,
-        reload_input=fpdt and args.reload_input, input_prefetch=not fpdt or args.prefetch > 0,
+        reload_input=fpdt and args.reload_input, prefetch=args.prefetch if fpdt else 1,
     )
     return {
         "layers": plan.geometry.num_layers,

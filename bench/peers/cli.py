@@ -21,6 +21,7 @@ from bench.provenance import append_record
 from bench.peers.hf_llama import GEOMETRY_NAMES, HF_GEOMETRIES
 from lightning_fpdt.models.llama import NAMED_CONFIGS
 from lightning_fpdt.planner.components import expandable_segments
+from lightning_fpdt.planner.features.base import all_or_count
 from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 
 PROG = "python3 -m bench.peers"
@@ -59,10 +60,10 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                              "backward")
     parser.add_argument("--prefetch", type=int, default=1,
                         help="fpdt: ActivationOffload(prefetch=...), block inputs brought back ahead (0: none)")
-    parser.add_argument("--keep-inputs", default="all",
+    parser.add_argument("--keep-inputs", type=all_or_count("block inputs"), default="all",
                         help="fpdt: ActivationOffload(keep_inputs=...): all (default), auto, or how many block inputs "
                              "wait for their backward (the others regenerated)")
-    parser.add_argument("--checkpoint-blocks", default="all",
+    parser.add_argument("--checkpoint-blocks", type=all_or_count("blocks"), default="all",
                         help="fpdt: ActivationOffload(checkpoint_blocks=...): all (default), auto, or how many blocks "
                              "are checkpointed (the first ones; the others keep their activations on the GPU)")
     parser.add_argument("--auto-options", action="store_true",

@@ -111,10 +111,11 @@ class FullDepth:
         return {
             "held": held,
             "options": arguments(full),
-            "kept_inputs": o.kept_inputs or full.geometry.num_layers, "disk_inputs": o.disk_inputs,
+            "kept_inputs": full.geometry.num_layers if o.keep_inputs == "all" else o.keep_inputs,
+            "disk_inputs": o.disk_inputs,
             "checkpoint_blocks": full.geometry.num_layers if o.checkpoint_blocks == "all" else o.checkpoint_blocks,
             "run_checkpoint_blocks": run.options.checkpoint_blocks,
-            "regenerated_block_forwards": full.geometry.num_layers - o.kept_inputs if o.kept_inputs else 0,
+            "regenerated_block_forwards": 0 if o.keep_inputs == "all" else full.geometry.num_layers - o.keep_inputs,
             "planned_peak_gpu_bytes": full.peak_gpu_bytes, "planned_pinned_bytes": full.host_bytes_per_gpu,
             "planned_resident_bytes": full.host_resident_bytes_per_gpu,
             "planned_disk_bytes": full.disk_bytes_per_gpu,
@@ -144,7 +145,7 @@ def plan_fpdt(args: argparse.Namespace, geometry: ModelGeometry, *, num_gpus: in
         head_chunks="auto" if auto else args.head_chunks,
         recompute_attention="auto" if auto else args.recompute_attention,
         reload_input="auto" if auto else args.reload_input,
-        input_prefetch="auto" if auto else args.prefetch > 0,
+        prefetch="auto" if auto else args.prefetch,
         keep_inputs=count_option(args, "keep_inputs"), checkpoint_blocks=count_option(args, "checkpoint_blocks"),
     )
     if not full.fits:
@@ -154,7 +155,7 @@ def plan_fpdt(args: argparse.Namespace, geometry: ModelGeometry, *, num_gpus: in
     run = plan_memory(
         geometry=dataclasses.replace(geometry, num_layers=layers_run(args)), **common, gpu_memory_gib=gpu_gib,
         chunks=o.chunks, offload=o.offload, offload_dq=o.offload_dq, head_chunks=o.head_chunks,
-        recompute_attention=o.recompute_attention, reload_input=o.reload_input, input_prefetch=o.input_prefetch,
+        recompute_attention=o.recompute_attention, reload_input=o.reload_input, prefetch=o.prefetch,
         keep_inputs="all", checkpoint_blocks=checkpointed_run_blocks(o.checkpoint_blocks, geometry.num_layers,
                                                                      layers_run(args)),
     )

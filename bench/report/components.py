@@ -213,7 +213,7 @@ def _page_plan(r: Record) -> Any:
         head_chunks=r["head_chunks"], recompute_attention=r["recompute_attention"],
         cpu_offload_params=r["cpu_offload_params"], activation_offload=True, tiled_mlp=True, tiled_loss=True,
         precision=r.get("precision", "bf16-mixed"), reload_input=bool(r.get("reload_input")),
-        input_prefetch=r.get("prefetch") != 0, accumulate_grad_batches=r.get("accumulate_grad_batches", 1),
+        prefetch=1 if r.get("prefetch") is None else r["prefetch"], accumulate_grad_batches=r.get("accumulate_grad_batches", 1),
         sync_every_batch=bool(r.get("sync_every_batch")),  # records from before the option: the window's end only
     )
 

@@ -126,7 +126,7 @@ class ActivationOffload(Callback):
         return MemoryFeatures(
             activation_checkpointing=True, activation_offload=offload, recompute_attention=self.recompute_attention,
             reload_input=self.reload_input if offload else False,
-            input_prefetch=self.prefetch if self.prefetch == "auto" else self.prefetch > 0,
+            prefetch=self.prefetch,
             keep_inputs=self.keep_inputs, checkpoint_blocks=self.checkpoint_blocks,
         )
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable, Optional, Union
+from typing import Optional, Union
 
 from lightning_fpdt.models.llama import NAMED_CONFIGS
 from lightning_fpdt.planner.arguments import python_arguments, yaml_arguments
 from lightning_fpdt.planner.components import GIB, MemoryPlan, expandable_segments, plannable_gpu_bytes
+from lightning_fpdt.planner.features import FEATURES
+from lightning_fpdt.planner.features.base import auto_or_int
 from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, resolve_geometry
 from lightning_fpdt.planner.host import available_host_memory, gib
@@ -90,28 +92,6 @@ def format_plan(plan: MemoryPlan) -> str:
 
 
 # ---- command line ----------------------------------------------------------------------------------------------------
-def _auto_or_int(value: str) -> Union[str, int]:
-    return value if value == "auto" else int(value)
-
-
-def _switch(value: str) -> Union[str, bool]:
-    choices = {"auto": "auto", "on": True, "off": False}
-    if value not in choices:
-        raise argparse.ArgumentTypeError(f"choose auto, on or off, not {value!r}")
-    return choices[value]
-
-
-def _all_or_count(what: str) -> Callable[[str], Any]:
-    def parse(value: str) -> Union[str, int]:
-        if value in ("auto", "all"):
-            return value
-        try:
-            return int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"choose auto, all or a number of {what}, not {value!r}") from None
-    return parse
-
-
 def _host_memory(value: str) -> Union[str, float]:
     return value if value == "auto" else float(value)
 
@@ -142,40 +122,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per data-parallel group")
     parser.add_argument("--gpus", type=int, default=1, help="all GPUs of the run")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per host (default: all)")
-    parser.add_argument("--sp", type=_auto_or_int, default="auto", help="sequence_parallel_size")
-    parser.add_argument("--ring-size", type=_auto_or_int, default="auto",
+    parser.add_argument("--sp", type=auto_or_int, default="auto", help="sequence_parallel_size")
+    parser.add_argument("--ring-size", type=auto_or_int, default="auto",
                         help="ring ranks R of the sequence mesh (sp = ulysses x R; auto: the smallest the heads need)")
-    parser.add_argument("--chunks", type=_auto_or_int, default="auto", help="FPDT chunks per rank")
-    parser.add_argument("--head-chunks", type=_auto_or_int, default="auto",
-                        help="head groups G: attention projections and FPDT calls per group of H/G query heads")
-    parser.add_argument("--offload", type=_switch, default="auto", help="attention chunk offload: auto, on, off")
-    parser.add_argument("--offload-dq", type=_switch, default="auto", help="partial dQ offload: auto, on, off")
     parser.add_argument("--callbacks", type=_callbacks, default=_callbacks("all"),
                         help="all, none, or a comma list of mlp, loss, offload, checkpoint (checkpointing on the GPU)")
     parser.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS))
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
-    parser.add_argument("--cpu-offload-params", action="store_true", help="FSDP2 CPUOffloadPolicy")
     parser.add_argument("--accumulate-grad-batches", type=int, default=1,
                         help="Trainer(accumulate_grad_batches=...): batches per optimizer step")
-    parser.add_argument("--sync-every-batch", type=_switch, default="auto",
-                        help="FPDTStrategy(sync_every_batch=...), with --accumulate-grad-batches above 1: auto, on "
-                             "(every batch reduce-scatters into the shards), off (only a window's last: every "
-                             "parameter's unsharded gradient waits on every GPU)")
-    parser.add_argument("--recompute-attention", type=_switch, nargs="?", const=True, default="auto",
-                        help="ActivationOffload(recompute_attention=...): auto, on (the same as no value), off; on: one "
-                             "layer's attention stash instead of all")
-    parser.add_argument("--reload-input", type=_switch, nargs="?", const=True, default="auto",
-                        help="ActivationOffload(reload_input=...): auto, on (the same as no value), off; on: a block's "
-                             "input stays on the host through its backward")
-    parser.add_argument("--prefetch", type=_auto_or_int, default="auto",
-                        help="ActivationOffload(prefetch=...): block inputs brought back ahead (0: none), or auto")
-    parser.add_argument("--keep-inputs", type=_all_or_count("block inputs"), default="auto",
-                        help="ActivationOffload(keep_inputs=...): all, a number k of block inputs kept (the others "
-                             "regenerated in the backward: k + ceil(L/k) - 1 held instead of L), or auto")
-    parser.add_argument("--checkpoint-blocks", type=_all_or_count("blocks"), default="auto",
-                        help="ActivationOffload(checkpoint_blocks=...): all, a number n of blocks checkpointed (the "
-                             "first ones; the others keep their activations on the GPU and are not run again), or "
-                             "auto")
+    for feature in FEATURES:  # each memory feature's options
+        for flag in feature.flags:
+            flag.add_to(parser)
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
                         help="GiB of one GPU (an H100 80GB reports ~79, an H200 ~139); the plan fills it less the CUDA "
                              "context and the allocator's fragmentation, as the strategy does")
@@ -203,19 +161,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         plan = plan_memory(
             geometry=resolve_geometry(args.model, num_layers=args.layers), seq_len=args.seq_len,
             batch_size=args.batch_size, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node,
-            sequence_parallel_size=args.sp, ring_size=args.ring_size, chunks=args.chunks, offload=args.offload,
-            offload_dq=args.offload_dq,
+            sequence_parallel_size=args.sp, ring_size=args.ring_size,
             activation_offload="offload" in args.callbacks, activation_checkpointing="checkpoint" in args.callbacks,
             tiled_mlp="mlp" in args.callbacks, tiled_loss="loss" in args.callbacks, precision=args.precision,
-            optimizer=args.optimizer, cpu_offload_params=args.cpu_offload_params,
+            optimizer=args.optimizer,
             gpu_memory_gib=plannable_gpu_bytes(int(args.gpu_memory_gib * GIB), expandable_segments=(
                 args.expandable_segments or expandable_segments())) / GIB,
-            host_memory_gib=host, recompute_attention=args.recompute_attention, head_chunks=args.head_chunks,
-            reload_input=args.reload_input,
-            input_prefetch=args.prefetch if args.prefetch == "auto" else args.prefetch > 0,
-            keep_inputs=args.keep_inputs, checkpoint_blocks=args.checkpoint_blocks, host_baseline_gib=args.host_baseline_gib, disk_memory_gib=args.disk_gib,
+            host_memory_gib=host, host_baseline_gib=args.host_baseline_gib, disk_memory_gib=args.disk_gib,
             disk_gbps=args.disk_gbps, accumulate_grad_batches=args.accumulate_grad_batches,
-            sync_every_batch=args.sync_every_batch,
+            **{flag.option: getattr(args, flag.option) for feature in FEATURES for flag in feature.flags},
         )
     except ValueError as error:
         print(f"lightning-fpdt plan: {error}", file=sys.stderr)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 from lightning_fpdt.flops import ModelGeometry
-from lightning_fpdt.memory.block_schedule import check_checkpoint_blocks, check_plain_blocks
+from lightning_fpdt.memory.block_schedule import check_checkpoint_blocks, check_keep_inputs, check_plain_blocks
 from lightning_fpdt.planner.geometry import PRECISIONS, attention_geometry, total_parameters
 from lightning_fpdt.sequence.options import FPDTOptions
 from lightning_fpdt.sequence.ring_rules import check_ring
@@ -16,7 +16,7 @@ from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry
 from lightning_fpdt.sequence.sizes import resolve_sequence_sizes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanOptions:
     """The options a plan is made for, with every ``"auto"`` resolved."""
 
@@ -54,15 +54,15 @@ class PlanOptions:
     reload_input: bool = False
     """``ActivationOffload(reload_input=True)``: a block's input stays on the host through its backward (counted
     under ``activation_offload`` only, as both below)."""
-    input_prefetch: bool = True
-    """``ActivationOffload(prefetch >= 1)``: the next block's input comes back during a block's backward."""
+    prefetch: int = 1
+    """``ActivationOffload(prefetch=n)``: the inputs of the next ``n`` blocks come back during a block's backward."""
     disk_inputs: int = 0
     """Block inputs (per GPU) in files of the disk tier (``FPDTStrategy(offload_dir=...)``) instead of pinned host
     memory: the last ones of the forward, those beyond the host budget (under ``activation_offload`` only)."""
-    kept_inputs: int = 0
+    keep_inputs: Union[Literal["all"], int] = "all"
     """``ActivationOffload(keep_inputs=k)``: how many block inputs wait for their backward, evenly spaced, the
-    others regenerated in the backward (partial residency); ``0``: every block's (``keep_inputs="all"``). A count
-    is below the number of layers: keeping all of them is ``0``."""
+    others regenerated in the backward (partial residency); ``"all"``: every block's. A count is below the number of
+    layers: keeping all of them is ``"all"``."""
     checkpoint_blocks: Union[Literal["all"], int] = "all"
     """``ActivationOffload(checkpoint_blocks=n)``: only the first ``n`` blocks checkpointed, the others plain (their
     activations on the GPU until their backward, their MLPs whole); ``"all"``: every block (under
@@ -83,15 +83,20 @@ class PlanOptions:
         if self.disk_inputs < 0 or (self.disk_inputs and not self.activation_offload):
             raise ValueError(f"disk_inputs={self.disk_inputs}: block inputs go to disk only from host memory, under "
                              f"activation_offload; use 0 <= disk_inputs with activation_offload=True")
-        if self.kept_inputs < 0 or (self.kept_inputs and not self.activation_checkpointing):
-            raise ValueError(f"kept_inputs={self.kept_inputs} needs checkpointed blocks and a count >= 0 (0: all "
-                             f"kept): set activation_checkpointing=True with it, or kept_inputs=0")
+        if self.keep_inputs != "all":
+            check_keep_inputs(self.keep_inputs, words=("all",))
+            if not self.activation_checkpointing:
+                raise ValueError(f"keep_inputs={self.keep_inputs} needs checkpointed blocks: set "
+                                 f"activation_checkpointing=True with it, or keep_inputs='all'")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 blocks, got {self.prefetch!r}")
         if self.checkpoint_blocks != "all":
             check_checkpoint_blocks(self.checkpoint_blocks, words=("all",))
             if not self.activation_checkpointing:
                 raise ValueError(f"checkpoint_blocks={self.checkpoint_blocks} needs checkpointed blocks: set "
                                  f"activation_checkpointing=True with it, or checkpoint_blocks='all'")
-            check_plain_blocks(self.checkpoint_blocks, None, keep_inputs=self.kept_inputs or None,
+            check_plain_blocks(self.checkpoint_blocks, None, keep_inputs=None if self.keep_inputs == "all" else
+                               self.keep_inputs,
                                recompute_attention=self.recompute_attention)
             if self.disk_inputs:
                 raise ValueError(f"checkpoint_blocks={self.checkpoint_blocks} leaves blocks plain (their activations "
@@ -114,9 +119,9 @@ class PlanOptions:
             f"cpu_offload_params={on(self.cpu_offload_params)} {self.precision} {self.optimizer}"
             + (f" head_chunks={self.head_chunks}" if self.head_chunks > 1 else "")
             + (" reload_input" if self.activation_offload and self.reload_input else "")
-            + (" prefetch=0" if self.activation_offload and not self.input_prefetch else "")
+            + (f" prefetch={self.prefetch}" if self.activation_offload and self.prefetch != 1 else "")
             + (f" disk_inputs={self.disk_inputs}" if self.disk_inputs else "")
-            + (f" keep_inputs={self.kept_inputs}" if self.kept_inputs else "")
+            + (f" keep_inputs={self.keep_inputs}" if self.keep_inputs != "all" else "")
             + (f" checkpoint_blocks={self.checkpoint_blocks}" if self.checkpoint_blocks != "all" else "")
             + (f" accumulate_grad_batches={self.accumulate_grad_batches}" if self.accumulate_grad_batches > 1 else "")
             + (" sync_every_batch" if self.accumulate_grad_batches > 1 and self.sync_every_batch else "")
@@ -126,7 +131,7 @@ class PlanOptions:
 Switch = Union[Literal["auto"], bool]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemoryFeatures:
     """What the memory callbacks ask of a run, as the user gave it (``"auto"`` or a value): the callbacks contribute
     it (``fpdt_memory_features``), and the strategy's host check, the ``"auto"`` search, the planner and the
@@ -140,8 +145,8 @@ class MemoryFeatures:
     """``ActivationOffload(recompute_attention=...)``."""
     reload_input: Switch = False
     """``ActivationOffload(reload_input=...)``."""
-    input_prefetch: Switch = True
-    """``ActivationOffload(prefetch=...)`` of one block or more (``False``: ``prefetch=0``)."""
+    prefetch: Union[Literal["auto"], int] = 1
+    """``ActivationOffload(prefetch=...)``: blocks ahead whose inputs come back, or ``"auto"``."""
     keep_inputs: Union[Literal["auto", "all"], int] = "all"
     """``ActivationOffload(keep_inputs=...)``: ``"all"``, a count of block inputs kept, or ``"auto"``."""
     checkpoint_blocks: Union[Literal["auto", "all"], int] = "all"
@@ -191,7 +196,8 @@ def resolve_options(
     gpus_per_node: int, sequence_parallel_size: Union[str, int], activation_offload: bool,
     activation_checkpointing: Optional[bool], tiled_mlp: bool, tiled_loss: bool, precision: str, optimizer: str,
     cpu_offload_params: bool, gpu_memory_bytes: int, recompute_attention: bool = False, reload_input: bool = False,
-    input_prefetch: bool = True, disk_inputs: int = 0, kept_inputs: int = 0, accumulate_grad_batches: int = 1,
+    prefetch: int = 1, disk_inputs: int = 0, keep_inputs: Union[Literal["all"], int] = "all",
+    accumulate_grad_batches: int = 1,
     sync_every_batch: bool = False, checkpoint_blocks: Union[Literal["all"], int] = "all",
 ) -> PlanOptions:
     """The sizes (as the strategy resolves its mesh) and the attention options (:meth:`FPDTOptions.resolve`, with
@@ -214,7 +220,7 @@ def resolve_options(
         activation_checkpointing=activation_offload or bool(activation_checkpointing),
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, cpu_offload_params=cpu_offload_params, precision=precision,
         optimizer=optimizer, recompute_attention=recompute_attention, ring_size=ring, head_chunks=head_chunks,
-        reload_input=reload_input, input_prefetch=input_prefetch, disk_inputs=disk_inputs, kept_inputs=kept_inputs,
+        reload_input=reload_input, prefetch=prefetch, disk_inputs=disk_inputs, keep_inputs=keep_inputs,
         accumulate_grad_batches=accumulate_grad_batches, sync_every_batch=sync_every_batch,
         checkpoint_blocks=checkpoint_blocks,
     )

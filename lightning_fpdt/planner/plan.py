@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional, Union
 
 from lightning_fpdt.memory.block_schedule import check_checkpoint_blocks, check_keep_inputs
 from lightning_fpdt.planner.components import GIB, MemoryPlan
+from lightning_fpdt.planner.features import FEATURES
 from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, geometry_name, resolve_geometry
 from lightning_fpdt.planner.host import gib
@@ -16,9 +17,8 @@ from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES
 from lightning_fpdt.planner.search import SEARCHED, Run, changes_between, fastest_fitting
 from lightning_fpdt.sequence.options import FPDTOptions
 
-AUTO_NEUTRAL = dict(head_chunks=1, recompute_attention=False, reload_input=False, input_prefetch=True, disk_inputs=0,
-                    kept_inputs=0, sync_every_batch=False, checkpoint_blocks="all")
-"""What these options are before the search resolves their ``"auto"`` (and when nothing fits)."""
+AUTO_NEUTRAL = {name: value for feature in FEATURES for name, value in feature.neutral.items()}
+"""What these options are before the search resolves their ``"auto"`` (and when nothing fits): each feature's."""
 
 Switch = Union[Literal["auto"], bool]
 
@@ -47,7 +47,7 @@ def plan_memory(
     recompute_attention: Switch = False,
     head_chunks: Union[Literal["auto"], int] = 1,
     reload_input: Switch = False,
-    input_prefetch: Switch = True,
+    prefetch: Union[Literal["auto"], int] = 1,
     keep_inputs: Union[Literal["auto", "all"], int] = "all",
     checkpoint_blocks: Union[Literal["auto", "all"], int] = "all",
     host_baseline_gib: Optional[float] = None,
@@ -74,8 +74,8 @@ def plan_memory(
             callbacks are on.
         activation_checkpointing: blocks checkpointed with their inputs on the GPU (``ActivationOffload(offload=
             False)``); ``None``: only when ``activation_offload``.
-        recompute_attention, reload_input, input_prefetch: ``ActivationOffload``'s ``recompute_attention``,
-            ``reload_input`` and ``prefetch`` (``input_prefetch``: one block or more), or ``"auto"``.
+        recompute_attention, reload_input, prefetch: ``ActivationOffload``'s ``recompute_attention``,
+            ``reload_input`` and ``prefetch`` (blocks ahead whose inputs come back), or ``"auto"``.
         keep_inputs: ``ActivationOffload(keep_inputs=...)``: ``"all"``, a count of block inputs kept (1 to the
             model's layers; the others regenerated in the backward), or ``"auto"``.
         checkpoint_blocks: ``ActivationOffload(checkpoint_blocks=...)``: ``"all"``, a count of blocks checkpointed
@@ -117,9 +117,11 @@ def plan_memory(
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer {optimizer!r} is not planned for; use one of {sorted(OPTIMIZER_STATES)}")
     for name, value in (("recompute_attention", recompute_attention), ("reload_input", reload_input),
-                        ("input_prefetch", input_prefetch), ("sync_every_batch", sync_every_batch)):
+                        ("sync_every_batch", sync_every_batch)):
         if value not in ("auto", True, False):
             raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
+    if prefetch != "auto" and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
+        raise ValueError(f"prefetch must be 'auto' or >= 0 blocks, got {prefetch!r}")
     if disk_memory_gib is not None and (disk_memory_gib < 0 or disk_gbps <= 0):
         raise ValueError(f"disk_memory_gib ({disk_memory_gib}) must be >= 0 and disk_gbps ({disk_gbps}) positive")
     if disk_inputs != "auto":
@@ -136,12 +138,11 @@ def plan_memory(
     if checkpoint_blocks not in ("all", "auto") and not (activation_offload or activation_checkpointing):
         raise ValueError(f"checkpoint_blocks={checkpoint_blocks!r} chooses which blocks ActivationOffload checkpoints: "
                          f"it needs activation_offload=True (or activation_checkpointing=True)")
-    # PlanOptions counts kept inputs below L; all of them is 0
-    kept_inputs = keep_inputs if keep_inputs == "auto" else (
-        0 if keep_inputs == "all" or keep_inputs == geometry.num_layers else keep_inputs)
+    if keep_inputs == geometry.num_layers:
+        keep_inputs = "all"
     given = dict(chunks=chunks, offload=offload, offload_dq=offload_dq, head_chunks=head_chunks,
-                 recompute_attention=recompute_attention, reload_input=reload_input, input_prefetch=input_prefetch,
-                 disk_inputs=disk_inputs, kept_inputs=kept_inputs, sync_every_batch=sync_every_batch,
+                 recompute_attention=recompute_attention, reload_input=reload_input, prefetch=prefetch,
+                 disk_inputs=disk_inputs, keep_inputs=keep_inputs, sync_every_batch=sync_every_batch,
                  checkpoint_blocks=checkpoint_blocks)
     free = {name for name, value in given.items() if value == "auto"}
     attention_options = FPDTOptions(chunks=chunks, offload=offload, offload_dq=offload_dq,

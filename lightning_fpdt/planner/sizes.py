@@ -118,10 +118,10 @@ class StepSizes:
 
     @property
     def resident_inputs(self) -> int:
-        """Block inputs held at once for their backwards: ``L``, or with ``kept_inputs = k`` the kept ones and the
+        """Block inputs held at once for their backwards: ``L``, or with ``keep_inputs = k`` the kept ones and the
         largest segment regenerated at once, ``k + ⌈L/k⌉ - 1`` (``memory.block_schedule.largest_segment``)."""
-        k = self.o.kept_inputs
-        if not k:  # every checkpointed block's (those left plain hold theirs in their activations)
+        k = self.o.keep_inputs
+        if k == "all":  # every checkpointed block's (those left plain hold theirs in their activations)
             return self.checkpointed if self.o.activation_checkpointing else self.L
         return k + largest_segment(self.L, k)
 
@@ -184,7 +184,7 @@ class StepSizes:
     def plain_layer(self) -> int:
         """:attr:`layer` of a block that is not checkpointed: nothing recorded by the attention, the MLP whole."""
         return self.with_options(activation_checkpointing=False, activation_offload=False, recompute_attention=False,
-                                 reload_input=False, kept_inputs=0, disk_inputs=0, checkpoint_blocks="all",
+                                 reload_input=False, keep_inputs="all", disk_inputs=0, checkpoint_blocks="all",
                                  tiled_mlp=False).layer
 
     def with_options(self, **changes: object) -> "StepSizes":

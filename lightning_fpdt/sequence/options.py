@@ -51,7 +51,7 @@ class ResolvedOptions(NamedTuple):
     offload_dq: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FPDTOptions:
     """How the attention runs: chunks, host offload, head groups, the ring and the kernel (keyword-only)."""
 

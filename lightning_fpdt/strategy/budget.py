@@ -345,8 +345,7 @@ class MemoryBudget:
         for callback in strategy.lightning_module.trainer.callbacks:
             if hasattr(callback, "apply_memory_choice"):
                 callback.apply_memory_choice(recompute_attention=o.recompute_attention, reload_input=o.reload_input,
-                                             prefetch=1 if o.input_prefetch else 0,
-                                             keep_inputs=o.kept_inputs or "all",
+                                             prefetch=o.prefetch, keep_inputs=o.keep_inputs,
                                              checkpoint_blocks=o.checkpoint_blocks)
         rank_zero_info(choice_message(plan))
 

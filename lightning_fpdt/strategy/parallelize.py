@@ -29,7 +29,7 @@ SLOTS = ("tiled_mlp", "tiled_loss", "activation_checkpointing")
 """The memory transforms' slots of :class:`ParallelizeConfig`, in the order ``apply_fpdt`` runs them."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ParallelizeConfig:
     """What ``apply_fpdt`` needs besides the model and the mesh (keyword-only)."""
 

@@ -75,7 +75,7 @@ def _tight_plan(**overrides):
     disk."""
     options = dict(geometry="llama3-3b", seq_len=1 << 19, num_gpus=1, gpu_memory_gib=131, activation_offload=True,
                    tiled_mlp=True, tiled_loss=True, chunks="auto", offload="auto", offload_dq="auto",
-                   head_chunks="auto", recompute_attention="auto", reload_input="auto", input_prefetch="auto",
+                   head_chunks="auto", recompute_attention="auto", reload_input="auto", prefetch="auto",
                    host_memory_gib=60, disk_memory_gib=60)
     return plan_memory(**{**options, **overrides})
 

@@ -16,7 +16,7 @@ from lightning_fpdt.strategy import budget
 
 GIB = 2**30
 AUTO = dict(chunks="auto", offload="auto", offload_dq="auto", head_chunks="auto", recompute_attention="auto",
-            reload_input="auto", input_prefetch="auto", keep_inputs="auto")
+            reload_input="auto", prefetch="auto", keep_inputs="auto")
 CALLBACKS = dict(activation_offload=True, tiled_mlp=True, tiled_loss=True)
 
 
@@ -89,8 +89,8 @@ def test_the_choice_reads_as_arguments_and_yaml():
     o = plan.options
     assert chosen["FPDTStrategy"] == {"sequence_parallel_size": 4, "offload": o.offload, "offload_dq": o.offload_dq,
                                       "chunks": o.chunks, "head_chunks": o.head_chunks}
-    assert chosen["ActivationOffload"] == {"reload_input": o.reload_input, "prefetch": int(o.input_prefetch),
-                                           "keep_inputs": o.kept_inputs or "all",
+    assert chosen["ActivationOffload"] == {"reload_input": o.reload_input, "prefetch": o.prefetch,
+                                           "keep_inputs": o.keep_inputs,
                                            "checkpoint_blocks": o.checkpoint_blocks,
                                            "recompute_attention": o.recompute_attention}
     config = yaml.safe_load(textwrap.dedent(text.split("as YAML:\n", 1)[1].rsplit("\n(a model", 1)[0]))

@@ -180,7 +180,7 @@ def test_activation_and_stash_components_by_hand():
     assert plan.component("checkpointed block inputs").host_bytes == 2 * A  # L = 2 layers
     phases = ("attention forward", "MLP backward", "attention backward")
     for options, counts in (({}, (2, 1, 2)), ({"reload_input": True}, (2, 0, 1)),
-                            ({"input_prefetch": False}, (2, 1, 1)), ({"reload_input": True, "input_prefetch": False},
+                            ({"prefetch": 0}, (2, 1, 1)), ({"reload_input": True, "prefetch": 0},
                                                                      (2, 0, 0))):
         plan_ = small_plan(**options)
         assert [plan_.component(f"block inputs ({phase})").gpu_bytes for phase in phases] == [c * A for c in counts]
@@ -315,7 +315,7 @@ def test_prediction_of_traced_steps(run):
         num_gpus=run["gpus"], chunks=run["chunks"], offload=run["offload"], offload_dq=run["offload_dq"],
         head_chunks=run["head_chunks"], recompute_attention=run["recompute_attention"],
         cpu_offload_params=run["cpu_offload_params"], activation_offload=True, tiled_mlp=True, tiled_loss=True,
-        reload_input=run.get("reload_input", False), input_prefetch=run.get("prefetch", 1) > 0,
+        reload_input=run.get("reload_input", False), prefetch=1 if run.get("prefetch") is None else run["prefetch"],
         accumulate_grad_batches=run.get("accumulate_grad_batches", 1),
         sync_every_batch=run.get("sync_every_batch", False),
     )
@@ -376,7 +376,7 @@ def test_prediction_of_full_depth_traced_steps(run):
         geometry=resolve_geometry(run["geometry"]), seq_len=run["seq_len"], num_gpus=run["gpus"],
         chunks=run["chunks"], offload=run["offload"], offload_dq=run["offload_dq"], head_chunks=run["head_chunks"],
         recompute_attention=run["recompute_attention"], reload_input=run["reload_input"],
-        input_prefetch=run["prefetch"] != 0, cpu_offload_params=run["cpu_offload_params"], activation_offload=True,
+        prefetch=1 if run["prefetch"] is None else run["prefetch"], cpu_offload_params=run["cpu_offload_params"], activation_offload=True,
         tiled_mlp=True, tiled_loss=True, gpu_memory_gib=79,
     )
     gpu = plan.peak_gpu_bytes / max(run["peak_gpu_bytes_per_step"])
@@ -578,7 +578,7 @@ def test_cli_prints_the_table(capsys):
     assert out == format_plan(plan_memory(
         geometry=resolve_geometry("llama3-8b", num_layers=4), seq_len=262144, num_gpus=4, chunks=4, offload=True,
         activation_offload=True, tiled_mlp=True, tiled_loss=True, head_chunks="auto", recompute_attention="auto",
-        reload_input="auto", input_prefetch="auto", keep_inputs="auto", checkpoint_blocks="auto",
+        reload_input="auto", prefetch="auto", keep_inputs="auto", checkpoint_blocks="auto",
         gpu_memory_gib=plannable_gpu_bytes(139 * GIB, expandable_segments=expandable_segments()) / GIB)) + "\n"
 
 
@@ -654,7 +654,7 @@ def test_search_leaves_block_inputs_on_the_host_for_one_gpu_at_1_5m():
     assert "reload_input=True" in plan.recommendation and len(changes_of(plan)) <= 2
     assert plan.recommended.fits and plan.recommended.options.recompute_attention
     # two hidden-sized tensors (A = 12 GiB here) less at the peak, the attention backward
-    low = plan_memory(**kwargs, reload_input=True, input_prefetch=False)
+    low = plan_memory(**kwargs, reload_input=True, prefetch=0)
     assert low.fits_gpu and plan.peak_gpu_bytes - low.peak_gpu_bytes == 2 * 1_572_864 * 4096 * 2
 
 
@@ -668,15 +668,15 @@ def test_callbacks_declare_what_the_planner_takes():
                                      TiledMLP(), TiledLoss()]).plan_kwargs()
     assert flags == {"tiled_mlp": True, "tiled_loss": True, "activation_checkpointing": True,
                      "activation_offload": True, "recompute_attention": True, "reload_input": True,
-                     "input_prefetch": False, "keep_inputs": "auto", "checkpoint_blocks": "auto"}
+                     "prefetch": 0, "keep_inputs": "auto", "checkpoint_blocks": "auto"}
     assert MemoryFeatures.declared([ActivationOffload(), TiledMLP()]).plan_kwargs() == {
         "tiled_mlp": True, "tiled_loss": False, "activation_checkpointing": True, "activation_offload": True,
-        "recompute_attention": "auto", "reload_input": "auto", "input_prefetch": "auto", "keep_inputs": "auto",
+        "recompute_attention": "auto", "reload_input": "auto", "prefetch": "auto", "keep_inputs": "auto",
         "checkpoint_blocks": "auto"}
     assert MemoryFeatures.declared([]) == MemoryFeatures()  # no callback: nothing checkpointed or tiled
     plan = plan_memory(geometry="llama3-8b", seq_len=1_572_864, num_gpus=1, chunks=24, offload=True,
                        offload_dq=True, head_chunks=4, cpu_offload_params=True, gpu_memory_gib=79, **flags)
-    assert plan.fits_gpu and plan.options.reload_input and not plan.options.input_prefetch
+    assert plan.fits_gpu and plan.options.reload_input and plan.options.prefetch == 0
 
 
 # ---- partial residency: keep_inputs ------------------------------------------------------------------------------
@@ -693,7 +693,7 @@ def test_residency_holds_kept_inputs_and_one_segment():
     A = 131072 * 3072 * 2  # one bf16 hidden-state tensor
     every = plan_memory(**run, activation_offload=True)
     some = plan_memory(**run, activation_offload=True, keep_inputs=7)
-    assert every.options.kept_inputs == 0 and some.options.kept_inputs == 7
+    assert every.options.keep_inputs == "all" and some.options.keep_inputs == 7
     assert every.component("checkpointed block inputs").host_bytes == 28 * A
     assert some.component("checkpointed block inputs").host_bytes == (7 + 3) * A  # 28 / 7 = 4: 3 regenerated at once
     assert every.host_bytes_per_node - some.host_bytes_per_node == 18 * A
@@ -703,7 +703,7 @@ def test_residency_holds_kept_inputs_and_one_segment():
     assert arguments(every)["ActivationOffload"]["keep_inputs"] == "all"
     on_gpu = plan_memory(**run, activation_checkpointing=True, activation_offload=False, keep_inputs=7)
     assert on_gpu.component("checkpointed block inputs").gpu_bytes == 10 * A
-    assert plan_memory(**run, activation_offload=True, keep_inputs=28).options.kept_inputs == 0  # all of them
+    assert plan_memory(**run, activation_offload=True, keep_inputs=28).options.keep_inputs == "all"  # all of them
     sizes = Run(every.geometry, every.model, 131072, 1, 1, 1, 80 * GIB, None)
     seconds = [step_seconds(sizes.sizes(plan_memory(**run, activation_offload=True, keep_inputs=k).options))
                for k in ("all", 14, 7, 1)]
@@ -721,14 +721,14 @@ def test_auto_keeps_fewer_inputs_only_where_the_host_needs_it():
     run = dict(geometry="llama3-3b", seq_len=1 << 20, num_gpus=1, activation_offload=True, tiled_mlp=True,
                tiled_loss=True, gpu_memory_gib=plannable_gpu_bytes(139 * GIB) / GIB, chunks="auto", offload="auto",
                offload_dq="auto", head_chunks="auto", recompute_attention="auto", reload_input="auto",
-               input_prefetch="auto")
+               prefetch="auto")
     before = plan_memory(**run, host_memory_gib=118)  # keep_inputs="all", as before the option existed
-    assert not before.fits and before.recommendation.startswith("set kept_inputs=")
+    assert not before.fits and before.recommendation.startswith("set keep_inputs=")
     tight = plan_memory(**run, host_memory_gib=118, keep_inputs="auto")
-    assert tight.fits and tight.options.kept_inputs in (14, 7)
+    assert tight.fits and tight.options.keep_inputs in (14, 7)
     assert tight.host_resident_bytes_per_node <= 118 * GIB
     roomy = plan_memory(**run, host_memory_gib=2048, keep_inputs="auto")
-    assert roomy.fits and roomy.options.kept_inputs == 0
+    assert roomy.fits and roomy.options.keep_inputs == "all"
 
 
 def test_keep_inputs_is_refused_outside_1_to_l(capsys):
@@ -787,7 +787,7 @@ def test_plain_blocks_hold_their_activations_and_save_their_recompute():
             plan_memory(**run, checkpoint_blocks=wrong)
     with pytest.raises(ValueError, match="needs activation_offload=True"):
         plan_memory(**{**run, "activation_offload": False}, checkpoint_blocks=4)
-    for other in (dict(kept_inputs=4), dict(recompute_attention=True)):
+    for other in (dict(keep_inputs=4), dict(recompute_attention=True)):
         with pytest.raises(ValueError, match="checkpoint_blocks=4 leaves blocks plain"):
             dataclasses.replace(some.options, checkpoint_blocks=4, **other)
     assert isinstance(some.options, PlanOptions)
@@ -800,7 +800,7 @@ def test_auto_leaves_blocks_plain_where_the_gpu_has_room():
     gpu = plannable_gpu_bytes(79 * GIB) / GIB
     run = dict(geometry="llama3-8b", num_gpus=4, activation_offload=True, tiled_mlp=True, tiled_loss=True,
                gpu_memory_gib=gpu, chunks="auto", offload="auto", offload_dq="auto", head_chunks="auto",
-               recompute_attention="auto", reload_input="auto", input_prefetch="auto", keep_inputs="auto",
+               recompute_attention="auto", reload_input="auto", prefetch="auto", keep_inputs="auto",
                checkpoint_blocks="auto", host_memory_gib=2000)
     counts = {}
     for seq_len in (32768, 65536, 1 << 20):
@@ -812,7 +812,7 @@ def test_auto_leaves_blocks_plain_where_the_gpu_has_room():
             fewer = plan_memory(**{**run, "checkpoint_blocks": n - 1, "chunks": o.chunks, "offload": o.offload,
                                    "offload_dq": o.offload_dq, "head_chunks": o.head_chunks,
                                    "recompute_attention": False, "reload_input": o.reload_input,
-                                   "input_prefetch": o.input_prefetch, "keep_inputs": "all"}, seq_len=seq_len)
+                                   "prefetch": o.prefetch, "keep_inputs": "all"}, seq_len=seq_len)
             assert not fewer.fits_gpu, seq_len
     assert counts[32768] < counts[65536] < 32 and counts[1 << 20] == "all"
     plain = plan_memory(**{**run, "activation_offload": False}, seq_len=32768)

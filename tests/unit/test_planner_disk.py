@@ -15,7 +15,7 @@ from lightning_fpdt.offload.disk import STAGING_PIECE_BYTES
 
 GIB = 2**30
 AUTO = dict(chunks="auto", offload="auto", offload_dq="auto", head_chunks="auto", recompute_attention="auto",
-            reload_input="auto", input_prefetch="auto")
+            reload_input="auto", prefetch="auto")
 # Llama-3.2-3B geometry at 524,288 tokens on one H200 (the GPU the plan fills: 139 GiB less context and fragmentation)
 RUN = dict(geometry="llama3-3b", seq_len=1 << 19, num_gpus=1, gpu_memory_gib=131, activation_offload=True,
            tiled_mlp=True, tiled_loss=True, **AUTO)
@@ -85,7 +85,7 @@ def test_disk_cost_is_what_the_compute_does_not_cover():
     seconds = feature.extra_seconds(s)
     assert io <= seconds <= io * (2 * o.disk_inputs + 1)
     assert feature.extra_seconds(dataclasses.replace(s, disk_rate=1e18)) == pytest.approx(0.0, abs=1e-6)
-    assert feature.extra_seconds(s.with_options(input_prefetch=False)) >= o.disk_inputs * io
+    assert feature.extra_seconds(s.with_options(prefetch=0)) >= o.disk_inputs * io
     assert feature.extra_seconds(s.with_options(reload_input=True)) == pytest.approx(seconds + o.disk_inputs * io)
     assert step_seconds(s) > step_seconds(s.with_options(disk_inputs=0))
 
@@ -114,7 +114,7 @@ def test_a_refusal_names_the_least_disk_that_fits():
     residency, 6 GiB), not the fastest plan's with an unbounded disk (every input kept, all 16 on disk, 32 GiB)."""
     kw = dict(geometry="llama3-1b", seq_len=2**19, num_gpus=1, activation_offload=True, tiled_mlp=True, tiled_loss=True,
               gpu_memory_gib=40, host_memory_gib=12, chunks="auto", offload="auto", offload_dq="auto",
-              head_chunks="auto", recompute_attention="auto", reload_input="auto", input_prefetch="auto",
+              head_chunks="auto", recompute_attention="auto", reload_input="auto", prefetch="auto",
               keep_inputs="auto")
     refused = plan_memory(**kw, disk_memory_gib=4)
     assert not refused.fits

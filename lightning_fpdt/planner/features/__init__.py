@@ -1,8 +1,10 @@
 """The memory features the planner counts, one module each: its options (the
 :class:`~lightning_fpdt.planner.options.PlanOptions` fields it owns), the values the ``"auto"`` search tries, its
-memory terms, its cost in step time and the arguments a user writes for it (:class:`~.base.MemoryFeature`).
+memory terms, its cost in step time, the arguments a user writes for it, the values its ``"auto"`` options take before
+the search resolves them and its command-line flags (:class:`~.base.MemoryFeature`).
 
-A new feature is a module here and a line in :data:`FEATURES` (and its fields in ``PlanOptions``).
+A new feature is a module here and a line in :data:`FEATURES` (and its fields in ``PlanOptions``, under the names and
+types its user writes).
 """
 
 from lightning_fpdt.planner.features.accumulation import GradientAccumulation

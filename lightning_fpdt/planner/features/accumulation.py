@@ -19,13 +19,18 @@ from typing import Any, Optional
 
 from lightning_fpdt.planner.components import Component
 from lightning_fpdt.planner.cost import GRADIENT_REDUCE_BYTES, HOST_STEP_BYTES, PAGEABLE_COPY_BYTES
-from lightning_fpdt.planner.features.base import MemoryFeature
+from lightning_fpdt.planner.features.base import Flag, MemoryFeature, switch
 from lightning_fpdt.planner.sizes import StepSizes
 
 
 class GradientAccumulation(MemoryFeature):
     fields = ("sync_every_batch",)
     label = "gradients reduce-scattered after every batch of the accumulation window"
+    neutral = {"sync_every_batch": False}
+    flags = (Flag(option="sync_every_batch", parse=switch, default="auto",
+                  help="FPDTStrategy(sync_every_batch=...), with --accumulate-grad-batches above 1: auto, on (every "
+                       "batch reduce-scatters into the shards), off (only a window's last: every parameter's "
+                       "unsharded gradient waits on every GPU)"),)
 
     def normalise(self, changes: dict[str, Any]) -> Optional[dict[str, Any]]:
         if changes["accumulate_grad_batches"] == 1:

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from lightning_fpdt.planner.components import Component, attention_host_bytes
 from lightning_fpdt.planner.cost import attention_forward_seconds, attention_seconds
-from lightning_fpdt.planner.features.base import MemoryFeature
+from lightning_fpdt.planner.features.base import Flag, MemoryFeature, switch
 from lightning_fpdt.planner.sizes import StepSizes
 from lightning_fpdt.sequence.planning import stash_bytes
 
@@ -27,6 +27,14 @@ OFFLOAD_DQ_SLOWDOWN = 0.03
 
 class AttentionStash(MemoryFeature):
     fields = ("offload", "offload_dq", "recompute_attention")
+    neutral = {"recompute_attention": False}
+    flags = (
+        Flag(option="offload", parse=switch, default="auto", help="attention chunk offload: auto, on, off"),
+        Flag(option="offload_dq", parse=switch, default="auto", help="partial dQ offload: auto, on, off"),
+        Flag(option="recompute_attention", parse=switch, default="auto", bare=True,
+             help="ActivationOffload(recompute_attention=...): auto, on (the same as no value), off; on: one layer's "
+                  "attention stash instead of all"),
+    )
 
     def describe_cost(self, s: StepSizes) -> str:
         o = s.o

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from lightning_fpdt.planner.components import Component, MemoryPlan
 from lightning_fpdt.planner.cost import COPY_BYTES, dense_forward_seconds
-from lightning_fpdt.planner.features.base import MemoryFeature
+from lightning_fpdt.planner.features.base import Flag, MemoryFeature, all_or_count, auto_or_int, switch
 from lightning_fpdt.planner.features.tiled_mlp import mlp_backward_work
 from lightning_fpdt.planner.sizes import StepSizes
 
@@ -24,28 +24,39 @@ RELOAD_EXPOSED = 0.25
 
 
 class BlockInputs(MemoryFeature):
-    fields = ("activation_checkpointing", "activation_offload", "reload_input", "input_prefetch", "checkpoint_blocks")
+    fields = ("activation_checkpointing", "activation_offload", "reload_input", "prefetch", "checkpoint_blocks")
+    neutral = {"reload_input": False, "prefetch": 1, "checkpoint_blocks": "all"}
+    flags = (
+        Flag(option="reload_input", parse=switch, default="auto", bare=True,
+             help="ActivationOffload(reload_input=...): auto, on (the same as no value), off; on: a block's input "
+                  "stays on the host through its backward"),
+        Flag(option="prefetch", parse=auto_or_int, default="auto",
+             help="ActivationOffload(prefetch=...): block inputs brought back ahead (0: none), or auto"),
+        Flag(option="checkpoint_blocks", parse=all_or_count("blocks"), default="auto",
+             help="ActivationOffload(checkpoint_blocks=...): all, a number n of blocks checkpointed (the first ones; "
+                  "the others keep their activations on the GPU and are not run again), or auto"),
+    )
 
     def describe_cost(self, s: StepSizes) -> str:
         o = s.o
         return (f"block checkpointing: {s.checkpointed} block forwards recomputed"
-                + (", inputs back without prefetch" if o.activation_offload and not o.input_prefetch else "")
+                + (", inputs back without prefetch" if o.activation_offload and not o.prefetch else "")
                 + (", inputs reloaded for their backward" if o.activation_offload and o.reload_input else ""))
 
     def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
         if field == "checkpoint_blocks":
             return (0, "all")  # every block plain, from which relieve checkpoints as many as the GPU needs; all
-        return (True, False) if field == "input_prefetch" else (False, True)
+        return (1, 0) if field == "prefetch" else (False, True)
 
     def normalise(self, changes: dict[str, Any]) -> Optional[dict[str, Any]]:
         if changes["activation_offload"] and not changes["activation_checkpointing"]:
             return None  # ActivationOffload checkpoints the blocks: counted once, as (True, True)
         if not changes["activation_offload"]:  # counted under the offload only
-            changes.update(reload_input=False, input_prefetch=True)
+            changes.update(reload_input=False, prefetch=1)
         if not changes["activation_checkpointing"]:
             changes["checkpoint_blocks"] = "all"  # no block is checkpointed: the count means nothing
         elif changes["checkpoint_blocks"] != "all" and (
-                changes["kept_inputs"] or changes["recompute_attention"] or changes["disk_inputs"]):
+                changes["keep_inputs"] != "all" or changes["recompute_attention"] or changes["disk_inputs"]):
             return None  # plain blocks go with every input kept and the attention not recomputed
         return changes
 
@@ -54,18 +65,18 @@ class BlockInputs(MemoryFeature):
         parts = []
         # every checkpointed block's input, or under partial residency the kept ones and one segment's regenerated ones
         held = s.resident_inputs * A
-        count = "k + ⌈L/k⌉ - 1" if o.kept_inputs else ("L" if s.checkpointed == L else "n (checkpoint_blocks)")
+        count = "k + ⌈L/k⌉ - 1" if o.keep_inputs != "all" else ("L" if s.checkpointed == L else "n (checkpoint_blocks)")
         if o.activation_offload:
             # the disk tier's share of them is its own component (features/disk_tier.py)
             parts.append(Component("checkpointed block inputs", 0, held - o.disk_inputs * A,
                                    formula=f"{count} on host (less those on disk); on the GPU by phase (block inputs)"))
             # the forward's: the block's and the one before on its way to the host; in a block's backward its own
-            # (none under reload_input) and, from the end of its MLP backward, the next one prefetched
-            own, ahead, forward = (0 if o.reload_input else A), (A if o.input_prefetch and L > 1 else 0), min(2, L) * A
+            # (none under reload_input) and, from the end of its MLP backward, the next ``prefetch`` ones
+            own, ahead, forward = (0 if o.reload_input else A), min(o.prefetch, L - 1) * A, min(2, L) * A
             for phase, gpu, formula in (
                 ("attention forward", forward, "the block's + the one before, on its way to the host"),
                 ("MLP backward", own, "the block's own (on the host under reload_input)"),
-                ("attention backward", own + ahead, "own + the next one, prefetched after the MLP backward"),
+                ("attention backward", own + ahead, "own + the next ones, prefetched after the MLP backward"),
                 ("loss", forward, "the last block's output and input"),
                 ("end of backward", forward, "the first block's input gradient and input"),
             ):
@@ -106,7 +117,7 @@ class BlockInputs(MemoryFeature):
         seconds = dense_forward_seconds(s, s.checkpointed * s.block_parameters)
         if o.activation_offload:
             inputs = s.checkpointed * s.A / COPY_BYTES  # every input back once, overlapped with the block after
-            seconds += (0 if o.input_prefetch else inputs) + (RELOAD_EXPOSED * inputs if o.reload_input else 0)
+            seconds += (0 if o.prefetch else inputs) + (RELOAD_EXPOSED * inputs if o.reload_input else 0)
         return seconds
 
     def relieve(self, plan: MemoryPlan, s: StepSizes) -> Optional[dict[str, Any]]:
@@ -126,5 +137,5 @@ class BlockInputs(MemoryFeature):
             return {}
         if not o.activation_offload:  # (keep_inputs: the residency feature's)
             return {"ActivationOffload": {"offload": False, "checkpoint_blocks": o.checkpoint_blocks}}
-        return {"ActivationOffload": {"reload_input": o.reload_input, "prefetch": 1 if o.input_prefetch else 0,
+        return {"ActivationOffload": {"reload_input": o.reload_input, "prefetch": o.prefetch,
                                       "checkpoint_blocks": o.checkpoint_blocks}}

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from lightning_fpdt.planner.cost import attention_seconds
-from lightning_fpdt.planner.features.base import MemoryFeature
+from lightning_fpdt.planner.features.base import Flag, MemoryFeature, auto_or_int
 from lightning_fpdt.planner.sizes import StepSizes
 from lightning_fpdt.sequence.planning import MAX_CHUNK_TOKENS
 from lightning_fpdt.sequence.ring_rules import ring_choices
@@ -24,6 +24,7 @@ HALVING_SLOWDOWN = 0.05
 class Chunks(MemoryFeature):
     fields = ("chunks",)
     label = "chunks smaller than the kernels' full speed"
+    flags = (Flag(option="chunks", parse=auto_or_int, default="auto", help="FPDT chunks per rank"),)
 
     def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
         if s.o.ring_size > 1:

@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 from lightning_fpdt.planner.components import Component, MemoryPlan
 from lightning_fpdt.planner.cost import attention_forward_seconds, dense_forward_seconds
-from lightning_fpdt.planner.features.base import MemoryFeature
+from lightning_fpdt.planner.features.base import Flag, MemoryFeature, auto_or_int
 from lightning_fpdt.planner.sizes import StepSizes
 from lightning_fpdt.offload.disk import STAGING_DEPTH, STAGING_PIECE_BYTES, staging_bytes
 
@@ -46,6 +46,10 @@ OFFLOAD_DIR_ARGUMENT = "<a directory on a local disk>"
 
 class DiskTier(MemoryFeature):
     fields = ("disk_inputs",)
+    neutral = {"disk_inputs": 0}
+    flags = (Flag(option="disk_inputs", parse=auto_or_int, default="auto",
+                  help="block inputs per GPU in files of the disk tier (with --disk-gib), or auto: as many as the "
+                       "host's memory needs"),)
 
     def describe_cost(self, s: StepSizes) -> str:
         return f"disk tier: {s.o.disk_inputs} block inputs written and read, the time compute does not cover"
@@ -79,7 +83,7 @@ class DiskTier(MemoryFeature):
         attention_backward = 2 * attention_forward_seconds(s) / s.L
         seconds = k * max(0.0, io - block_forward)  # written behind the block's forward
         seconds += io  # the first input of the backward: read after the loss, nothing covers it
-        seconds += (k - 1) * (max(0.0, io - attention_backward) if o.input_prefetch else io)
+        seconds += (k - 1) * (max(0.0, io - attention_backward) if o.prefetch else io)
         if o.reload_input:
             seconds += k * io  # read again for the first norm's backward, when it is needed
         return seconds

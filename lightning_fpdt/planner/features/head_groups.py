@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_fpdt.planner.cost import attention_seconds, dense_forward_seconds
-from lightning_fpdt.planner.features.base import MemoryFeature
+from lightning_fpdt.planner.features.base import Flag, MemoryFeature, auto_or_int
 from lightning_fpdt.planner.sizes import StepSizes
 from lightning_fpdt.sequence.ring_rules import ring_choices
 from lightning_fpdt.sequence.sizes import valid_head_chunks
@@ -18,6 +18,9 @@ GROUP_SLOWDOWN = 0.02
 
 class HeadGroups(MemoryFeature):
     fields = ("head_chunks",)
+    neutral = {"head_chunks": 1}
+    flags = (Flag(option="head_chunks", parse=auto_or_int, default="auto",
+                  help="head groups G: attention projections and FPDT calls per group of H/G query heads"),)
 
     def describe_cost(self, s: StepSizes) -> str:
         return f"head groups: {s.G} smaller attention calls, each group's projections run again"

@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning_fpdt.planner.components import Component
 from lightning_fpdt.planner.cost import COPY_BYTES, HOST_STEP_BYTES, PAGEABLE_COPY_BYTES
-from lightning_fpdt.planner.features.base import MemoryFeature
+from lightning_fpdt.planner.features.base import Flag, MemoryFeature
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES
 from lightning_fpdt.planner.sizes import StepSizes
 
@@ -20,6 +20,7 @@ from lightning_fpdt.planner.sizes import StepSizes
 class HostStates(MemoryFeature):
     fields = ("cpu_offload_params",)
     label = "states on the host: weights in, gradients out, the optimizer step on the CPU"
+    flags = (Flag(option="cpu_offload_params", parse=None, default=False, help="FSDP2 CPUOffloadPolicy"),)
 
     def components(self, s: StepSizes) -> list[Component]:
         d, W, on_host = s.dtypes, s.W, s.o.cpu_offload_params

@@ -4,8 +4,8 @@ the nearest kept one. The inputs held at once, ``k + ⌈L/k⌉ - 1`` instead of 
 (:attr:`StepSizes.resident_inputs`, read by :mod:`.block_inputs`); this feature owns what the regeneration adds:
 the GPU memory of a forward run inside the backward, and its time.
 
-The option is ``kept_inputs`` of :class:`~lightning_fpdt.planner.options.PlanOptions`: ``0`` keeps every input (no
-regeneration), a count ``1 <= k < L`` keeps that many."""
+The option is ``keep_inputs``, as ``ActivationOffload`` takes it: ``"all"`` keeps every input (no regeneration), a
+count ``1 <= k < L`` keeps that many."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, Optional
 from lightning_fpdt.memory.block_schedule import largest_segment
 from lightning_fpdt.planner.components import Component
 from lightning_fpdt.planner.cost import COPY_BYTES, attention_forward_seconds, dense_forward_seconds
-from lightning_fpdt.planner.features.base import MemoryFeature
+from lightning_fpdt.planner.features.base import Flag, MemoryFeature, all_or_count
 from lightning_fpdt.planner.sizes import StepSizes
 
 
@@ -36,24 +36,28 @@ def kept_input_choices(num_layers: int) -> tuple[int, ...]:
 
 
 class Residency(MemoryFeature):
-    fields = ("kept_inputs",)
+    fields = ("keep_inputs",)
+    neutral = {"keep_inputs": "all"}
+    flags = (Flag(option="keep_inputs", parse=all_or_count("block inputs"), default="auto",
+                  help="ActivationOffload(keep_inputs=...): all, a number k of block inputs kept (the others "
+                       "regenerated in the backward: k + ceil(L/k) - 1 held instead of L), or auto"),)
 
     def describe_cost(self, s: StepSizes) -> str:
-        regenerated = s.L - s.o.kept_inputs
+        regenerated = s.L - s.o.keep_inputs
         return (f"partial residency: {regenerated} block forwards regenerated in the backward"
                 + (" (their attention too)" if s.o.recompute_attention else ""))
 
     def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
-        given = (s.o.kept_inputs,) if s.o.kept_inputs else ()
-        return (0, *sorted(set(kept_input_choices(s.L)) | set(given), reverse=True))
+        given = () if s.o.keep_inputs == "all" else (s.o.keep_inputs,)
+        return ("all", *sorted(set(kept_input_choices(s.L)) | set(given), reverse=True))
 
     def normalise(self, changes: dict[str, Any]) -> Optional[dict[str, Any]]:
         if not changes["activation_checkpointing"]:
-            changes["kept_inputs"] = 0  # no block inputs wait for a backward
+            changes["keep_inputs"] = "all"  # no block inputs wait for a backward
         return changes
 
     def components(self, s: StepSizes) -> list[Component]:
-        if not (s.o.activation_checkpointing and s.o.kept_inputs):
+        if not s.o.activation_checkpointing or s.o.keep_inputs == "all":
             return []
         # the regenerating forward runs a block forward (the attention-forward phase's terms, which stand for it)
         # inside the backward: beside it the gradient into the block in backward, the lm_head gradient, the block in
@@ -65,9 +69,9 @@ class Residency(MemoryFeature):
 
     def extra_seconds(self, s: StepSizes) -> float:
         o = s.o
-        if not (o.activation_checkpointing and o.kept_inputs):
+        if not o.activation_checkpointing or o.keep_inputs == "all":
             return 0.0
-        regenerated = s.L - o.kept_inputs  # each regenerated input is one block's forward run again
+        regenerated = s.L - o.keep_inputs  # each regenerated input is one block's forward run again
         seconds = dense_forward_seconds(s, regenerated * s.block_parameters)
         if o.recompute_attention:
             seconds += attention_forward_seconds(s) * regenerated / s.L  # nothing recorded: computed again
@@ -81,4 +85,4 @@ class Residency(MemoryFeature):
     def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
         if not s.o.activation_checkpointing:
             return {}
-        return {"ActivationOffload": {"keep_inputs": s.o.kept_inputs or "all"}}
+        return {"ActivationOffload": {"keep_inputs": s.o.keep_inputs}}

@@ -10,8 +10,9 @@ from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, fpdt_attentio
 
 __version__ = "0.1.0"
 
-LIGHTNING_NAMES = ("ActivationOffload", "FPDTStrategy", "GradientCheck", "MFUMonitor", "SequenceLengthCurriculum", "TiledLoss",
-                   "TiledMLP", "apply_fpdt", "sequence_loss", "tiled_cross_entropy")
+LIGHTNING_NAMES = ("ActivationOffload", "FPDTStrategy", "GradientCheck", "LongContextEval", "MFUMonitor",
+                   "SequenceLengthCurriculum", "TiledLoss", "TiledMLP", "apply_fpdt", "sequence_loss",
+                   "tiled_cross_entropy")
 """The public names that need Lightning."""
 
 try:
@@ -27,6 +28,7 @@ if LIGHTNING_AVAILABLE:
     from lightning_fpdt.callbacks import (
         ActivationOffload,
         GradientCheck,
+        LongContextEval,
         MFUMonitor,
         SequenceLengthCurriculum,
         TiledLoss,
@@ -52,6 +54,7 @@ __all__ = [
     "FPDTAttention",
     "FPDTStrategy",
     "GradientCheck",
+    "LongContextEval",
     "MFUMonitor",
     "ModelGeometry",
     "SequenceLengthCurriculum",

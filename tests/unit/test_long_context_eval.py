@@ -187,3 +187,20 @@ def test_passkey_from_a_local_tokenizer(tmp_path):
     start = next(i for i in range(len(text)) if text[i:i + 4] == [vocab[w] for w in ("The", "pass", "key", "is")])
     assert text[start + 4:start + 9] == answer  # the needle holds the answer
     assert vocab["grass"] in text[:start]  # the filler is the passkey test's sentence
+
+
+def test_filler_from_the_validation_data():
+    """filler="auto" with a data module that has validation data (and no retrieval task): the probes' filler is
+    windows of the validation token stream, a different window for each probe of a cell."""
+    stream = torch.randint(100, 200, (4, 40), generator=torch.Generator().manual_seed(0))
+    data = SimpleNamespace(seq_len=32, val_dataloader=lambda: [{"input_ids": stream[:2]}, {"input_ids": stream[2:]}])
+    needle = PasskeyNeedle(digit_ids=list(range(10)), prefix=[10, 11], question=[12, 13], num_digits=2)
+    callback = LongContextEval(needle=needle, lengths=[32], probes_per_cell=2)
+    callback.setup(SimpleNamespace(datamodule=data), LlamaLM("tiny"), "fit")
+    flat = stream.flatten().tolist()
+    for index in range(2):
+        ids = callback.probe(32, 0, index)["input_ids"].tolist()  # depth 0: needle, then the filler
+        filler = ids[4:32 - 4]
+        assert ids[:4] == [10, 11, *ids[-2:]]
+        assert any(flat[s:s + len(filler)] == filler for s in range(len(flat)))
+        assert filler == flat[index * 32:index * 32 + len(filler)]

@@ -11,7 +11,7 @@ from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, fpdt_attentio
 __version__ = "0.1.0"
 
 LIGHTNING_NAMES = ("ActivationOffload", "FPDTStrategy", "GradientCheck", "LongContextEval", "MFUMonitor",
-                   "SequenceLengthCurriculum", "TiledLoss", "TiledMLP", "apply_fpdt", "sequence_loss",
+                   "SequenceLengthCurriculum", "StepProgress", "TiledLoss", "TiledMLP", "apply_fpdt", "sequence_loss",
                    "tiled_cross_entropy")
 """The public names that need Lightning."""
 
@@ -31,6 +31,7 @@ if LIGHTNING_AVAILABLE:
         LongContextEval,
         MFUMonitor,
         SequenceLengthCurriculum,
+        StepProgress,
         TiledLoss,
         TiledMLP,
         tiled_cross_entropy,
@@ -59,6 +60,7 @@ __all__ = [
     "ModelGeometry",
     "SequenceLengthCurriculum",
     "SequenceLayout",
+    "StepProgress",
     "apply_fpdt",
     "flops_per_step",
     "flops_per_token",

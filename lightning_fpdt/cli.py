@@ -26,6 +26,7 @@ from lightning_fpdt.callbacks import (  # noqa: F401  (short names for YAML)
     LongContextEval,
     MFUMonitor,
     SequenceLengthCurriculum,
+    StepProgress,
     TiledLoss,
     TiledMLP,
 )

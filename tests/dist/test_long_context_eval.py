@@ -62,3 +62,31 @@ def test_evaluation_matches_one_process_on_4_ranks(dist_pool):
     pool = dist_pool(4)
     pool.run(evaluation_matches_one_process, sequence_parallel_size=2, kv_heads=2)
     pool.run(evaluation_matches_one_process, sequence_parallel_size=4, kv_heads=4)
+
+
+def example_config_logs(save_dir: str) -> list[str]:
+    from pathlib import Path
+
+    from lightning_fpdt.cli import FPDTCLI
+
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "long_context_eval_cpu.yaml"
+    FPDTCLI(args=["fit", "--config", str(config), "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false",
+                  "--trainer.logger.init_args.save_dir", save_dir, "--data.num_train", "128"])
+    if torch.distributed.get_rank() != 0:
+        return []
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(Path(save_dir) / "long_context_eval" / "version_0"),
+                              size_guidance={"images": 0}).Reload()
+    return [*events.Tags()["images"], *events.Tags()["scalars"]]
+
+
+def test_example_config_writes_scalars_and_heatmap(dist_pool, tmp_path):
+    """examples/configs/long_context_eval_cpu.yaml on 2 processes (2 steps): the evaluation at the end writes the
+    heatmap and the scalars per length and depth to TensorBoard."""
+    tags, _ = dist_pool(2).run(example_config_logs, save_dir=str(tmp_path))
+    assert "long_context/heatmap" in tags
+    for length in (64, 128, 256):
+        for depth in ("0", "0.25", "0.5", "0.75", "1"):
+            assert f"long_context/exact_match/len{length}_depth{depth}" in tags
+            assert f"long_context/answer_logprob/len{length}_depth{depth}" in tags

@@ -10,8 +10,9 @@ from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, fpdt_attentio
 
 __version__ = "0.1.0"
 
-LIGHTNING_NAMES = ("ActivationOffload", "FPDTStrategy", "GradientCheck", "MFUMonitor", "SequenceLengthCurriculum", "TiledLoss",
-                   "TiledMLP", "apply_fpdt", "sequence_loss", "tiled_cross_entropy")
+LIGHTNING_NAMES = ("ActivationOffload", "FPDTStrategy", "GradientCheck", "LongContextEval", "MFUMonitor",
+                   "SequenceLengthCurriculum", "StepProgress", "TiledLoss", "TiledMLP", "apply_fpdt", "sequence_loss",
+                   "tiled_cross_entropy")
 """The public names that need Lightning."""
 
 try:
@@ -27,8 +28,10 @@ if LIGHTNING_AVAILABLE:
     from lightning_fpdt.callbacks import (
         ActivationOffload,
         GradientCheck,
+        LongContextEval,
         MFUMonitor,
         SequenceLengthCurriculum,
+        StepProgress,
         TiledLoss,
         TiledMLP,
         tiled_cross_entropy,
@@ -52,10 +55,12 @@ __all__ = [
     "FPDTAttention",
     "FPDTStrategy",
     "GradientCheck",
+    "LongContextEval",
     "MFUMonitor",
     "ModelGeometry",
     "SequenceLengthCurriculum",
     "SequenceLayout",
+    "StepProgress",
     "apply_fpdt",
     "flops_per_step",
     "flops_per_token",

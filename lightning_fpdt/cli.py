@@ -23,8 +23,10 @@ import lightning_fpdt  # noqa: F401  (registers the "fpdt" strategy)
 from lightning_fpdt.callbacks import (  # noqa: F401  (short names for YAML)
     ActivationOffload,
     GradientCheck,
+    LongContextEval,
     MFUMonitor,
     SequenceLengthCurriculum,
+    StepProgress,
     TiledLoss,
     TiledMLP,
 )

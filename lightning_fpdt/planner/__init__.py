@@ -33,7 +33,7 @@ from lightning_fpdt.planner.geometry import (
 from lightning_fpdt.planner.host import available_host_memory, check_host_memory
 from lightning_fpdt.planner.options import PlanOptions
 from lightning_fpdt.planner.plan import plan_memory
-from lightning_fpdt.planner.search import SEARCHED, fastest_fitting, step_seconds
+from lightning_fpdt.planner.search import SEARCHED, fastest_fitting, seconds_per_million_tokens, step_seconds
 
 __all__ = [
     "CALLBACK_NAMES",
@@ -60,6 +60,7 @@ __all__ = [
     "parameter_counts",
     "plan_memory",
     "resolve_geometry",
+    "seconds_per_million_tokens",
     "step_seconds",
     "total_parameters",
 ]

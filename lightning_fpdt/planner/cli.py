@@ -19,7 +19,7 @@ from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, resolve_geometry
 from lightning_fpdt.planner.host import available_host_memory, gib
 from lightning_fpdt.planner.plan import plan_memory
-from lightning_fpdt.planner.search import step_estimate
+from lightning_fpdt.planner.search import batch_tokens, seconds_per_million_tokens, step_estimate
 
 CALLBACK_NAMES = ("mlp", "loss", "offload", "checkpoint")
 
@@ -81,8 +81,14 @@ def format_plan(plan: MemoryPlan) -> str:
     if chosen.fits:
         estimate = step_estimate(chosen)
         total = sum(seconds for _, seconds in estimate)
-        lines += ["", f"step time by the cost model, {'recommended' if chosen is not plan else 'these'} options "
-                      f"(an H100's rates; it ranks configurations, it does not predict): {total:,.1f} s"]
+        accumulate = chosen.options.accumulate_grad_batches
+        lines += ["", f"step time by the cost model, {'recommended' if chosen is not plan else 'these'} options: "
+                      f"{total:,.1f} s per batch of {batch_tokens(chosen):,} tokens"
+                      + (f" ({accumulate * total:,.1f} s per optimizer step of {accumulate} batches)"
+                         if accumulate > 1 else "")
+                      + f", {seconds_per_million_tokens(chosen):,.1f} s per million tokens",
+                  "  (an H100's rates, not calibrated against measured steps: the figures rank configurations, they "
+                  "do not predict a run's time)"]
         lines += [f"  {what:<90} {seconds:>9,.1f} s" for what, seconds in estimate]
         lines += ["", "as arguments:", *("  " + line for line in python_arguments(chosen).splitlines()),
                   "as YAML:", *("  " + line for line in yaml_arguments(chosen).splitlines())]

@@ -88,6 +88,18 @@ def step_estimate(plan: MemoryPlan) -> list[tuple[str, float]]:
     return parts
 
 
+def batch_tokens(plan: MemoryPlan) -> int:
+    """Global tokens one batch of the plan trains: ``B·S`` for each data-parallel group, the groups side by side (the
+    time :func:`step_estimate` adds up is one batch's; the padding to the layout's multiple is not counted)."""
+    return plan.batch_size * plan.seq_len * plan.options.data_parallel_size
+
+
+def seconds_per_million_tokens(plan: MemoryPlan) -> float:
+    """The cost model's seconds for a million global tokens: :func:`step_estimate`'s total per :func:`batch_tokens`.
+    Like the step estimate, a figure that ranks configurations, not a prediction."""
+    return sum(seconds for _, seconds in step_estimate(plan)) * 1e6 / batch_tokens(plan)
+
+
 def candidates(run: Run, base: PlanOptions, free: Iterable[str]) -> list[PlanOptions]:
     """Every combination of the ``free`` options' values (the others as in ``base``) that can run, once each."""
     s = run.sizes(base)

@@ -24,7 +24,7 @@ from lightning_fpdt.planner import (
     total_parameters,
 )
 from lightning_fpdt.planner.components import expandable_segments, plannable_gpu_bytes
-from lightning_fpdt.planner.search import step_estimate
+from lightning_fpdt.planner.search import batch_tokens, seconds_per_million_tokens, step_estimate
 from lightning_fpdt.sequence.planning import AttentionGeometry, choose_chunks, stash_bytes
 
 GIB = 2**30
@@ -580,6 +580,21 @@ def test_cli_prints_the_table(capsys):
         activation_offload=True, tiled_mlp=True, tiled_loss=True, head_chunks="auto", recompute_attention="auto",
         reload_input="auto", prefetch="auto", keep_inputs="auto", checkpoint_blocks="auto",
         gpu_memory_gib=plannable_gpu_bytes(139 * GIB, expandable_segments=expandable_segments()) / GIB)) + "\n"
+
+
+def test_step_time_per_million_tokens():
+    """The plan prints the cost model's seconds per batch and per million global tokens (all data-parallel groups'
+    tokens), and says that the figures rank configurations."""
+    plan = small_plan(num_gpus=4, sequence_parallel_size=2)  # dp = 2: two groups of 65,536 tokens side by side
+    assert plan.options.data_parallel_size == 2 and batch_tokens(plan) == 2 * 65536
+    total = sum(seconds for _, seconds in step_estimate(plan))
+    assert seconds_per_million_tokens(plan) == pytest.approx(total * 1e6 / (2 * 65536), rel=1e-12)
+    text = format_plan(plan)
+    assert f"{total:,.1f} s per batch of 131,072 tokens, {total * 1e6 / 131072:,.1f} s per million tokens" in text
+    assert "they do not predict a run's time" in text
+    accumulated = small_plan(accumulate_grad_batches=3, sync_every_batch=False)
+    step = sum(seconds for _, seconds in step_estimate(accumulated))
+    assert f"({3 * step:,.1f} s per optimizer step of 3 batches)" in format_plan(accumulated)
 
 
 def test_cli_exit_codes(capsys):

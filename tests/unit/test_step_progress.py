@@ -1,0 +1,81 @@
+"""StepProgress: the blocks' hooks record forward and backward positions, the text says where the step is and what
+is left, and a slow step shows in the log while it runs."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_fpdt.callbacks.step_progress import StepPosition, StepProgress, describe
+from lightning_fpdt.memory.surgery import find_blocks
+from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
+from lightning_fpdt.data import RetrievalDataModule
+from lightning_fpdt.models.module import LlamaLM
+
+
+def test_hooks_follow_the_blocks():
+    """A forward leaves the position at the last block's forward, the backward at the first block's backward, and a
+    block run again inside the backward (checkpointing) shows as a recompute."""
+    model = LlamaForCausalLM(LlamaConfig.from_name("tiny", vocab_size=32))
+    progress = StepProgress()
+    progress.install(model)
+    assert progress.num_blocks == 2
+    seen = []
+    first_block = find_blocks(model)[0]
+    first_block.register_forward_pre_hook(lambda m, a: seen.append((progress.position.phase,
+                                                                        progress.position.block)))
+    ids = torch.randint(0, 32, (2, 16))
+    loss = model(input_ids=ids, labels=ids)
+    assert (progress.position.phase, progress.position.block) == ("forward", 1)
+    loss.backward()
+    assert (progress.position.phase, progress.position.block) == ("backward", 0)
+    model(input_ids=ids, labels=ids)  # a forward while the position is in the backward: a recompute
+    assert (progress.position.phase, progress.position.block) == ("recompute", 1)
+    assert seen[0] == ("forward", 0) and seen[1] == ("recompute", 0)
+    progress.remove()
+    model(input_ids=ids, labels=ids)
+    assert progress.position.phase == "recompute" and len(seen) == 3  # the hooks are gone
+
+
+def test_text_says_where_and_what_is_left():
+    """Nothing before after_seconds; then the phase, the block, the tokens, the time, and the time left from the
+    previous step, or for the first step from the planner's estimate."""
+    progress = StepProgress(after_seconds=5)
+    progress.num_blocks = 32
+    progress.position = StepPosition(step=12, started=100.0, phase="backward", block=2, tokens=1 << 20, running=True)
+    assert progress.text(now=104.0) is None
+    assert progress.text(now=141.0) == "step 12: backward, block 3 of 32, 1,048,576 tokens, 41 s"
+    progress.planned_seconds = 50.0
+    assert progress.text(now=141.0).endswith("; ~9 s left (planner's estimate at an H100's rates 50 s)")
+    progress.previous_seconds = 30.0
+    assert progress.text(now=141.0).endswith("; 11 s over (previous step 30 s)")
+    assert describe(StepPosition(step=0, started=0.0), 2, 1.0, None, "") == "step 0: starting, 0 tokens, 1 s"
+    with pytest.raises(ValueError, match="refresh_seconds"):
+        StepProgress(refresh_seconds=0)
+
+
+class SlowLM(LlamaLM):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        time.sleep(0.3)  # a long step: the display thread sees it running, after the forward of the last block
+        return loss
+
+
+def test_a_slow_step_shows_in_the_log(caplog):
+    """Without a progress bar, a step longer than after_seconds is logged while it runs; the next step's estimate
+    is the previous step's duration."""
+    progress = StepProgress(after_seconds=0.1, refresh_seconds=0.02, log_every_seconds=0.05)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[progress])
+    with caplog.at_level(logging.INFO, logger="lightning_fpdt"):
+        trainer.fit(SlowLM("tiny", config_overrides={"vocab_size": 96}),
+                    datamodule=RetrievalDataModule(seq_len=32, vocab_size=96, batch_size=2))
+    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_fpdt"]
+    assert any(line.startswith("step 0: forward, block 2 of 2, 64 tokens") for line in lines)
+    assert any(line.startswith("step 1: ") and "(previous step" in line for line in lines)
+    assert progress.previous_seconds >= 0.3 and not progress._handles  # hooks removed at the end

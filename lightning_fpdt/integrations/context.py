@@ -11,6 +11,8 @@ from torch import Tensor, nn
 from lightning_fpdt.integrations.attributes import ATTENTION_FN, ATTENTION_HANDLE
 from lightning_fpdt.integrations.head_groups import HeadGroupedAttention
 from lightning_fpdt.sequence.attention import FPDTAttention, LayerAttention
+from lightning_fpdt.sequence.documents import DocumentBoundaries
+from lightning_fpdt.sequence.layout import SequenceLayout
 from lightning_fpdt.sequence.loss import sequence_parallel_loss
 
 
@@ -27,18 +29,26 @@ class SequenceParallelContext:
     """``(B, S/P)``: which local tokens of the current batch are the batch's own (``False`` for the padding the
     strategy added); ``None`` when nothing is padded. Read by what counts tokens (a router's load-balancing loss)."""
     loss_reduced: bool = False
-    """Set when an installed loss produced the group mean, so the strategy does not re-weight it again."""
+    """Set when the current batch's loss was reduced to the group mean (:meth:`reduce`), so the strategy does not
+    re-weight it again; written only here."""
+
+    def begin_batch(self, layout: SequenceLayout, *, documents: Optional[DocumentBoundaries], position_ids: Tensor,
+                    token_mask: Optional[Tensor], offload: bool, offload_dq: bool) -> None:
+        """A new batch: the attention's layout, documents and offload, the batch's positions and token mask, its loss
+        not reduced yet (the one hand-off of a batch from the strategy)."""
+        self.attention.begin_batch(layout, documents=documents, offload=offload, offload_dq=offload_dq)
+        self.position_ids, self.token_mask, self.loss_reduced = position_ids, token_mask, False
+
+    def reduce(self, local_mean: Tensor, num_valid: Union[Tensor, int]) -> Tensor:
+        """This rank's token-mean loss over its ``num_valid`` tokens as the group's token mean (collective)."""
+        self.loss_reduced = True
+        return sequence_parallel_loss(local_mean, num_valid, group=self.group)
 
 
 def loss_reduction(context: SequenceParallelContext) -> Callable[[Tensor, Union[Tensor, int]], Tensor]:
     """``reduce(local_mean, num_valid)``: what an installed model calls to turn its local token-mean loss into the
     sequence group's (set on the model as ``fpdt_reduce_loss``; a tiled loss calls it too)."""
-
-    def reduce(local_mean: Tensor, num_valid: Union[Tensor, int]) -> Tensor:
-        context.loss_reduced = True
-        return sequence_parallel_loss(local_mean, num_valid, group=context.group)
-
-    return reduce
+    return context.reduce
 
 
 def inject_position_ids(model: nn.Module, context: SequenceParallelContext) -> None:

@@ -36,6 +36,9 @@ class BatchPlan:
     """This rank's tokens with a target (a device tensor: reading it would stall the step)."""
     targetless: Tensor
     """Whether no token of the global batch has a target (a device flag, read with the loss check)."""
+    token_mask: Optional[Tensor] = None
+    """``(B, S/P)``: which of this rank's tokens are the batch's own (``False`` for the padding added here); ``None``
+    when nothing is padded."""
 
     @property
     def padded_len(self) -> int:
@@ -158,6 +161,8 @@ def shard_batch(
         documents=documents.padded(padded) if documents is not None else None,
         position_ids=sharded["position_ids"], valid_tokens=(local_targets != IGNORE_INDEX).sum(),
         targetless=(targets == IGNORE_INDEX).all(),
+        token_mask=None if padded == seq_len else layout.shard(
+            (torch.arange(padded, device=input_ids.device) < seq_len).expand(batch_size, -1)),
     )
     return sharded, plan
 

@@ -33,7 +33,6 @@ from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.sequence.attention import FPDTAttention
 from lightning_fpdt.offload.host_memory import HostMemoryError
 from lightning_fpdt.sequence.layout import SequenceLayout
-from lightning_fpdt.sequence.loss import sequence_parallel_loss
 from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.strategy import budget
@@ -409,13 +408,8 @@ class FPDTStrategy(ModelParallelStrategy):
                                     pad_to_multiple=self._pad_to_multiple)
         self._log_padding(plan)
         self.batch_plan = plan
-        self._context.attention.begin_batch(layout, documents=plan.documents, offload=options.offload,
-                                            offload_dq=options.offload_dq)
-        self._context.position_ids = plan.position_ids
-        padded = plan.position_ids.shape[1] * self.sequence_parallel_size  # the sharded length, padding included
-        self._context.token_mask = None if padded == plan.seq_len else layout.shard(
-            (torch.arange(padded, device=plan.position_ids.device) < plan.seq_len).expand(plan.batch_size, -1))
-        self._context.loss_reduced = False
+        self._context.begin_batch(layout, documents=plan.documents, position_ids=plan.position_ids,
+                                  token_mask=plan.token_mask, offload=options.offload, offload_dq=options.offload_dq)
         return sharded
 
     def _log_new_length(self, seq_len: int, batch_size: int, options: ResolvedOptions) -> None:
@@ -451,8 +445,7 @@ class FPDTStrategy(ModelParallelStrategy):
     def reduce_loss(self, loss: Tensor) -> Tensor:
         """This rank's token-mean loss (over its tokens with a target) as the sequence group's token mean: the value
         to log (``lightning_fpdt.sequence_loss``). A step that returns it is not reduced again. Collective."""
-        self._context.loss_reduced = True
-        return sequence_parallel_loss(loss, self.batch_plan.valid_tokens, group=self._context.group)
+        return self._context.reduce(loss, self.batch_plan.valid_tokens)
 
     def _sequence_parallel_output(self, output: Any) -> Any:
         """A loss a model computed itself (local token mean) becomes the group's token mean (docs/design.md §5)."""

@@ -74,3 +74,24 @@ def test_layout_validation_messages():
         SequenceLayout(2, 0).unshard([torch.zeros(1, 4)])
     with pytest.raises(ValueError, match=r"local sequence length 5 is not divisible by num_chunks \(2\)"):
         SequenceLayout(2, 0, 2).local_chunk(torch.zeros(1, 5), 0)
+
+
+@pytest.mark.parametrize("sp_size,num_chunks", [(3, 2), (2, 1), (4, 4)])
+def test_batch_plan_marks_the_padding_of_each_rank(sp_size, num_chunks):
+    """shard_batch's token mask is False exactly at the padding it added, on each rank's shard, and absent when
+    nothing is padded."""
+    from lightning_fpdt.strategy.batch import shard_batch
+
+    seq_len = sp_size * num_chunks * 3 - 1
+    input_ids = torch.randint(0, 100, (2, seq_len))
+    masks = []
+    for rank in range(sp_size):
+        layout = SequenceLayout(sp_size, rank, num_chunks)
+        sharded, plan = shard_batch({"input_ids": input_ids}, layout=layout, pad_token_id=0, pad_to_multiple=True)
+        assert plan.token_mask.shape == sharded["input_ids"].shape
+        masks.append(plan.token_mask)
+    padded = SequenceLayout(sp_size, 0, num_chunks).unshard(masks, dim=1)
+    assert padded.tolist() == [[True] * seq_len + [False]] * 2
+    _, whole = shard_batch({"input_ids": input_ids[:, :seq_len - sp_size * num_chunks + 1]},
+                           layout=SequenceLayout(sp_size, 0, num_chunks), pad_token_id=0, pad_to_multiple=True)
+    assert whole.token_mask is None

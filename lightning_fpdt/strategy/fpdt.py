@@ -46,6 +46,7 @@ from lightning_fpdt.strategy.materialize import has_meta_parameters, materialize
 from lightning_fpdt.strategy.mesh import attention_group, build_mesh, ring_size_of, sequence_mesh
 from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt, declared_transforms, no_gradient_sync
 from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
+from lightning_fpdt.strategy.predict import check_predict_outputs, gather_sequence
 from lightning_fpdt.strategy.preemption import DEFAULT_TIMEOUT, Preemption, PreemptionCheckpoint, watch_with
 from lightning_fpdt.strategy.topology import resolve_topology
 from lightning_fpdt.strategy.watchdog import DEFAULT_STALE_AFTER, RankWatchdog
@@ -119,6 +120,10 @@ class FPDTStrategy(ModelParallelStrategy):
             (``lightning_fpdt.models.ops``): the same formulas, several times fewer trips through device memory.
             ``"auto"``: on CUDA devices; ``False``: the eager forms. Where compiling fails the ops run eager, with one
             warning.
+        predict_outputs: what ``trainer.predict`` returns: ``"sequence"``, on every rank the outputs of the whole
+            sequence, as one process returns them (each tensor of shape ``(B, S/P, …)`` that ``predict_step``
+            returns gathered from the sequence group into ``(B, S, …)``, the padding dropped); ``"rank"``, each rank's
+            own shard, in the layout's token order (docs/design.md §3), padding included.
     """
 
     strategy_name = "fpdt"
@@ -152,6 +157,7 @@ class FPDTStrategy(ModelParallelStrategy):
         offload_dir: Optional[Union[str, os.PathLike]] = None,
         sync_every_batch: Union[Literal["auto"], bool] = "auto",
         fused_ops: Union[Literal["auto"], bool] = "auto",
+        predict_outputs: Literal["sequence", "rank"] = "sequence",
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -173,6 +179,7 @@ class FPDTStrategy(ModelParallelStrategy):
         if fused_ops not in ("auto", True, False):
             raise ValueError(f"fused_ops must be 'auto', True or False, got {fused_ops!r}")
         self.fused_ops = fused_ops
+        self.predict_outputs = check_predict_outputs(predict_outputs)
         self._sequence_parallel_size = sequence_parallel_size
         self._layer_classes = layer_classes
         self.cpu_offload_params = cpu_offload_params
@@ -471,6 +478,13 @@ class FPDTStrategy(ModelParallelStrategy):
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._sequence_parallel_output(super().test_step(*args, **kwargs))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().predict_step(*args, **kwargs)
+        if self.predict_outputs == "rank":
+            return output
+        return gather_sequence(output, self.batch_plan, self.sequence_parallel_group)
 
     @contextmanager
     @override

@@ -81,6 +81,8 @@ def test_strategy_option_messages():
         FPDTStrategy(attention_backend="xformers")
     with pytest.raises(ValueError, match="chunks must be 'auto' or a positive int, got 0"):
         FPDTStrategy(chunks=0)
+    with pytest.raises(ValueError, match=r"predict_outputs must be 'sequence' .* or 'rank' .* got 'local'"):
+        FPDTStrategy(predict_outputs="local")
     strategy = FPDTStrategy(chunks="auto")
     assert [strategy.num_chunks_for(s) for s in (1000, 65536, 65537, 1 << 20)] == [1, 1, 2, 16]
 

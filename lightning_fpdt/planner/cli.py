@@ -155,6 +155,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS))
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     parser.add_argument("--cpu-offload-params", action="store_true", help="FSDP2 CPUOffloadPolicy")
+    parser.add_argument("--trainable-parameters", type=int, default=None,
+                        help="parameters that train (LoRA's adapters: peft's print_trainable_parameters); only they "
+                             "have gradients and optimizer states (default: all)")
     parser.add_argument("--accumulate-grad-batches", type=int, default=1,
                         help="Trainer(accumulate_grad_batches=...): batches per optimizer step")
     parser.add_argument("--sync-every-batch", type=_switch, default="auto",
@@ -215,7 +218,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             input_prefetch=args.prefetch if args.prefetch == "auto" else args.prefetch > 0,
             keep_inputs=args.keep_inputs, checkpoint_blocks=args.checkpoint_blocks, host_baseline_gib=args.host_baseline_gib, disk_memory_gib=args.disk_gib,
             disk_gbps=args.disk_gbps, accumulate_grad_batches=args.accumulate_grad_batches,
-            sync_every_batch=args.sync_every_batch,
+            sync_every_batch=args.sync_every_batch, trainable_parameters=args.trainable_parameters,
         )
     except ValueError as error:
         print(f"lightning-fpdt plan: {error}", file=sys.stderr)

@@ -112,7 +112,8 @@ def plan_for(strategy: Any, seq_len: int, batch_size: int) -> Optional[MemoryPla
     features, the ``"auto"`` options resolved by the search for this GPU's and this host's memory. ``None`` where
     nothing can be planned (no CUDA, no readable model config)."""
     device = strategy.root_device
-    config = getattr(find_model(strategy.model), "config", None)
+    network = find_model(strategy.model)
+    config = getattr(network, "config", None)
     if device.type != "cuda" or config is None:
         return None
     try:
@@ -142,8 +143,17 @@ def plan_for(strategy: Any, seq_len: int, batch_size: int) -> Optional[MemoryPla
         host_baseline_gib=(max(0, rss - already) + RUNTIME_GROWTH_BYTES) / 2**30,
         disk_memory_gib=None if disk is None else disk / 2**30,
         accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
-        sync_every_batch=strategy.sync_every_batch, **features.plan_kwargs(),
+        sync_every_batch=strategy.sync_every_batch, trainable_parameters=trainable_parameters(network),
+        **features.plan_kwargs(),
     )
+
+
+def trainable_parameters(model: torch.nn.Module) -> Optional[int]:
+    """The parameters of ``model`` that train (LoRA's adapters, what is not frozen), counted whole (a sharded
+    parameter's global size); ``None`` when every one trains."""
+    parameters = list(model.parameters())
+    trainable = sum(p.numel() for p in parameters if p.requires_grad)
+    return None if trainable == sum(p.numel() for p in parameters) else trainable
 
 
 def refusal(plan: Optional[MemoryPlan], offload_dir: Optional[str] = None) -> Optional[ValueError]:

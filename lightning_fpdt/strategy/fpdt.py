@@ -26,6 +26,7 @@ from lightning_fpdt.callbacks.gradient_check import add_gradient_check
 from lightning_fpdt.flops import attention_heads
 from lightning_fpdt.integrations import SequenceParallelContext, attention_geometry
 from lightning_fpdt.integrations.attributes import DEVICE_MESH
+from lightning_fpdt.integrations.huggingface import train_mode_for_fit
 from lightning_fpdt.lightning_private import wrapped_closure
 from lightning_fpdt.memory.surgery import find_model
 from lightning_fpdt.models.ops import FUSED_OPS
@@ -302,6 +303,9 @@ class FPDTStrategy(ModelParallelStrategy):
             trainer.callbacks.append(PreemptionCheckpoint(self._preemption))
         if trainer.state.fn == TrainerFn.FITTING:  # a parameter that gets no gradient stops the run
             add_gradient_check(trainer)
+            if train_mode_for_fit(find_model(self.lightning_module)):
+                rank_zero_info("fpdt: the Hugging Face model was in eval mode (as from_pretrained returns it): put in "
+                               "training mode for fit")
         noise.steps_only_epochs(trainer)
 
     @override

@@ -157,6 +157,46 @@ def test_hf_model_on_one_rank_equals_sdpa():
     assert model.config._attn_implementation == "fpdt" and context.loss_reduced
 
 
+def test_hf_model_in_eval_mode_trains_in_training_mode():
+    """A Hugging Face model in eval mode as from_pretrained returns it (also inside a PeftModel) is put in training
+    mode for fit; one in training mode, and any other module, keep their modes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_fpdt.integrations.huggingface import train_mode_for_fit
+    from lightning_fpdt.memory.surgery import find_model
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).eval()
+    assert train_mode_for_fit(model) and all(m.training for m in model.modules())
+    assert not train_mode_for_fit(model)  # already training
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(LlamaForCausalLM(config).eval(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert train_mode_for_fit(find_model(wrapped)) and all(m.training for m in wrapped.modules())
+    plain = torch.nn.Linear(2, 2).eval()
+    assert not train_mode_for_fit(plain) and not plain.training
+
+
+def test_adapter_wrappers_are_looked_through():
+    """find_model gives the network an adapter wrapper names (get_base_model(), as peft's PeftModel), whether the
+    wrapper is the module given or its single child: the strategy then prepares that network (the Hugging Face path)."""
+    from lightning_fpdt.memory.surgery import find_model
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, network: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = torch.nn.ModuleDict({"network": network})
+
+        def get_base_model(self) -> torch.nn.Module:
+            return self.inner["network"]
+
+    network = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    container = torch.nn.Module()
+    container.model = Wrapper(network)
+    assert find_model(container.model) is network and find_model(container) is network
+    assert find_model(network) is network
+
+
 def test_hf_sliding_window_config_is_refused():
     """A model configured with a sliding window is refused when the strategy installs the attention."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

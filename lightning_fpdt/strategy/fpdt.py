@@ -200,7 +200,7 @@ class FPDTStrategy(ModelParallelStrategy):
         self.offload_dir: Optional[str] = None if offload_dir is None else os.fspath(offload_dir)
         self.memory = budget.MemoryBudget(check=check_memory, offload_dir=self.offload_dir)
         """The plans of the lengths trained, the host memory guard, the page-locked states (``strategy/budget.py``)."""
-        self._padding_logged = False
+        self._paddings_logged: set[tuple[int, int]] = set()  # (length, padded length): each said once
         self._targetless_warned = False
         self._context: Optional[SequenceParallelContext] = None
         self._pending_rng_states: Optional[dict[str, Any]] = None
@@ -427,8 +427,9 @@ class FPDTStrategy(ModelParallelStrategy):
             rank_zero_info(length_message(seq_len, options, self.options, sp_size, self._free_bytes))
 
     def _log_padding(self, plan: BatchPlan) -> None:
-        if plan.padded_len != plan.seq_len and not self._padding_logged:
-            self._padding_logged = True
+        padding = (plan.seq_len, plan.padded_len)
+        if plan.padded_len != plan.seq_len and padding not in self._paddings_logged:
+            self._paddings_logged.add(padding)
             rank_zero_info(padding_message(plan))
 
     @override

@@ -308,3 +308,22 @@ def test_every_lightning_hook_override_is_marked():
                 if not getattr(function, "__override__", False):
                     unmarked.append(f"{cls.__name__}.{name}")
     assert not unmarked, unmarked
+
+
+def test_padding_is_logged_once_per_length(monkeypatch):
+    """The padding notice is said for every new length that pads (a curriculum's), once each, never for a length that
+    needs none."""
+    from lightning_fpdt.sequence import SequenceLayout
+    from lightning_fpdt.strategy import fpdt as strategy_module
+    from lightning_fpdt.strategy.batch import shard_batch
+
+    said = []
+    monkeypatch.setattr(strategy_module, "rank_zero_info", said.append)
+    strategy = FPDTStrategy()
+    layout = SequenceLayout(2, 0, 2)
+    for seq_len in (15, 15, 30, 16, 30, 13):
+        _, plan = shard_batch({"input_ids": torch.randint(0, 8, (1, seq_len))}, layout=layout)
+        strategy._log_padding(plan)
+    assert [m.split(" (")[0] for m in said] == ["fpdt: padding sequences of 15 tokens to 16",
+                                                "fpdt: padding sequences of 30 tokens to 32",
+                                                "fpdt: padding sequences of 13 tokens to 16"]

@@ -264,13 +264,23 @@ class MemoryBudget:
         return states + staging + sum(factory.pinned_bytes for factory in self.factories(strategy))
 
     # ---- the disk tier ------------------------------------------------------------------------------------------
-    def open_disk(self, *, rank: int, local_rank: int, pin_memory: bool) -> None:
+    def open_disk(self, *, rank: int, local_rank: int, pin_memory: bool, planned: bool = True) -> None:
         """At setup, with ``offload_dir``: check the directory (``ValueError`` naming it when it cannot be created or
         written), name the directories a crash of this host's processes left there (not removed: a pid cannot prove
-        a directory unused; docs/design.md §4.4), and make this process's own."""
+        a directory unused; docs/design.md §4.4), and make this process's own. ``planned``: whether a plan can put
+        anything there (a CUDA device); where none can, a directory that cannot be used is a warning that the option
+        has no effect, not an error."""
         if self.offload_dir is None or (self.disk is not None and not self.disk.closed):
             return
-        self.disk = SpillDirectory(self.offload_dir, rank=rank, pin_memory=pin_memory, guard=self.guard)
+        try:
+            self.disk = SpillDirectory(self.offload_dir, rank=rank, pin_memory=pin_memory, guard=self.guard)
+        except ValueError as error:
+            if planned:
+                raise
+            if local_rank == 0:
+                warnings.warn(f"fpdt: offload_dir has no effect in this run (nothing plans it without a GPU, so "
+                              f"nothing spills), and it could not be used anyway: {error}", stacklevel=2)
+            return
         stale = stale_directories(self.disk.root)
         if stale and local_rank == 0:
             warnings.warn(

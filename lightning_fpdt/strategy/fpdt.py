@@ -107,7 +107,8 @@ class FPDTStrategy(ModelParallelStrategy):
             time and uses it only where host memory does not suffice. Each process writes under
             ``<offload_dir>/fpdt-<host>-<pid>-rank<r>/``, removed at the end of training and at exit; directories a
             crash left are named at setup, not removed. A directory that cannot be created or written, or that has
-            less free space than the plan puts there, is refused with the bytes. ``None``: no disk tier.
+            less free space than the plan puts there, is refused with the bytes; without a GPU, where nothing plans
+            and nothing spills, one that cannot be used is a warning. ``None``: no disk tier.
         sync_every_batch: with ``Trainer(accumulate_grad_batches > 1)``: ``True`` reduce-scatters the gradients after
             every batch, into their shards (the memory of a step without accumulation, ``A - 1`` more
             reduce-scatters per optimizer step); ``False`` only after a window's last batch, the batches before it
@@ -332,8 +333,8 @@ class FPDTStrategy(ModelParallelStrategy):
         if not self.cpu_offload_params:
             super().model_to_device()
         self.memory.guard_host_memory(self)
-        self.memory.open_disk(rank=self.global_rank, local_rank=self.local_rank,
-                              pin_memory=self.root_device.type == "cuda")
+        on_gpu = self.root_device.type == "cuda"
+        self.memory.open_disk(rank=self.global_rank, local_rank=self.local_rank, pin_memory=on_gpu, planned=on_gpu)
         self.barrier()
         return model
 

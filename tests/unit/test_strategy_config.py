@@ -207,6 +207,27 @@ def test_hf_sliding_window_config_is_refused():
         install_hf_model(Qwen2ForCausalLM(config), SequenceParallelContext(group=None, attention=FPDTAttention()))
 
 
+def test_family_refusal_reaches_through_a_peft_model():
+    """A PeftModel around a model its family refuses (a sliding window) is refused alike, before anything changes:
+    the strategy takes the Hugging Face path through the wrapper, never the plain-module one."""
+    peft = pytest.importorskip("peft")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lightning_fpdt.integrations import install
+    from lightning_fpdt.memory.surgery import find_blocks, find_model
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8)
+    container = torch.nn.Module()
+    container.model = peft.get_peft_model(Qwen2ForCausalLM(config), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    network = find_model(container)
+    assert isinstance(network, Qwen2ForCausalLM)
+    context = SequenceParallelContext(group=None, attention=FPDTAttention())
+    with pytest.raises(ValueError, match="sliding_window=8; the fpdt attention is full causal attention"):
+        install(network, find_blocks(network), context)
+    assert network.config._attn_implementation != "fpdt"
+
+
 def test_loss_of_rank_without_valid_tokens_is_zero_not_nan():
     """A rank whose targets are all -100 contributes 0 with zero gradients instead of NaN."""
     logits = torch.randn(5, 7, requires_grad=True)

@@ -11,6 +11,10 @@ the names of the network inside the LightningModule (its attribute prefix, e.g. 
 from (its ``model_name_or_path`` and ``config_overrides`` hyperparameters) with the trained weights, and that
 model's tokenizer and generation config when it has them; for a ``LlamaLM`` checkpoint, the reference Llama as a
 ``LlamaForCausalLM``.
+
+A model trained with adapters (a ``peft`` ``PeftModel``) is saved from the live model after ``fit`` by
+:func:`save_adapters`: on every rank, the adapters as a folder ``PeftModel.from_pretrained`` loads, or with
+``merged=True`` the base model with the adapters merged into its weights, a folder ``from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.tensor import DTensor
 
 from lightning_fpdt.lightning_private import _METADATA_FILENAME
 from lightning_fpdt.models.llama import NAMED_CONFIGS, LlamaConfig
@@ -144,6 +149,80 @@ def export_hf_model(weights: dict[str, Tensor], out_dir: Union[str, Path], *, so
     except (OSError, ValueError):
         pass  # a model without one generates with the defaults
     return written
+
+
+def adapter_model(module: nn.Module) -> nn.Module:
+    """The ``peft`` ``PeftModel`` in ``module`` (itself or one of its submodules); ``ValueError`` when there is none."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        PeftModel = None  # noqa: N806
+    found = [m for m in module.modules() if PeftModel is not None and isinstance(m, PeftModel)]
+    if len(found) != 1:
+        raise ValueError(
+            f"save_adapters saves one peft PeftModel's adapters; {type(module).__name__} holds {len(found)}: pass the "
+            f"PeftModel itself (get_peft_model's result), or save the whole model with a checkpoint and "
+            f"python -m lightning_fpdt.export"
+        )
+    return found[0]
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """Every entry of ``model``'s state dict whole, on the CPU: FSDP2's sharded parameters all-gathered. Collective
+    when the model is sharded: every rank calls it."""
+    return {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+            for name, value in model.state_dict().items()}
+
+
+def save_adapters(module: nn.Module, directory: Union[str, Path], *, merged: bool = False,
+                  is_main_process: Optional[bool] = None) -> Path:
+    """Save the adapters of the ``peft`` ``PeftModel`` in ``module`` (trained under the fpdt strategy or not) as a
+    folder ``PeftModel.from_pretrained(base_model, directory)`` loads; with ``merged=True`` the base model with the
+    adapters merged into its weights, a folder ``AutoModelForCausalLM.from_pretrained(directory)`` loads (its config
+    back on SDPA attention and the KV cache). Returns ``directory``.
+
+    Call it on every rank after ``fit``: FSDP2's shards are all-gathered (a collective), and one process writes
+    (``is_main_process``; ``None``: global rank 0). ``PeftModel.save_pretrained`` itself cannot save sharded
+    parameters."""
+    import torch.distributed as dist
+
+    peft_model = adapter_model(module)
+    if is_main_process is None:
+        is_main_process = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    directory = Path(directory)
+    state = full_state_dict(peft_model)
+    if not is_main_process:
+        return directory
+    if not merged:
+        peft_model.save_pretrained(str(directory), state_dict=state)
+        return directory
+    merged_model(peft_model, state).save_pretrained(str(directory))
+    return directory
+
+
+def merged_model(peft_model: nn.Module, state: dict[str, Tensor]) -> nn.Module:
+    """A plain copy of ``peft_model`` on the CPU holding ``state`` (its whole state dict), the adapters merged into
+    the base weights (``merge_and_unload``)."""
+    import copy
+
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = peft_model.get_base_model()
+    config = copy.deepcopy(base.config)
+    config._attn_implementation = "sdpa"  # the strategy switched the model to "fpdt", which needs its mesh
+    config.use_cache = True  # the strategy turns the cache off for training; generation wants it
+    with torch.device("meta"):  # no random init of a model whose every weight is replaced
+        plain = AutoModelForCausalLM.from_config(config)
+    name = peft_model.active_adapter
+    copy_model = get_peft_model(plain, copy.deepcopy(peft_model.peft_config[name]), adapter_name=name)
+    missing, unexpected = copy_model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if "rotary_emb" not in m]
+    if missing or unexpected:
+        raise ValueError(f"the adapters' model does not rebuild from its config: missing {missing[:8]}, unexpected "
+                         f"{unexpected[:8]}")
+    copy_model.get_base_model().tie_weights()
+    return copy_model.merge_and_unload()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

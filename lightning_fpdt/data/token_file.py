@@ -109,10 +109,20 @@ class TokenFile:
         num_tokens = int(self.offsets[-1])
         if num_tokens != self.meta["num_tokens"]:
             raise ValueError(f"{index_path} ends at {num_tokens} tokens but {meta_path} says {self.meta['num_tokens']}")
+        dtype = np.dtype(self.meta["dtype"])
+        size = tokens_path.stat().st_size
+        if size != num_tokens * dtype.itemsize:
+            # a copy or a write cut short (numpy's memmap alone says "mmap length is greater than file size")
+            raise ValueError(
+                f"{tokens_path} holds {size:,} bytes, but its index {index_path} and {meta_path} say {num_tokens:,} "
+                f"{dtype.name} tokens ({num_tokens * dtype.itemsize:,} bytes): the file is truncated or not the one "
+                f"its index was written with; copy it again or write it again with "
+                f"`python -m lightning_fpdt.data.tokenize_files`"
+            )
         self.tokens: np.ndarray = (
-            np.memmap(tokens_path, dtype=np.dtype(self.meta["dtype"]), mode="r", shape=(num_tokens,))
+            np.memmap(tokens_path, dtype=dtype, mode="r", shape=(num_tokens,))
             if num_tokens
-            else np.zeros(0, dtype=np.dtype(self.meta["dtype"]))
+            else np.zeros(0, dtype=dtype)
         )
 
     @property

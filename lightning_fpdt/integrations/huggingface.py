@@ -63,6 +63,17 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
     )
 
 
+def train_mode_for_fit(model: nn.Module) -> bool:
+    """Put a Hugging Face model whose own module is in eval mode (``from_pretrained`` returns it so, and a
+    ``PeftModel`` keeps it so inside) in training mode for ``fit``, as transformers' own ``Trainer`` does; returns
+    whether it did. Lightning keeps each module's mode as given, so the model would otherwise train with its dropout
+    off and Lightning would warn about every one of its modules."""
+    if not is_hf_model(model) or model.training:
+        return False
+    model.train()
+    return True
+
+
 # ---- attention ----------------------------------------------------------------------------------------------------
 def hf_attention(
     module: nn.Module,

@@ -16,13 +16,20 @@ def has_parameters(module: nn.Module) -> bool:
 def find_model(module: nn.Module) -> nn.Module:
     """The network inside a LightningModule: its single child that holds parameters, or the module itself; inside an
     adapter wrapper that names the network it wraps (``get_base_model()``, as peft's ``PeftModel``), that network,
-    which holds the adapters in its own modules."""
+    which holds the adapters in its own modules. The wrapper may be ``module`` itself or that child."""
+    wrapped = base_model(module)
+    if wrapped is not None:
+        return wrapped
     children = [c for c in module.children() if has_parameters(c)]
     model = children[0] if len(children) == 1 else module
-    base = getattr(model, "get_base_model", None)
-    if callable(base) and isinstance(base(), nn.Module) and base() is not model:
-        return base()
-    return model
+    return base_model(model) or model
+
+
+def base_model(wrapper: nn.Module) -> Optional[nn.Module]:
+    """The network an adapter wrapper names (``get_base_model()``); ``None`` for a module that is none."""
+    get = getattr(wrapper, "get_base_model", None)
+    base = get() if callable(get) else None
+    return base if isinstance(base, nn.Module) and base is not wrapper else None
 
 
 def find_blocks(model: nn.Module, layer_classes: Optional[Sequence[str]] = None) -> list[nn.Module]:

@@ -135,6 +135,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="all, none, or a comma list of mlp, loss, offload, checkpoint (checkpointing on the GPU)")
     parser.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS))
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
+    parser.add_argument("--trainable-parameters", type=int, default=None,
+                        help="parameters that train (LoRA's adapters: peft's print_trainable_parameters); only they "
+                             "have gradients and optimizer states (default: all)")
     parser.add_argument("--accumulate-grad-batches", type=int, default=1,
                         help="Trainer(accumulate_grad_batches=...): batches per optimizer step")
     for feature in FEATURES:  # each memory feature's options
@@ -175,6 +178,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 args.expandable_segments or expandable_segments())) / GIB,
             host_memory_gib=host, host_baseline_gib=args.host_baseline_gib, disk_memory_gib=args.disk_gib,
             disk_gbps=args.disk_gbps, accumulate_grad_batches=args.accumulate_grad_batches,
+            trainable_parameters=args.trainable_parameters,
             **{flag.option: getattr(args, flag.option) for feature in FEATURES for flag in feature.flags},
         )
     except ValueError as error:

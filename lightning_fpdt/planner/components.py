@@ -11,6 +11,10 @@ Persistent (held through the step)::
     parameters    = master·Θ/W                                sharded master
     gradients     = grad·L·Θ_block/W                          the blocks' shards (the root's: see the phases)
     optimizer     = 2·master·Θ/W                              AdamW's two moments
+
+Gradients and optimizer states exist for the trainable parameters only: with ``trainable_parameters`` given (LoRA's
+adapters, frozen parts), ``Θ_train`` spread over the blocks first takes ``Θ``'s place in those terms (and in the
+gradient terms of the phases below), ``Θ_block`` becomes ``min(Θ_block, Θ_train/L)`` and ``Θ_rest`` what remains.
     checkpoints   = min(2, L)·A (ActivationOffload: current + prefetched; L·A on the host) | L·A (checkpointing on
                     the GPU) | L·(A + layer activations) (no checkpointing); with keep_inputs=k, (k + ⌈L/k⌉ - 1)·A
                     instead of L·A (the kept inputs and the largest segment regenerated at once)

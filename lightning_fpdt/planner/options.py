@@ -74,8 +74,16 @@ class PlanOptions:
     """``FPDTStrategy(sync_every_batch=...)``, with ``accumulate_grad_batches > 1``: every batch reduce-scatters the
     gradients into their shards (``True``), or only a window's last, the others adding into every parameter's
     unsharded gradient (``False``)."""
+    trainable_parameters: Optional[int] = None
+    """Parameters that train (``requires_grad``): only they have gradients and optimizer states (LoRA adapters, a
+    frozen embedding); ``None``: every parameter of the model."""
 
     def __post_init__(self) -> None:
+        if self.trainable_parameters is not None and (isinstance(self.trainable_parameters, bool) or
+                                                      not isinstance(self.trainable_parameters, int) or
+                                                      self.trainable_parameters < 0):
+            raise ValueError(f"trainable_parameters must be a count of parameters >= 0 or None (all of them), got "
+                             f"{self.trainable_parameters!r}")
         if self.activation_offload and not self.activation_checkpointing:
             raise ValueError("activation_offload checkpoints the blocks: set activation_checkpointing=True with it")
         if self.recompute_attention and not self.activation_checkpointing:
@@ -125,6 +133,7 @@ class PlanOptions:
             + (f" checkpoint_blocks={self.checkpoint_blocks}" if self.checkpoint_blocks != "all" else "")
             + (f" accumulate_grad_batches={self.accumulate_grad_batches}" if self.accumulate_grad_batches > 1 else "")
             + (" sync_every_batch" if self.accumulate_grad_batches > 1 and self.sync_every_batch else "")
+            + (f" trainable_parameters={self.trainable_parameters:,}" if self.trainable_parameters is not None else "")
         )
 
 
@@ -199,6 +208,7 @@ def resolve_options(
     prefetch: int = 1, disk_inputs: int = 0, keep_inputs: Union[Literal["all"], int] = "all",
     accumulate_grad_batches: int = 1,
     sync_every_batch: bool = False, checkpoint_blocks: Union[Literal["all"], int] = "all",
+    trainable_parameters: Optional[int] = None,
 ) -> PlanOptions:
     """The sizes (as the strategy resolves its mesh) and the attention options (:meth:`FPDTOptions.resolve`, with
     the free memory of :func:`free_for_auto`) of a plan."""
@@ -222,7 +232,7 @@ def resolve_options(
         optimizer=optimizer, recompute_attention=recompute_attention, ring_size=ring, head_chunks=head_chunks,
         reload_input=reload_input, prefetch=prefetch, disk_inputs=disk_inputs, keep_inputs=keep_inputs,
         accumulate_grad_batches=accumulate_grad_batches, sync_every_batch=sync_every_batch,
-        checkpoint_blocks=checkpoint_blocks,
+        checkpoint_blocks=checkpoint_blocks, trainable_parameters=trainable_parameters,
     )
 
 

@@ -70,7 +70,8 @@ def gathered_states(s: StepSizes) -> list[Component]:
     parts += [Component(f"gathered blocks ({phase})", 2 * d["param"] * block, phase=phase,
                         formula="current + prefetched")
               for phase in ("attention forward", "MLP backward", "attention backward")]
-    parts += [Component(f"block gradients ({phase})", block * (d["param"] + d["reduce"]), phase=phase,
+    trained_block, trained_rest = s.trainable_block_parameters, s.trainable_rest_parameters
+    parts += [Component(f"block gradients ({phase})", trained_block * (d["param"] + d["reduce"]), phase=phase,
                         formula="one block unsharded + its reduce-scatter copy")
               for phase in ("MLP backward", "attention backward")]
     # with host-resident states an untied head that computes the tiled loss is its own FSDP2 unit
@@ -78,7 +79,8 @@ def gathered_states(s: StepSizes) -> list[Component]:
     # its fp32 reduce-scatter input stays alive until the next unit's reduce-scatter, through the last block's
     # backward: V·h·4 there in place of the gathered head and its gradient, V·h·(2 + 2) in bf16 (traced: the same
     # peak, 40.72 GiB, with the head a unit of its own and without); the terms below stand for both
-    parts += [Component(f"lm_head gradient ({phase})", V * h * s.b, phase=phase,
+    head_trains = trained_rest > 0  # LoRA: no weight of the root unit trains, its gradients are never made
+    parts += [Component(f"lm_head gradient ({phase})", V * h * s.b * head_trains, phase=phase,
                         formula="V·hidden, unsharded from the loss's backward to the root's reduce-scatter")
               for phase in ("MLP backward", "attention backward", "end of backward")]
     # in the forward FSDP2 frees each all-gather's output only at the next unit's all-gather, the last one's at the
@@ -92,8 +94,8 @@ def gathered_states(s: StepSizes) -> list[Component]:
     # the root unit's own backward: first the embedding's, its gradient beside the gathered root; then its
     # post-backward frees the gathered parameters and, once copied into the reduce-scatter input, the unsharded
     # gradients (the trace at that reduce-scatter: its input and output and the lm_head gradient, counted above)
-    embedding_backward = gathered_root + V * h * s.b * (not s.g.tie_word_embeddings)
-    reduce_scatter = rest * d["reduce"] + rest * d["reduce"] // s.W
+    embedding_backward = gathered_root + V * h * s.b * (not s.g.tie_word_embeddings and head_trains)
+    reduce_scatter = trained_rest * d["reduce"] + trained_rest * d["reduce"] // s.W
     parts.append(Component("root unit's backward",
                            max(embedding_backward, reduce_scatter), phase="end of backward",
                            formula="max(gathered root + V·hidden, root unit in reduce dtype · (1 + 1/W))"))

@@ -56,6 +56,7 @@ def plan_memory(
     disk_inputs: Union[Literal["auto"], int] = "auto",
     accumulate_grad_batches: int = 1,
     sync_every_batch: Switch = "auto",
+    trainable_parameters: Optional[int] = None,
 ) -> MemoryPlan:
     """Predict the memory of one training step under ``strategy="fpdt"``, per GPU and per host; resolve the
     ``"auto"`` options to the fastest configuration that fits both memories; recommend changes when none fits.
@@ -96,6 +97,8 @@ def plan_memory(
             reduce-scatters its gradients into the shards (``True``), or only a window's last, every parameter's
             unsharded gradient (reduce dtype) alive on every GPU through the window (``False``); ``"auto"``: the
             faster that fits (:mod:`lightning_fpdt.planner.features.accumulation`).
+        trainable_parameters: the parameters that train (LoRA's adapters, a model with frozen parts): only they
+            have gradients and optimizer states, so the states take less and longer sequences fit; ``None``: all.
 
     Returns:
         A :class:`MemoryPlan`: components, ``peak_gpu_bytes = Σ persistent + max(transient phases)``, host bytes
@@ -162,6 +165,7 @@ def plan_memory(
         activation_offload=activation_offload, activation_checkpointing=activation_checkpointing,
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, precision=precision, optimizer=optimizer,
         cpu_offload_params=cpu_offload_params, gpu_memory_bytes=gpu_bytes, accumulate_grad_batches=accumulate_grad_batches,
+        trainable_parameters=trainable_parameters,
         **{name: value for name, value in neutral.items() if name != "head_chunks"},
     )
     base = dataclasses.replace(base, head_chunks=neutral["head_chunks"])

@@ -103,6 +103,24 @@ class StepSizes:
         return total_parameters(self.g)
 
     @cached_property
+    def trainable_parameters(self) -> int:
+        """``Θ_train``: the parameters with gradients and optimizer states (``PlanOptions.trainable_parameters``, at
+        most ``Θ``)."""
+        trainable = self.o.trainable_parameters
+        return self.total_parameters if trainable is None else min(trainable, self.total_parameters)
+
+    @cached_property
+    def trainable_block_parameters(self) -> int:
+        """``Θ_train`` of one block: the trainable parameters spread over the blocks first, ``Θ_block`` at most (the
+        adapters of LoRA sit in the blocks; a frozen embedding leaves every block whole)."""
+        return min(self.block_parameters, self.trainable_parameters // self.L)
+
+    @cached_property
+    def trainable_rest_parameters(self) -> int:
+        """``Θ_train`` of the root unit: what the blocks do not hold, ``Θ_rest`` at most."""
+        return min(self.rest_parameters, self.trainable_parameters - self.L * self.trainable_block_parameters)
+
+    @cached_property
     def attention(self) -> AttentionGeometry:
         """The attention calls as ``sequence.planning`` counts them: ``L·G`` calls of one head group each."""
         return grouped_geometry(attention_geometry(self.g, self.b), self.G)

@@ -168,7 +168,7 @@ def shard_batch(
 
 
 def padding_message(plan: BatchPlan) -> str:
-    """What the log says, once, when sequences are padded."""
+    """What the log says, once per length and padded length, when sequences are padded."""
     layout = plan.layout
     return (
         f"fpdt: padding sequences of {plan.seq_len} tokens to {plan.padded_len} (a multiple of {layout.num_pieces}: "

@@ -112,7 +112,8 @@ def plan_for(strategy: Any, seq_len: int, batch_size: int) -> Optional[MemoryPla
     features, the ``"auto"`` options resolved by the search for this GPU's and this host's memory. ``None`` where
     nothing can be planned (no CUDA, no readable model config)."""
     device = strategy.root_device
-    config = getattr(find_model(strategy.model), "config", None)
+    network = find_model(strategy.model)
+    config = getattr(network, "config", None)
     if device.type != "cuda" or config is None:
         return None
     try:
@@ -142,8 +143,17 @@ def plan_for(strategy: Any, seq_len: int, batch_size: int) -> Optional[MemoryPla
         host_baseline_gib=(max(0, rss - already) + RUNTIME_GROWTH_BYTES) / 2**30,
         disk_memory_gib=None if disk is None else disk / 2**30,
         accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
-        sync_every_batch=strategy.sync_every_batch, **features.plan_kwargs(),
+        sync_every_batch=strategy.sync_every_batch, trainable_parameters=trainable_parameters(network),
+        **features.plan_kwargs(),
     )
+
+
+def trainable_parameters(model: torch.nn.Module) -> Optional[int]:
+    """The parameters of ``model`` that train (LoRA's adapters, what is not frozen), counted whole (a sharded
+    parameter's global size); ``None`` when every one trains."""
+    parameters = list(model.parameters())
+    trainable = sum(p.numel() for p in parameters if p.requires_grad)
+    return None if trainable == sum(p.numel() for p in parameters) else trainable
 
 
 def refusal(plan: Optional[MemoryPlan], offload_dir: Optional[str] = None) -> Optional[ValueError]:
@@ -254,13 +264,23 @@ class MemoryBudget:
         return states + staging + sum(factory.pinned_bytes for factory in self.factories(strategy))
 
     # ---- the disk tier ------------------------------------------------------------------------------------------
-    def open_disk(self, *, rank: int, local_rank: int, pin_memory: bool) -> None:
+    def open_disk(self, *, rank: int, local_rank: int, pin_memory: bool, planned: bool = True) -> None:
         """At setup, with ``offload_dir``: check the directory (``ValueError`` naming it when it cannot be created or
         written), name the directories a crash of this host's processes left there (not removed: a pid cannot prove
-        a directory unused; docs/design.md §4.4), and make this process's own."""
+        a directory unused; docs/design.md §4.4), and make this process's own. ``planned``: whether a plan can put
+        anything there (a CUDA device); where none can, a directory that cannot be used is a warning that the option
+        has no effect, not an error."""
         if self.offload_dir is None or (self.disk is not None and not self.disk.closed):
             return
-        self.disk = SpillDirectory(self.offload_dir, rank=rank, pin_memory=pin_memory, guard=self.guard)
+        try:
+            self.disk = SpillDirectory(self.offload_dir, rank=rank, pin_memory=pin_memory, guard=self.guard)
+        except ValueError as error:
+            if planned:
+                raise
+            if local_rank == 0:
+                warnings.warn(f"fpdt: offload_dir has no effect in this run (nothing plans it without a GPU, so "
+                              f"nothing spills), and it could not be used anyway: {error}", stacklevel=2)
+            return
         stale = stale_directories(self.disk.root)
         if stale and local_rank == 0:
             warnings.warn(

@@ -26,6 +26,7 @@ from lightning_fpdt.callbacks.gradient_check import add_gradient_check
 from lightning_fpdt.flops import attention_heads
 from lightning_fpdt.integrations import SequenceParallelContext, attention_geometry
 from lightning_fpdt.integrations.attributes import DEVICE_MESH
+from lightning_fpdt.integrations.huggingface import train_mode_for_fit
 from lightning_fpdt.lightning_private import wrapped_closure
 from lightning_fpdt.memory.surgery import find_model
 from lightning_fpdt.models.ops import FUSED_OPS
@@ -51,6 +52,7 @@ from lightning_fpdt.strategy.materialize import has_meta_parameters, materialize
 from lightning_fpdt.strategy.mesh import attention_group, build_mesh, ring_size_of, sequence_mesh
 from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt, declared_transforms, no_gradient_sync
 from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
+from lightning_fpdt.strategy.predict import check_predict_outputs, gather_sequence
 from lightning_fpdt.strategy.preemption import DEFAULT_TIMEOUT, Preemption, PreemptionCheckpoint, watch_with
 from lightning_fpdt.strategy.topology import resolve_topology
 from lightning_fpdt.strategy.watchdog import DEFAULT_STALE_AFTER, RankWatchdog
@@ -110,7 +112,8 @@ class FPDTStrategy(ModelParallelStrategy):
             time and uses it only where host memory does not suffice. Each process writes under
             ``<offload_dir>/fpdt-<host>-<pid>-rank<r>/``, removed at the end of training and at exit; directories a
             crash left are named at setup, not removed. A directory that cannot be created or written, or that has
-            less free space than the plan puts there, is refused with the bytes. ``None``: no disk tier.
+            less free space than the plan puts there, is refused with the bytes; without a GPU, where nothing plans
+            and nothing spills, one that cannot be used is a warning. ``None``: no disk tier.
         sync_every_batch: with ``Trainer(accumulate_grad_batches > 1)``: ``True`` reduce-scatters the gradients after
             every batch, into their shards (the memory of a step without accumulation, ``A - 1`` more
             reduce-scatters per optimizer step); ``False`` only after a window's last batch, the batches before it
@@ -125,6 +128,10 @@ class FPDTStrategy(ModelParallelStrategy):
             ``"auto"``: on CUDA devices; ``False``: the eager forms. Where compiling fails the ops run eager, with one
             warning. Unless ``False``, Adam and AdamW whose ``fused`` and ``foreach`` the module left unset step with
             torch's fused CUDA kernel where their parameters are on the GPU (the same update in one pass per tensor).
+        predict_outputs: what ``trainer.predict`` returns: ``"sequence"``, on every rank the outputs of the whole
+            sequence, as one process returns them (each tensor of shape ``(B, S/P, …)`` that ``predict_step``
+            returns gathered from the sequence group into ``(B, S, …)``, the padding dropped); ``"rank"``, each rank's
+            own shard, in the layout's token order (docs/design.md §3), padding included.
     """
 
     strategy_name = "fpdt"
@@ -158,6 +165,7 @@ class FPDTStrategy(ModelParallelStrategy):
         offload_dir: Optional[Union[str, os.PathLike]] = None,
         sync_every_batch: Union[Literal["auto"], bool] = "auto",
         fused_ops: Union[Literal["auto"], bool] = "auto",
+        predict_outputs: Literal["sequence", "rank"] = "sequence",
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -179,6 +187,7 @@ class FPDTStrategy(ModelParallelStrategy):
         if fused_ops not in ("auto", True, False):
             raise ValueError(f"fused_ops must be 'auto', True or False, got {fused_ops!r}")
         self.fused_ops = fused_ops
+        self.predict_outputs = check_predict_outputs(predict_outputs)
         self._sequence_parallel_size = sequence_parallel_size
         self._layer_classes = layer_classes
         self.cpu_offload_params = cpu_offload_params
@@ -198,7 +207,7 @@ class FPDTStrategy(ModelParallelStrategy):
         self.offload_dir: Optional[str] = None if offload_dir is None else os.fspath(offload_dir)
         self.memory = budget.MemoryBudget(check=check_memory, offload_dir=self.offload_dir)
         """The plans of the lengths trained, the host memory guard, the page-locked states (``strategy/budget.py``)."""
-        self._padding_logged = False
+        self._paddings_logged: set[tuple[int, int]] = set()  # (length, padded length): each said once
         self._targetless_warned = False
         self._context: Optional[SequenceParallelContext] = None
         self._pending_rng_states: Optional[dict[str, Any]] = None
@@ -301,6 +310,9 @@ class FPDTStrategy(ModelParallelStrategy):
             trainer.callbacks.append(PreemptionCheckpoint(self._preemption))
         if trainer.state.fn == TrainerFn.FITTING:  # a parameter that gets no gradient stops the run
             add_gradient_check(trainer)
+            if train_mode_for_fit(find_model(self.lightning_module)):
+                rank_zero_info("fpdt: the Hugging Face model was in eval mode (as from_pretrained returns it): put in "
+                               "training mode for fit")
         noise.steps_only_epochs(trainer)
 
     @override
@@ -327,8 +339,8 @@ class FPDTStrategy(ModelParallelStrategy):
         if not self.cpu_offload_params:
             super().model_to_device()
         self.memory.guard_host_memory(self)
-        self.memory.open_disk(rank=self.global_rank, local_rank=self.local_rank,
-                              pin_memory=self.root_device.type == "cuda")
+        on_gpu = self.root_device.type == "cuda"
+        self.memory.open_disk(rank=self.global_rank, local_rank=self.local_rank, pin_memory=on_gpu, planned=on_gpu)
         self.barrier()
         return model
 
@@ -419,8 +431,9 @@ class FPDTStrategy(ModelParallelStrategy):
             rank_zero_info(length_message(seq_len, options, self.options, sp_size, self._free_bytes))
 
     def _log_padding(self, plan: BatchPlan) -> None:
-        if plan.padded_len != plan.seq_len and not self._padding_logged:
-            self._padding_logged = True
+        padding = (plan.seq_len, plan.padded_len)
+        if plan.padded_len != plan.seq_len and padding not in self._paddings_logged:
+            self._paddings_logged.add(padding)
             rank_zero_info(padding_message(plan))
 
     @override
@@ -473,6 +486,13 @@ class FPDTStrategy(ModelParallelStrategy):
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._sequence_parallel_output(super().test_step(*args, **kwargs))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().predict_step(*args, **kwargs)
+        if self.predict_outputs == "rank":
+            return output
+        return gather_sequence(output, self.batch_plan, self.sequence_parallel_group)
 
     @contextmanager
     @override

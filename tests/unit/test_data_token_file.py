@@ -32,6 +32,17 @@ def test_write_and_read(token_file, tmp_path):
         TokenFile(tmp_path / "missing.bin")
 
 
+@pytest.mark.parametrize("cut", [1, 7])
+def test_truncated_token_file_is_named(token_file, tmp_path, cut):
+    """A token file cut short (mid-record or by whole tokens) is refused with its name and both sizes, not numpy's
+    bare mmap error."""
+    path = tmp_path / "corpus.bin"
+    path.write_bytes(path.read_bytes()[:-cut])
+    with pytest.raises(ValueError, match=rf"{path} holds {34 - cut} bytes, but its index .* say 17 uint16 tokens "
+                                         rf"\(34 bytes\): the file is truncated"):
+        TokenFile(path)
+
+
 def test_packing_into_fixed_length_samples(token_file):
     """Samples are consecutive windows of the token stream, crossing document boundaries; the rest is dropped."""
     data = PackedTokenDataset(token_file, seq_len=4)

@@ -33,3 +33,15 @@ def test_demo_config(monkeypatch):
     assert {owner[p] for p in range(data.task.context_len)} == {0}
     assert {owner[int(p) - 1] for p in data.task.answer_positions()} == {1}
     assert data.chance_accuracy == pytest.approx(1 / 8)
+
+
+def test_install_line_never_pulls_an_unpinned_torch():
+    """The README's first install command is scripts/install.sh, which installs the pinned CPU torch before the
+    package where there is none (an unpinned torch resolves to the multi-GB CUDA build)."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Install", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line.split("#")[0].strip() for line in block.strip().splitlines()]
+    assert commands[0] == "bash scripts/install.sh", commands
+    script = (ROOT / "scripts" / "install.sh").read_text()
+    pinned = script.index("pip install -q torch==")
+    assert pinned < script.index("pip install -q -e") and 'import torch' in script[:pinned]

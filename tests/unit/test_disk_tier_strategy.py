@@ -50,6 +50,19 @@ def test_setup_refuses_a_directory_that_cannot_be_made(tmp_path):
     assert os.listdir(tmp_path / "spill") == [] and memory.disk_free_bytes() is None
 
 
+def test_unusable_directory_is_a_warning_where_nothing_plans(tmp_path):
+    """Where nothing plans the run (no GPU: nothing spills), an offload_dir that cannot be used warns that the option
+    has no effect instead of refusing the run; where a plan may use it, it is refused."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    memory = budget.MemoryBudget(check=True, offload_dir=str(blocker / "spill"))
+    with pytest.warns(UserWarning, match=rf"offload_dir has no effect in this run .* '{blocker}/spill' does not exist"):
+        memory.open_disk(rank=0, local_rank=0, pin_memory=False, planned=False)
+    assert memory.disk is None and memory.disk_free_bytes() is None
+    with pytest.raises(ValueError, match=f"offload_dir '{blocker}/spill' does not exist and cannot be created"):
+        memory.open_disk(rank=0, local_rank=0, pin_memory=False, planned=True)
+
+
 def test_stale_directories_are_named_at_setup_not_removed(tmp_path):
     """A directory a crashed process of this host left is named at setup (path, pid, bytes), on a host's first rank
     only, and left in place."""

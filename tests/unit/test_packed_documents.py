@@ -127,6 +127,23 @@ def test_reference_llama_packed_equals_documents_separately():
             torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
 
 
+def test_hf_reference_run_masks_restarting_positions_without_the_cache():
+    """docs/packing.md's reference run without the strategy: a Hugging Face Llama (SDPA) called with restarting
+    position_ids and use_cache=False gives each document the logits it has alone."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    lengths = [5, 7, 4]
+    docs = [torch.randint(0, 32, (n,)) for n in lengths]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = model(input_ids=torch.cat(docs)[None], position_ids=positions, use_cache=False).logits[0]
+        alone = torch.cat([model(input_ids=doc[None], use_cache=False).logits[0] for doc in docs])
+    torch.testing.assert_close(packed, alone, rtol=1e-10, atol=1e-10)  # fp64: summation order only
+
+
 def test_sdpa_attention_document_mask():
     """sdpa_attention(document_ids=...) equals each document through plain causal attention."""
     gen = torch.Generator().manual_seed(1)

@@ -832,3 +832,45 @@ def test_auto_leaves_blocks_plain_where_the_gpu_has_room():
     assert counts[32768] < counts[65536] < 32 and counts[1 << 20] == "all"
     plain = plan_memory(**{**run, "activation_offload": False}, seq_len=32768)
     assert plain.options.checkpoint_blocks == "all" and not plain.options.activation_checkpointing
+
+
+def test_only_trainable_parameters_have_gradients_and_optimizer_states():
+    """With trainable_parameters (LoRA's adapters, spread over the blocks first) the gradients, their reduce-scatter
+    copies and the optimizer's moments are the trainable parameters' only; the sharded master weights and the gathered
+    units stay whole. A frozen root unit makes no lm_head gradient and no root reduce-scatter."""
+    trainable = 2 * 16_384  # adapters: 16,384 per block, none in the root unit
+    full, lora = small_plan(), small_plan(trainable_parameters=trainable)
+    assert lora.component("parameters").gpu_bytes == full.component("parameters").gpu_bytes == 95_949_824
+    assert lora.component("gathered blocks (attention forward)").gpu_bytes == 60_825_600
+    # 2 moments · 4 B · 32,768 / 4 GPUs; 4 B · (2 - 1) blocks · 16,384 / 4
+    assert lora.component("optimizer states").gpu_bytes == 65_536
+    assert lora.component("gradients").gpu_bytes == 16_384
+    # one block's adapters unsharded (2 B) and their fp32 reduce-scatter copy
+    assert lora.component("block gradients (MLP backward)").gpu_bytes == 16_384 * 6
+    assert lora.component("root gradients (loss)").gpu_bytes == 0
+    assert lora.component("lm_head gradient (attention backward)").gpu_bytes == 0
+    assert lora.component("root unit's backward").gpu_bytes == 131_074_048  # the gathered root only
+    assert lora.peak_gpu_bytes < full.peak_gpu_bytes
+    # every parameter trainable is the plan without the option; a frozen embedding leaves the blocks whole
+    total = 2 * 15_206_400 + 65_537_024
+    assert small_plan(trainable_parameters=total).peak_gpu_bytes == full.peak_gpu_bytes
+    frozen_embedding = small_plan(trainable_parameters=total - 32000 * 1024)
+    assert frozen_embedding.component("block gradients (MLP backward)").gpu_bytes == 91_238_400
+    assert frozen_embedding.component("root gradients (loss)").gpu_bytes == (65_537_024 - 32000 * 1024)
+    assert lora.options.describe().endswith(" trainable_parameters=32,768")
+    with pytest.raises(ValueError, match="trainable_parameters must be a count of parameters >= 0"):
+        small_plan(trainable_parameters=-1)
+
+
+def test_adapters_let_longer_sequences_fit():
+    """Llama-3-8B on one 80 GB GPU: trained whole, its fp32 master weights and AdamW's moments alone exceed the GPU;
+    with LoRA's adapters (r=16 on every projection, 42M parameters) only the master weights remain and 64K tokens fit;
+    on 8 GPUs 7M tokens fit with the adapters and not trained whole (the states' 12 GiB per GPU less)."""
+    lora = 41_943_040
+    options = dict(geometry="llama3-8b", seq_len=65536, num_gpus=1, activation_offload=True, tiled_mlp=True,
+                   tiled_loss=True)
+    assert not plan_memory(**options).fits
+    assert plan_memory(**options, trainable_parameters=lora).fits
+    options.update(num_gpus=8, seq_len=7 << 20)
+    assert not plan_memory(**options).fits
+    assert plan_memory(**options, trainable_parameters=lora).fits

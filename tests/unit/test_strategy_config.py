@@ -81,6 +81,8 @@ def test_strategy_option_messages():
         FPDTStrategy(attention_backend="xformers")
     with pytest.raises(ValueError, match="chunks must be 'auto' or a positive int, got 0"):
         FPDTStrategy(chunks=0)
+    with pytest.raises(ValueError, match=r"predict_outputs must be 'sequence' .* or 'rank' .* got 'local'"):
+        FPDTStrategy(predict_outputs="local")
     strategy = FPDTStrategy(chunks="auto")
     assert [strategy.num_chunks_for(s) for s in (1000, 65536, 65537, 1 << 20)] == [1, 1, 2, 16]
 
@@ -155,6 +157,46 @@ def test_hf_model_on_one_rank_equals_sdpa():
     assert model.config._attn_implementation == "fpdt" and context.loss_reduced
 
 
+def test_hf_model_in_eval_mode_trains_in_training_mode():
+    """A Hugging Face model in eval mode as from_pretrained returns it (also inside a PeftModel) is put in training
+    mode for fit; one in training mode, and any other module, keep their modes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_fpdt.integrations.huggingface import train_mode_for_fit
+    from lightning_fpdt.memory.surgery import find_model
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).eval()
+    assert train_mode_for_fit(model) and all(m.training for m in model.modules())
+    assert not train_mode_for_fit(model)  # already training
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(LlamaForCausalLM(config).eval(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert train_mode_for_fit(find_model(wrapped)) and all(m.training for m in wrapped.modules())
+    plain = torch.nn.Linear(2, 2).eval()
+    assert not train_mode_for_fit(plain) and not plain.training
+
+
+def test_adapter_wrappers_are_looked_through():
+    """find_model gives the network an adapter wrapper names (get_base_model(), as peft's PeftModel), whether the
+    wrapper is the module given or its single child: the strategy then prepares that network (the Hugging Face path)."""
+    from lightning_fpdt.memory.surgery import find_model
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, network: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = torch.nn.ModuleDict({"network": network})
+
+        def get_base_model(self) -> torch.nn.Module:
+            return self.inner["network"]
+
+    network = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    container = torch.nn.Module()
+    container.model = Wrapper(network)
+    assert find_model(container.model) is network and find_model(container) is network
+    assert find_model(network) is network
+
+
 def test_hf_sliding_window_config_is_refused():
     """A model configured with a sliding window is refused when the strategy installs the attention."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -163,6 +205,27 @@ def test_hf_sliding_window_config_is_refused():
                          num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8)
     with pytest.raises(ValueError, match="sliding_window=8; the fpdt attention is full causal attention"):
         install_hf_model(Qwen2ForCausalLM(config), SequenceParallelContext(group=None, attention=FPDTAttention()))
+
+
+def test_family_refusal_reaches_through_a_peft_model():
+    """A PeftModel around a model its family refuses (a sliding window) is refused alike, before anything changes:
+    the strategy takes the Hugging Face path through the wrapper, never the plain-module one."""
+    peft = pytest.importorskip("peft")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lightning_fpdt.integrations import install
+    from lightning_fpdt.memory.surgery import find_blocks, find_model
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8)
+    container = torch.nn.Module()
+    container.model = peft.get_peft_model(Qwen2ForCausalLM(config), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    network = find_model(container)
+    assert isinstance(network, Qwen2ForCausalLM)
+    context = SequenceParallelContext(group=None, attention=FPDTAttention())
+    with pytest.raises(ValueError, match="sliding_window=8; the fpdt attention is full causal attention"):
+        install(network, find_blocks(network), context)
+    assert network.config._attn_implementation != "fpdt"
 
 
 def test_loss_of_rank_without_valid_tokens_is_zero_not_nan():
@@ -266,3 +329,22 @@ def test_every_lightning_hook_override_is_marked():
                 if not getattr(function, "__override__", False):
                     unmarked.append(f"{cls.__name__}.{name}")
     assert not unmarked, unmarked
+
+
+def test_padding_is_logged_once_per_length(monkeypatch):
+    """The padding notice is said for every new length that pads (a curriculum's), once each, never for a length that
+    needs none."""
+    from lightning_fpdt.sequence import SequenceLayout
+    from lightning_fpdt.strategy import fpdt as strategy_module
+    from lightning_fpdt.strategy.batch import shard_batch
+
+    said = []
+    monkeypatch.setattr(strategy_module, "rank_zero_info", said.append)
+    strategy = FPDTStrategy()
+    layout = SequenceLayout(2, 0, 2)
+    for seq_len in (15, 15, 30, 16, 30, 13):
+        _, plan = shard_batch({"input_ids": torch.randint(0, 8, (1, seq_len))}, layout=layout)
+        strategy._log_padding(plan)
+    assert [m.split(" (")[0] for m in said] == ["fpdt: padding sequences of 15 tokens to 16",
+                                                "fpdt: padding sequences of 30 tokens to 32",
+                                                "fpdt: padding sequences of 13 tokens to 16"]

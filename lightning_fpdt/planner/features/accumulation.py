@@ -4,7 +4,8 @@ between its batches (``FPDTStrategy(sync_every_batch=...)``).
 - ``sync_every_batch=False``: the batches before a window's last skip FSDP2's reduce-scatter (its gradient sync
   off); every unit adds into its unsharded gradients, in the reduce dtype, on the GPU, and these take the shards'
   place (set to None at the window's first batch) until the last batch reduce-scatters them: ``Θ · reduce`` bytes on
-  every GPU, not divided by the GPUs (Llama-3-8B: 32 GB in fp32). One reduce-scatter per optimizer step.
+  every GPU, not divided by the GPUs (Llama-3-8B: 32 GB in fp32; the trainable parameters' only). One reduce-scatter
+  per optimizer step.
 - ``sync_every_batch=True``: every batch reduce-scatters, and FSDP2 adds the result into the shards, which then live
   through every phase of the window's later batches, the shard of the block in backward beside the output of its
   reduce-scatter: the memory of a step without accumulation, plus that block's shard. ``A - 1`` more reduce-scatters
@@ -42,12 +43,12 @@ class GradientAccumulation(MemoryFeature):
         if o.accumulate_grad_batches == 1:
             return []
         if not o.sync_every_batch:
-            return [Component("accumulated gradients (unsharded)", d["reduce"] * s.total_parameters,
+            return [Component("accumulated gradients (unsharded)", d["reduce"] * s.trainable_parameters,
                               formula="every parameter's gradient, unsharded, in the reduce dtype")]
         if o.cpu_offload_params:
             return []  # the shards accumulate in host memory: the states' pageable gradients
-        shards = d["grad"] * s.total_parameters // W
-        own = d["grad"] * s.block_parameters // W
+        shards = d["grad"] * s.trainable_parameters // W
+        own = d["grad"] * s.trainable_block_parameters // W
         return [Component("accumulated gradient shards", shards, formula="every parameter's shard, all phases")] + [
             Component(f"reduce-scatter output ({phase})", own, phase=phase,
                       formula="the block in backward's new shard, before it is added into its shard")
@@ -59,10 +60,10 @@ class GradientAccumulation(MemoryFeature):
             return 0.0
         # per batch: the share of a window's batches that reduce-scatter only because of this option
         extra_share = (o.accumulate_grad_batches - 1) / o.accumulate_grad_batches
-        sent = s.dtypes["reduce"] * s.total_parameters * (s.W - 1) / s.W
+        sent = s.dtypes["reduce"] * s.trainable_parameters * (s.W - 1) / s.W
         seconds = sent / GRADIENT_REDUCE_BYTES["hosts" if s.hosts > 1 else "host"]
         if o.cpu_offload_params:
-            shard = s.dtypes["grad"] * s.total_parameters / s.W
+            shard = s.dtypes["grad"] * s.trainable_parameters / s.W
             seconds += shard / PAGEABLE_COPY_BYTES + shard / HOST_STEP_BYTES  # copied out, added on the host
         return extra_share * seconds
 

@@ -25,11 +25,12 @@ class HostStates(MemoryFeature):
     def components(self, s: StepSizes) -> list[Component]:
         d, W, on_host = s.dtypes, s.W, s.o.cpu_offload_params
         master = d["master"] * s.total_parameters // W
-        block_grads = d["grad"] * s.L * s.block_parameters // W
+        # only the trainable parameters have gradients and optimizer states (frozen ones: none, nor FSDP2 shards)
+        block_grads = d["grad"] * s.L * s.trainable_block_parameters // W
         accumulating = s.o.accumulate_grad_batches > 1
-        own_grads = d["grad"] * s.block_parameters // W  # the shard of the block in backward
-        root_grads = d["grad"] * s.rest_parameters // W
-        moments = OPTIMIZER_STATES[s.o.optimizer] * master
+        own_grads = d["grad"] * s.trainable_block_parameters // W  # the shard of the block in backward
+        root_grads = d["grad"] * s.trainable_rest_parameters // W
+        moments = OPTIMIZER_STATES[s.o.optimizer] * d["master"] * s.trainable_parameters // W
         parts = [
             Component("parameters", 0 if on_host else master, master if on_host else 0, formula="sharded master"),
             # the blocks' sharded gradients. Lightning's zero_grad (set to None) runs after the forward and the loss,
@@ -40,7 +41,7 @@ class HostStates(MemoryFeature):
                       formula="blocks' shards, but for the block in backward",
                       pageable_bytes=block_grads + root_grads if on_host else 0),
             Component("optimizer states", 0 if on_host else moments,
-                      formula=f"{OPTIMIZER_STATES[s.o.optimizer]} x sharded master",
+                      formula=f"{OPTIMIZER_STATES[s.o.optimizer]} x sharded master of the trainable parameters",
                       pageable_bytes=moments if on_host else 0),
         ]
         if accumulating:
@@ -57,8 +58,9 @@ class HostStates(MemoryFeature):
         if not s.o.cpu_offload_params:
             return 0.0
         shard = s.dtypes["master"] * s.total_parameters // s.W
+        trained = s.dtypes["master"] * s.trainable_parameters // s.W
         # the weights copied in twice (forward, backward), the gradients out, the optimizer's passes on the host
-        return 2 * shard / COPY_BYTES + shard / PAGEABLE_COPY_BYTES + 4 * shard / HOST_STEP_BYTES
+        return 2 * shard / COPY_BYTES + trained / PAGEABLE_COPY_BYTES + 4 * trained / HOST_STEP_BYTES
 
     def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
         return {"FPDTStrategy": {"cpu_offload_params": True}} if s.o.cpu_offload_params else {}

@@ -360,6 +360,11 @@ class MemoryBudget:
         if not plan.fits:
             rank_zero_warn(f"fpdt: S = {seq_len:,} does not fit as planned (check_memory=False runs it anyway): "
                            f"{refusal(plan, self.offload_dir)}")
+        self._run_on(strategy, plan)
+        rank_zero_info(choice_message(plan))
+
+    def _run_on(self, strategy: Any, plan: MemoryPlan) -> None:
+        """Make ``plan`` the one the next steps run on: the memory callbacks take its choice."""
         self.plan = plan
         o = plan.options
         for callback in strategy.lightning_module.trainer.callbacks:
@@ -367,7 +372,17 @@ class MemoryBudget:
                 callback.apply_memory_choice(recompute_attention=o.recompute_attention, reload_input=o.reload_input,
                                              prefetch=o.prefetch, keep_inputs=o.keep_inputs,
                                              checkpoint_blocks=o.checkpoint_blocks)
-        rank_zero_info(choice_message(plan))
+
+    def return_to(self, strategy: Any, seq_len: int, batch_size: int) -> None:
+        """A batch of a length planned before: where another length's plan ran since (an evaluation at other lengths,
+        a curriculum going back), free that length's buffers and run on this length's plan again."""
+        plan = self.plans[(seq_len, batch_size)]
+        if plan is None or plan is self.plan:
+            return
+        for factory in self.factories(strategy):
+            factory.trim()
+        self.configure_disk(strategy, plan)
+        self._run_on(strategy, plan)
 
     def planned(self, seq_len: int, batch_size: int) -> bool:
         return (seq_len, batch_size) in self.plans

@@ -412,6 +412,8 @@ class FPDTStrategy(ModelParallelStrategy):
         batch_size, seq_len = batch["input_ids"].shape
         if not self.memory.planned(seq_len, batch_size):
             self.check_memory_plan(seq_len, batch_size)  # before the forward pins host memory for this length
+        else:
+            self.memory.return_to(self, seq_len, batch_size)
         options = self.resolved_options(seq_len, batch_size)
         self._log_new_length(seq_len, batch_size, options)
         layout = SequenceLayout(self.sequence_parallel_size, self.sequence_parallel_rank, options.chunks,

@@ -172,3 +172,24 @@ def test_the_strategy_syncs_accumulation_batches_as_the_plan_of_the_length_says(
     strategy = FPDTStrategy()
     strategy.batch_plan = SimpleNamespace(seq_len=4096, batch_size=1)  # a length nothing planned
     assert strategy.syncs_every_batch() is False
+
+
+def test_a_length_planned_before_runs_on_its_own_plan_again(monkeypatch):
+    """Back at a length planned before (after an evaluation at another length), ActivationOffload takes that
+    length's choice again, not the last planned length's."""
+    from types import SimpleNamespace
+
+    callback = ActivationOffload()
+    module = SimpleNamespace(trainer=SimpleNamespace(callbacks=[callback]))
+    monkeypatch.setattr(FPDTStrategy, "lightning_module", property(lambda self: module))
+    plans = {seq_len: plan_memory(geometry="llama3-3b", seq_len=seq_len, num_gpus=1, chunks=2, offload=True,
+                                  offload_dq=False, gpu_memory_gib=139, keep_inputs=keep, **CALLBACKS)
+             for seq_len, keep in ((131072, 7), (32768, "all"))}
+    monkeypatch.setattr(budget, "plan_for", lambda strategy, seq_len, batch_size: plans[seq_len])
+    strategy = FPDTStrategy()
+    for seq_len, expected in ((131072, 7), (32768, "all"), (131072, 7), (131072, 7), (32768, "all")):
+        if strategy.memory.planned(seq_len, 1):
+            strategy.memory.return_to(strategy, seq_len, 1)
+        else:
+            strategy.check_memory_plan(seq_len, 1)
+        assert callback.resolved("keep_inputs") == expected and strategy.memory_plan is plans[seq_len]

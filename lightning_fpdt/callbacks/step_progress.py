@@ -110,6 +110,8 @@ class StepProgress(pl.Callback):
 
     def _forward_hook(self, index: int) -> Any:
         def hook(module: Any, args: Any) -> None:
+            if not module.training:
+                return  # an evaluation between steps (validation, LongContextEval): not the step's forward
             p = self.position
             p.phase, p.block = ("recompute" if p.phase in ("backward", "recompute") else "forward"), index
         return hook

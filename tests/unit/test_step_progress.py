@@ -18,8 +18,9 @@ from lightning_fpdt.models.module import LlamaLM
 
 
 def test_hooks_follow_the_blocks():
-    """A forward leaves the position at the last block's forward, the backward at the first block's backward, and a
-    block run again inside the backward (checkpointing) shows as a recompute."""
+    """A forward leaves the position at the last block's forward, the backward at the first block's backward, a
+    block run again inside the backward (checkpointing) shows as a recompute, and a forward in eval mode (an
+    evaluation between steps) moves nothing."""
     model = LlamaForCausalLM(LlamaConfig.from_name("tiny", vocab_size=32))
     progress = StepProgress()
     progress.install(model)
@@ -36,9 +37,14 @@ def test_hooks_follow_the_blocks():
     model(input_ids=ids, labels=ids)  # a forward while the position is in the backward: a recompute
     assert (progress.position.phase, progress.position.block) == ("recompute", 1)
     assert seen[0] == ("forward", 0) and seen[1] == ("recompute", 0)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids, labels=ids)  # an evaluation between steps: not the step's
+    assert (progress.position.phase, progress.position.block) == ("recompute", 1)
+    model.train()
     progress.remove()
     model(input_ids=ids, labels=ids)
-    assert progress.position.phase == "recompute" and len(seen) == 3  # the hooks are gone
+    assert progress.position.phase == "recompute" and len(seen) == 4  # the hooks are gone
 
 
 def test_text_says_where_and_what_is_left():

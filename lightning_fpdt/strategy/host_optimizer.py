@@ -9,9 +9,9 @@ memory, so the optimizer step runs on the CPU. Two defaults make that step slow:
 
 :func:`fuse_host_optimizers` switches Adam and AdamW to torch's fused CPU kernel (one vectorised pass per tensor, the
 same update), where the user left both ``fused`` and ``foreach`` unset; with states on the GPU the strategy does the
-same with the CUDA kernel (:func:`fuse_optimizers`, unless ``fused_ops=False``). :func:`host_step` runs the optimizer's own
-arithmetic on every core of this rank's share of the host (:func:`host_threads`), and the closure it calls (forward
-and backward, which only launch GPU work) with the thread count it had.
+same with the CUDA kernel (:func:`fuse_optimizers`, unless ``fused_ops=False``). :func:`host_step` runs the
+optimizer's own arithmetic on every core of this rank's share of the host (:func:`host_threads`), and the closure it
+calls (forward and backward, which only launch GPU work) with the thread count it had.
 
 :class:`InBackwardStep` goes further: it steps each parameter on the host as soon as FSDP2 has reduce-scattered its
 gradient and copied it to host memory, during the backward, on a worker thread, while the GPU computes the gradients

@@ -65,7 +65,8 @@ class BlockInputs(MemoryFeature):
         parts = []
         # every checkpointed block's input, or under partial residency the kept ones and one segment's regenerated ones
         held = s.resident_inputs * A
-        count = "k + ⌈L/k⌉ - 1" if o.keep_inputs != "all" else ("L" if s.checkpointed == L else "n (checkpoint_blocks)")
+        count = ("k + ⌈L/k⌉ - 1" if o.keep_inputs != "all"
+                 else "L" if s.checkpointed == L else "n (checkpoint_blocks)")
         if o.activation_offload:
             # the disk tier's share of them is its own component (features/disk_tier.py)
             parts.append(Component("checkpointed block inputs", 0, held - o.disk_inputs * A,

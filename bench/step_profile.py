@@ -27,6 +27,7 @@ subtracted.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import time
@@ -101,11 +102,84 @@ def summarize(events: Any, wall_s: float, *, top: int = 30) -> dict[str, Any]:
     }
 
 
+def device_events(events: Any) -> list[tuple[float, float, str]]:
+    """``(start_us, end_us, name)`` of the device-side kernels, copies and collectives among ``prof.events()``."""
+    return [(float(e.time_range.start), float(e.time_range.end), e.name) for e in events
+            if _on_device(e) and getattr(e, "device_type", None) is not None
+            and e.device_type != torch.autograd.DeviceType.CPU and e.name.lower() not in HOST_STALLS]
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap(gap: tuple[float, float], spans: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(gap[1], end) - max(gap[0], start)) for start, end in spans)
+
+
+def idle_gaps(kernels: list[tuple[float, float, str]], *, min_us: float = 20.0, top: int = 12) -> dict[str, Any]:
+    """Where the compute kernels left the device idle, and what ran meanwhile.
+
+    ``kernels``: ``(start_us, end_us, name)`` of every device event of the step (kernels, copies, collectives). The
+    gaps between the compute kernels (attention, matmul, other), from the first device event to the last, are split
+    by what overlapped them: communication (a collective not hidden), a copy, or nothing (the device waited for the
+    host: launch gaps, synchronisations). The largest gaps are listed with the compute kernels around them."""
+    compute, communication, copies = [], [], []
+    for start, end, name in kernels:
+        label = category(name)
+        target = compute if label in COMPUTE else communication if label == "communication" else copies
+        target.append((start, end, name))
+    if not compute:
+        return {"idle_s": 0.0, "communication_s": 0.0, "copy_s": 0.0, "host_s": 0.0, "gaps": []}
+    first = min(start for start, _, _ in kernels)
+    last = max(end for _, end, _ in kernels)
+    busy = _union([(start, end) for start, end, _ in compute])
+    comm_spans = _union([(start, end) for start, end, _ in communication])
+    either_spans = _union([(start, end) for start, end, _ in communication + copies])
+    ends = sorted((end, name) for _, end, name in compute)
+    starts = sorted((start, name) for start, _, name in compute)
+    edges = [first] + [x for span in busy for x in span] + [last]
+    totals = {"idle_s": 0.0, "communication_s": 0.0, "copy_s": 0.0, "host_s": 0.0}
+    gaps = []
+    for gap in zip(edges[0::2], edges[1::2]):
+        length = gap[1] - gap[0]
+        if length < min_us:
+            continue
+        comm = _overlap(gap, comm_spans)
+        anything = _overlap(gap, either_spans)
+        totals["idle_s"] += length / 1e6
+        totals["communication_s"] += comm / 1e6
+        totals["copy_s"] += (anything - comm) / 1e6
+        totals["host_s"] += (length - anything) / 1e6
+        i = bisect.bisect_right(ends, (gap[0] + 1e-3, "\uffff")) - 1
+        j = bisect.bisect_left(starts, (gap[1] - 1e-3, ""))
+        before = ends[i][1] if i >= 0 else "(step start)"
+        after = starts[j][1] if j < len(starts) else "(step end)"
+        during = sorted({name[:60] for start, end, name in communication + copies if end > gap[0] and start < gap[1]})
+        gaps.append({"at_ms": (gap[0] - first) / 1e3, "ms": length / 1e3, "communication_ms": comm / 1e3,
+                     "before": before[:80], "after": after[:80], "during": during[:4]})
+    gaps.sort(key=lambda g: -g["ms"])
+    return {**totals, "gaps": gaps[:top]}
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"profiled step: wall {summary['wall_s']:.3f} s, compute kernels {summary['busy_s']:.3f} s "
              f"({100 * (summary['busy_fraction'] or 0):.1f}%), waiting {summary['wait_s']:.3f} s"]
     lines += [f"  {name:<22} {value:8.3f} s" for name, value in summary["device_s"].items()]
     lines += [f"  {name:<22} {value:8.3f} s (host)" for name, value in summary.get("host_stalls_s", {}).items()]
+    idle = summary.get("idle")
+    if idle:
+        lines.append(f"  compute idle (gaps >= 20 us) {idle['idle_s']:.3f} s: during communication "
+                     f"{idle['communication_s']:.3f} s, during copies {idle['copy_s']:.3f} s, nothing on the device "
+                     f"{idle['host_s']:.3f} s; largest gaps:")
+        lines += [f"  {g['ms']:8.2f} ms at {g['at_ms']:8.2f} ms (communication {g['communication_ms']:.2f}) "
+                  f"{g['before'][:40]} -> {g['after'][:40]} | {', '.join(g['during'])}" for g in idle["gaps"]]
     lines.append("  top kernels:")
     lines += [f"  {k['seconds']:8.3f} s {k['calls']:6d}x {k['category']:<14} {k['name']}"
               for k in summary["top_kernels"]]
@@ -144,6 +218,7 @@ class StepProfiler:
         wall = time.perf_counter() - self._start
         self._profile.__exit__(None, None, None)
         self.summary = summarize(self._profile.key_averages(), wall)
+        self.summary["idle"] = idle_gaps(device_events(self._profile.events()))
         if self.sink is not None:
             self.sink["profile"] = self.summary
         if self.rank == 0:

@@ -463,6 +463,9 @@ def test_step_profile_categories_and_summary():
     assert summary["device_s"]["communication"] == pytest.approx(0.05)
     assert [k["category"] for k in summary["top_kernels"]] == ["attention", "matmul", "other"]
     assert "waiting 0.200 s" in step_profile.format_summary(summary)
+    summary["idle"] = step_profile.idle_gaps([(0.0, 100.0, "sm90_xmma_gemm_bf16"),
+                                              (100.0, 400.0, "ncclDevKernel_AllGather")])
+    assert "compute idle (gaps >= 20 us)" in step_profile.format_summary(summary)
     profiler = step_profile.StepProfiler(1, "/tmp/unused", device=torch.device("cpu"), rank=1)
     profiler.stop(0)  # not the profiled step: nothing happens
     with pytest.raises(RuntimeError, match=r"stop\(1\) called before start\(1\)"):
@@ -631,3 +634,27 @@ def test_the_same_run_at_two_commits_on_one_day():
     later = {**old, "commit": "ccccccc", "time": "2026-11-28T09:00", "step_time_s": 5.0}
     rows = [(r["commit"], cells[-3:]) for r, cells in training._change_rows([new, old, later])]
     assert rows == [("aaaaaaa", ["10.000", "40.0%", "1.00×"]), ("bbbbbbb", ["8.000", "40.0%", "1.25×"])]
+
+
+def test_idle_gaps_split_by_what_ran_meanwhile():
+    """A gap between compute kernels counts as communication where a collective overlapped it, as a copy where only
+    a copy did, else as the host's (nothing on the device); gaps shorter than the threshold are left out."""
+    kernels = [
+        (0.0, 100.0, "sm90_xmma_gemm_bf16"),
+        (150.0, 250.0, "ncclDevKernel_AllGather"),  # gap 100-300: 100 us communication, 100 us nothing
+        (300.0, 400.0, "cudnn_flash_fprop"),
+        (400.0, 405.0, "elementwise_kernel"),  # a 0 us gap, then 405-505: a copy for 60 us, then nothing
+        (410.0, 470.0, "Memcpy DtoH (Device -> Pinned)"),
+        (505.0, 600.0, "elementwise_kernel"),
+        (610.0, 615.0, "elementwise_kernel"),  # a 10 us gap: under the threshold
+    ]
+    idle = step_profile.idle_gaps(kernels, min_us=20.0)
+    assert idle["idle_s"] == pytest.approx(300e-6)
+    assert idle["communication_s"] == pytest.approx(100e-6)
+    assert idle["copy_s"] == pytest.approx(60e-6)
+    assert idle["host_s"] == pytest.approx(140e-6)
+    largest = idle["gaps"][0]
+    assert largest["ms"] == pytest.approx(0.2) and largest["at_ms"] == pytest.approx(0.1)
+    assert largest["before"] == "sm90_xmma_gemm_bf16" and largest["after"] == "cudnn_flash_fprop"
+    assert largest["during"] == ["ncclDevKernel_AllGather"]
+    assert step_profile.idle_gaps([(0.0, 5.0, "ncclDevKernel_AllGather")])["gaps"] == []

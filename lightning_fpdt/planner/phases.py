@@ -58,10 +58,15 @@ def attention_backward(s: StepSizes) -> list[Component]:
 def gathered_states(s: StepSizes) -> list[Component]:
     """The parts of the states that exist in some phases only: the root unit gathered, the current and prefetched
     block gathered, one block's unsharded gradients and their reduce-scatter copy, the unsharded lm_head gradient, in
-    the loss the last all-gather's output, and at the end of the backward the root unit's own backward."""
+    the loss the head or the last all-gather's output, and at the end of the backward the root unit's own
+    backward."""
     d, V, h = s.dtypes, s.g.vocab_size, s.g.hidden_size
     block, rest = s.block_parameters, s.rest_parameters
-    gathered_root = d["param"] * rest
+    # an untied head that computes the tiled loss is its own FSDP2 unit (strategy/parallelize.py): gathered in the
+    # loss only, and out of the root unit
+    head_unit = s.o.tiled_loss and not s.g.tie_word_embeddings
+    head = V * h * head_unit
+    gathered_root = d["param"] * (rest - head)
     # FSDP2 keeps the root unit gathered from the forward's start to its post-backward, which frees it before its
     # reduce-scatter (end of backward, below)
     parts = [Component(f"gathered root unit ({phase})", gathered_root, phase=phase,
@@ -74,28 +79,34 @@ def gathered_states(s: StepSizes) -> list[Component]:
     parts += [Component(f"block gradients ({phase})", trained_block * (d["param"] + d["reduce"]), phase=phase,
                         formula="one block unsharded + its reduce-scatter copy")
               for phase in ("MLP backward", "attention backward")]
-    # with host-resident states an untied head that computes the tiled loss is its own FSDP2 unit
-    # (strategy/parallelize.py): it is gathered in the loss only and reduce-scatters after the loss's backward, but
-    # its fp32 reduce-scatter input stays alive until the next unit's reduce-scatter, through the last block's
-    # backward: V·h·4 there in place of the gathered head and its gradient, V·h·(2 + 2) in bf16 (traced: the same
-    # peak, 40.72 GiB, with the head a unit of its own and without); the terms below stand for both
     head_trains = trained_rest > 0  # LoRA: no weight of the root unit trains, its gradients are never made
-    parts += [Component(f"lm_head gradient ({phase})", V * h * s.b * head_trains, phase=phase,
-                        formula="V·hidden, unsharded from the loss's backward to the root's reduce-scatter")
-              for phase in ("MLP backward", "attention backward", "end of backward")]
+    if head_unit:
+        # the head's unsharded gradient is copied into its reduce-scatter input right after the loss's backward; that
+        # input stays alive until the next unit's reduce-scatter, through the last block's backward (traced with
+        # host-resident states: the same peak, 40.72 GiB, as with the head in the root unit, whose gathered weight
+        # and gradient, V·h·(2 + 2) in bf16, it replaces)
+        parts += [Component(f"lm_head reduce-scatter input ({phase})", V * h * d["reduce"] * head_trains, phase=phase,
+                            formula="V·hidden in the reduce dtype, from the loss's backward through the last block's")
+                  for phase in ("MLP backward", "attention backward")]
+        parts.append(Component("gathered head (loss)", d["param"] * head, phase="loss",
+                               formula="the head unit unsharded, from its forward to its backward"))
+    else:
+        parts += [Component(f"lm_head gradient ({phase})", V * h * s.b * head_trains, phase=phase,
+                            formula="V·hidden, unsharded from the loss's backward to the root's reduce-scatter")
+                  for phase in ("MLP backward", "attention backward", "end of backward")]
     # in the forward FSDP2 frees each all-gather's output only at the next unit's all-gather, the last one's at the
     # root's post-forward: through the loss, which the root's forward computes. The last unit is the last block, or
-    # with host-resident states an untied head computing the tiled loss (a unit of its own, above). One GPU gathers
-    # nothing. (Traced on two H100s and two H200s, Llama-3-8B, 16,384 tokens: 0.40 GiB beyond the other loss terms.)
-    head_unit = s.o.cpu_offload_params and s.o.tiled_loss and not s.g.tie_word_embeddings
-    if s.W > 1:
-        parts.append(Component("last all-gather output (loss)", d["param"] * (V * h if head_unit else block),
-                               phase="loss", formula="the last unit gathered in the forward, freed after the loss"))
+    # the head unit (counted above, gathered). One GPU gathers nothing. (Traced on two H100s and two H200s,
+    # Llama-3-8B, 16,384 tokens: 0.40 GiB beyond the other loss terms.)
+    if s.W > 1 and not head_unit:
+        parts.append(Component("last all-gather output (loss)", d["param"] * block, phase="loss",
+                               formula="the last unit gathered in the forward, freed after the loss"))
     # the root unit's own backward: first the embedding's, its gradient beside the gathered root; then its
     # post-backward frees the gathered parameters and, once copied into the reduce-scatter input, the unsharded
     # gradients (the trace at that reduce-scatter: its input and output and the lm_head gradient, counted above)
+    trained_root = max(trained_rest - head * head_trains, 0)
     embedding_backward = gathered_root + V * h * s.b * (not s.g.tie_word_embeddings and head_trains)
-    reduce_scatter = trained_rest * d["reduce"] + trained_rest * d["reduce"] // s.W
+    reduce_scatter = trained_root * d["reduce"] + trained_root * d["reduce"] // s.W
     parts.append(Component("root unit's backward",
                            max(embedding_backward, reduce_scatter), phase="end of backward",
                            formula="max(gathered root + V·hidden, root unit in reduce dtype · (1 + 1/W))"))

@@ -102,10 +102,12 @@ def apply_fpdt(module: nn.Module, mesh: DeviceMesh, *, config: ParallelizeConfig
         fsdp["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     for block in find_blocks(model, config.layer_classes):  # again: a transform may have wrapped the blocks
         fully_shard(block, **fsdp)
-    #    with host-resident states, an output head that computes the tiled loss in its own forward is a unit too:
-    #    its gradient then reaches the host (and steps, strategy/host_optimizer.py) right after the loss's backward,
-    #    not with the embedding's at the end; gathered from its forward to its backward, which follows at once
-    head = loss_head(model) if config.cpu_offload_params else None
+    #    an output head that computes the tiled loss in its own forward is a unit too: its all-gather then overlaps
+    #    the last block's forward, it is not held gathered through the blocks' forward and backward, and its
+    #    gradient's reduce-scatter (with host-resident states: its step, strategy/host_optimizer.py) overlaps the
+    #    blocks' backward instead of waiting with the embedding's at the end; gathered from its forward to its
+    #    backward, which follows at once
+    head = loss_head(model)
     if head is not None:
         fully_shard(head, reshard_after_forward=False, **fsdp)
     rest = unsharded_children(module)

@@ -63,8 +63,9 @@ def test_state_components_by_hand():
     backward (its shard comes at its reduce-scatter, after its backward); in the phases: the bf16 root unit gathered
     (until its post-backward), 2 blocks gathered, one block's bf16 grads + fp32 reduce-scatter copy, the bf16 lm_head
     grad, the root unit's sharded grads, outside the blocks' backward the last step's shard of the block in backward,
-    in the loss the last block's all-gather output, and at the end the root unit's own backward."""
-    plan = small_plan()
+    in the loss the last block's all-gather output, and at the end the root unit's own backward (the head in the root
+    unit: the loss is not tiled in its forward)."""
+    plan = small_plan(tiled_loss=False)
     total = 2 * 15_206_400 + 65_537_024  # 95,949,824 parameters
     # 4 B · total / 4 GPUs; 2 B · rest 65,537,024 in every phase but the end of the backward
     assert plan.component("parameters").gpu_bytes == 95_949_824
@@ -90,6 +91,26 @@ def test_state_components_by_hand():
     assert plan.component("optimizer states").gpu_bytes == 191_899_648 == 2 * total
     # lm_head gradient: V · h · 2 B = 32000 · 1024 · 2
     assert plan.component("lm_head gradient (attention backward)").gpu_bytes == 65_536_000
+
+
+def test_head_unit_components_by_hand():
+    """An untied head computing the tiled loss is its own FSDP2 unit: out of the gathered root unit, gathered in the
+    loss only (in place of the last block's all-gather output), its gradient's fp32 reduce-scatter input alive through
+    the last block's backward, and out of the root unit's own backward at the end."""
+    plan = small_plan()
+    head = 32000 * 1024
+    root = 65_537_024 - head  # the embedding and the final norm: 32,769,024
+    for phase in ("attention forward", "MLP backward", "attention backward", "loss"):
+        assert plan.component(f"gathered root unit ({phase})").gpu_bytes == 2 * root == 65_538_048
+    assert plan.component("gathered head (loss)").gpu_bytes == 2 * head
+    assert not [c for c in plan.components if c.name.startswith(("last all-gather output", "lm_head gradient"))]
+    for phase in ("MLP backward", "attention backward"):
+        assert plan.component(f"lm_head reduce-scatter input ({phase})").gpu_bytes == 4 * head == 131_072_000
+    # the larger of the gathered root + the bf16 embedding gradient, 65,538,048 + 65,536,000, and the root's fp32
+    # reduce-scatter input and output, 4 B · 32,769,024 · (1 + 1/4) = 163,845,120
+    assert plan.component("root unit's backward").gpu_bytes == 163_845_120
+    tied = small_plan(geometry=dataclasses.replace(SMALL, tie_word_embeddings=True))
+    assert not [c for c in tied.components if c.name.startswith(("gathered head", "lm_head reduce-scatter"))]
 
 
 def test_gradient_accumulation_keeps_every_gradient_unsharded():
@@ -848,8 +869,8 @@ def test_only_trainable_parameters_have_gradients_and_optimizer_states():
     # one block's adapters unsharded (2 B) and their fp32 reduce-scatter copy
     assert lora.component("block gradients (MLP backward)").gpu_bytes == 16_384 * 6
     assert lora.component("root gradients (loss)").gpu_bytes == 0
-    assert lora.component("lm_head gradient (attention backward)").gpu_bytes == 0
-    assert lora.component("root unit's backward").gpu_bytes == 131_074_048  # the gathered root only
+    assert lora.component("lm_head reduce-scatter input (attention backward)").gpu_bytes == 0
+    assert lora.component("root unit's backward").gpu_bytes == 65_538_048  # the gathered root (no head) only
     assert lora.peak_gpu_bytes < full.peak_gpu_bytes
     # every parameter trainable is the plan without the option; a frozen embedding leaves the blocks whole
     total = 2 * 15_206_400 + 65_537_024

@@ -109,6 +109,12 @@ def device_events(events: Any) -> list[tuple[float, float, str]]:
             and e.device_type != torch.autograd.DeviceType.CPU and e.name.lower() not in HOST_STALLS]
 
 
+def host_events(events: Any) -> list[tuple[float, float, str]]:
+    """``(start_us, end_us, name)`` of the CPU operators and annotations among ``prof.events()``."""
+    return [(float(e.time_range.start), float(e.time_range.end), e.name) for e in events
+            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU]
+
+
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[tuple[float, float]] = []
     for start, end in sorted(intervals):
@@ -123,13 +129,16 @@ def _overlap(gap: tuple[float, float], spans: list[tuple[float, float]]) -> floa
     return sum(max(0.0, min(gap[1], end) - max(gap[0], start)) for start, end in spans)
 
 
-def idle_gaps(kernels: list[tuple[float, float, str]], *, min_us: float = 20.0, top: int = 12) -> dict[str, Any]:
+def idle_gaps(kernels: list[tuple[float, float, str]], *, host_ops: Optional[list[tuple[float, float, str]]] = None,
+              min_us: float = 20.0, top: int = 12) -> dict[str, Any]:
     """Where the compute kernels left the device idle, and what ran meanwhile.
 
     ``kernels``: ``(start_us, end_us, name)`` of every device event of the step (kernels, copies, collectives). The
     gaps between the compute kernels (attention, matmul, other), from the first device event to the last, are split
     by what overlapped them: communication (a collective not hidden), a copy, or nothing (the device waited for the
-    host: launch gaps, synchronisations). The largest gaps are listed with the compute kernels around them."""
+    host: launch gaps, synchronisations). The largest gaps are listed with the compute kernels around them and, from
+    ``host_ops`` (``(start_us, end_us, name)`` of the CPU operators and annotations), what the host ran meanwhile:
+    the operators that overlap the gap most, leaving out those longer than four times the gap (their callers)."""
     compute, communication, copies = [], [], []
     for start, end, name in kernels:
         label = category(name)
@@ -162,8 +171,11 @@ def idle_gaps(kernels: list[tuple[float, float, str]], *, min_us: float = 20.0, 
         before = ends[i][1] if i >= 0 else "(step start)"
         after = starts[j][1] if j < len(starts) else "(step end)"
         during = sorted({name[:60] for start, end, name in communication + copies if end > gap[0] and start < gap[1]})
+        host = sorted(((min(gap[1], end) - max(gap[0], start), name) for start, end, name in host_ops or ()
+                       if end > gap[0] and start < gap[1] and end - start <= 4 * length), reverse=True)
         gaps.append({"at_ms": (gap[0] - first) / 1e3, "ms": length / 1e3, "communication_ms": comm / 1e3,
-                     "before": before[:80], "after": after[:80], "during": during[:4]})
+                     "before": before[:80], "after": after[:80], "during": during[:4],
+                     "host": list(dict.fromkeys(name[:60] for _, name in host))[:4]})
     gaps.sort(key=lambda g: -g["ms"])
     return {**totals, "gaps": gaps[:top]}
 
@@ -179,7 +191,8 @@ def format_summary(summary: dict[str, Any]) -> str:
                      f"{idle['communication_s']:.3f} s, during copies {idle['copy_s']:.3f} s, nothing on the device "
                      f"{idle['host_s']:.3f} s; largest gaps:")
         lines += [f"  {g['ms']:8.2f} ms at {g['at_ms']:8.2f} ms (communication {g['communication_ms']:.2f}) "
-                  f"{g['before'][:40]} -> {g['after'][:40]} | {', '.join(g['during'])}" for g in idle["gaps"]]
+                  f"{g['before'][:40]} -> {g['after'][:40]} | {', '.join(g['during'])} | host: "
+                  f"{', '.join(g.get('host', []))}" for g in idle["gaps"]]
     lines.append("  top kernels:")
     lines += [f"  {k['seconds']:8.3f} s {k['calls']:6d}x {k['category']:<14} {k['name']}"
               for k in summary["top_kernels"]]
@@ -218,7 +231,8 @@ class StepProfiler:
         wall = time.perf_counter() - self._start
         self._profile.__exit__(None, None, None)
         self.summary = summarize(self._profile.key_averages(), wall)
-        self.summary["idle"] = idle_gaps(device_events(self._profile.events()))
+        events = self._profile.events()
+        self.summary["idle"] = idle_gaps(device_events(events), host_ops=host_events(events))
         if self.sink is not None:
             self.sink["profile"] = self.summary
         if self.rank == 0:

@@ -96,10 +96,11 @@ def gathered_states(s: StepSizes) -> list[Component]:
                   for phase in ("MLP backward", "attention backward", "end of backward")]
     # in the forward FSDP2 frees each all-gather's output only at the next unit's all-gather, the last one's at the
     # root's post-forward: through the loss, which the root's forward computes. The last unit is the last block, or
-    # the head unit (counted above, gathered). One GPU gathers nothing. (Traced on two H100s and two H200s,
-    # Llama-3-8B, 16,384 tokens: 0.40 GiB beyond the other loss terms.)
-    if s.W > 1 and not head_unit:
-        parts.append(Component("last all-gather output (loss)", d["param"] * block, phase="loss",
+    # the head unit, whose all-gather output then lives beside its gathered weight. One GPU gathers nothing. (Traced
+    # on two H100s and two H200s, Llama-3-8B, 16,384 tokens: 0.40 GiB beyond the other loss terms; with the head a
+    # unit, measured on four H200s at 32,768 tokens: the peak in the loss 0.58 GiB higher, V·h − one block.)
+    if s.W > 1:
+        parts.append(Component("last all-gather output (loss)", d["param"] * (head or block), phase="loss",
                                formula="the last unit gathered in the forward, freed after the loss"))
     # the root unit's own backward: first the embedding's, its gradient beside the gathered root; then its
     # post-backward frees the gathered parameters and, once copied into the reduce-scatter input, the unsharded

@@ -648,7 +648,8 @@ def test_idle_gaps_split_by_what_ran_meanwhile():
         (505.0, 600.0, "elementwise_kernel"),
         (610.0, 615.0, "elementwise_kernel"),  # a 10 us gap: under the threshold
     ]
-    idle = step_profile.idle_gaps(kernels, min_us=20.0)
+    host_ops = [(0.0, 2000.0, "training_step"), (410.0, 500.0, "aten::item"), (300.0, 320.0, "aten::mm")]
+    idle = step_profile.idle_gaps(kernels, host_ops=host_ops, min_us=20.0)
     assert idle["idle_s"] == pytest.approx(300e-6)
     assert idle["communication_s"] == pytest.approx(100e-6)
     assert idle["copy_s"] == pytest.approx(60e-6)
@@ -656,5 +657,6 @@ def test_idle_gaps_split_by_what_ran_meanwhile():
     largest = idle["gaps"][0]
     assert largest["ms"] == pytest.approx(0.2) and largest["at_ms"] == pytest.approx(0.1)
     assert largest["before"] == "sm90_xmma_gemm_bf16" and largest["after"] == "cudnn_flash_fprop"
-    assert largest["during"] == ["ncclDevKernel_AllGather"]
+    assert largest["during"] == ["ncclDevKernel_AllGather"] and largest["host"] == []  # training_step: a caller
+    assert idle["gaps"][1]["host"] == ["aten::item"]
     assert step_profile.idle_gaps([(0.0, 5.0, "ncclDevKernel_AllGather")])["gaps"] == []

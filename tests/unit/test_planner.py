@@ -95,7 +95,7 @@ def test_state_components_by_hand():
 
 def test_head_unit_components_by_hand():
     """An untied head computing the tiled loss is its own FSDP2 unit: out of the gathered root unit, gathered in the
-    loss only (in place of the last block's all-gather output), its gradient's fp32 reduce-scatter input alive through
+    loss only (its all-gather output in place of the last block's), its gradient's fp32 reduce-scatter input alive through
     the last block's backward, and out of the root unit's own backward at the end."""
     plan = small_plan()
     head = 32000 * 1024
@@ -103,7 +103,9 @@ def test_head_unit_components_by_hand():
     for phase in ("attention forward", "MLP backward", "attention backward", "loss"):
         assert plan.component(f"gathered root unit ({phase})").gpu_bytes == 2 * root == 65_538_048
     assert plan.component("gathered head (loss)").gpu_bytes == 2 * head
-    assert not [c for c in plan.components if c.name.startswith(("last all-gather output", "lm_head gradient"))]
+    # the head's all-gather output lives beside its gathered weight through the loss (no unit gathers after it)
+    assert plan.component("last all-gather output (loss)").gpu_bytes == 2 * head
+    assert not [c for c in plan.components if c.name.startswith("lm_head gradient")]
     for phase in ("MLP backward", "attention backward"):
         assert plan.component(f"lm_head reduce-scatter input ({phase})").gpu_bytes == 4 * head == 131_072_000
     # the larger of the gathered root + the bf16 embedding gradient, 65,538,048 + 65,536,000, and the root's fp32

@@ -115,6 +115,38 @@ def host_events(events: Any) -> list[tuple[float, float, str]]:
             if getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU]
 
 
+def _python_site(event: Any) -> str:
+    """The innermost Python frame of this package (or the bench) among ``event``'s callers, else the innermost
+    Python frame; the profiler names a Python function ``path(line): name``."""
+    first = None
+    parent = getattr(event, "cpu_parent", None)
+    while parent is not None:
+        name = parent.name
+        if ".py(" in name:
+            first = first or name
+            if "lightning_fpdt/" in name or "bench/" in name:
+                return name[name.rfind("lightning_fpdt/") if "lightning_fpdt/" in name else name.rfind("bench/"):]
+        parent = parent.cpu_parent
+    return first or "(no Python caller)"
+
+
+def launch_sites(events: Any, *, kinds: tuple[str, ...] = ("other",), top: int = 12) -> list[dict[str, Any]]:
+    """The device time of the ``kinds`` kernels by the code that launched them: kernel, the CPU operator with its
+    input shapes, and the Python caller (:func:`_python_site`; needs ``with_stack``), largest first."""
+    sites: dict[tuple[str, str, str], list[float]] = {}
+    for event in events:
+        for kernel in getattr(event, "kernels", None) or ():
+            if category(kernel.name) not in kinds:
+                continue
+            shapes = str(getattr(event, "input_shapes", "") or "")[:80]
+            key = (kernel.name[:70], f"{event.name} {shapes}", _python_site(event))
+            entry = sites.setdefault(key, [0.0, 0])
+            entry[0] += kernel.duration / 1e6
+            entry[1] += 1
+    ranked = sorted(sites.items(), key=lambda item: -item[1][0])[:top]
+    return [{"kernel": k, "op": op, "site": site, "seconds": sec, "calls": n} for (k, op, site), (sec, n) in ranked]
+
+
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[tuple[float, float]] = []
     for start, end in sorted(intervals):
@@ -185,6 +217,11 @@ def format_summary(summary: dict[str, Any]) -> str:
              f"({100 * (summary['busy_fraction'] or 0):.1f}%), waiting {summary['wait_s']:.3f} s"]
     lines += [f"  {name:<22} {value:8.3f} s" for name, value in summary["device_s"].items()]
     lines += [f"  {name:<22} {value:8.3f} s (host)" for name, value in summary.get("host_stalls_s", {}).items()]
+    sites = summary.get("launch_sites")
+    if sites:
+        lines.append("  elementwise kernels by launch site:")
+        lines += [f"  {x['seconds']:8.4f} s {x['calls']:5d}x {x['kernel'][:50]} | {x['op']} | {x['site']}"
+                  for x in sites]
     idle = summary.get("idle")
     if idle:
         lines.append(f"  compute idle (gaps >= 20 us) {idle['idle_s']:.3f} s: during communication "
@@ -218,7 +255,8 @@ class StepProfiler:
             return
         self._sync()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        self._profile = profile(activities=activities)
+        # stacks and shapes: where each kernel was launched from (launch_sites); the profiled step is timed apart
+        self._profile = profile(activities=activities, with_stack=True, record_shapes=True)
         self._profile.__enter__()
         self._start = time.perf_counter()
 
@@ -233,6 +271,7 @@ class StepProfiler:
         self.summary = summarize(self._profile.key_averages(), wall)
         events = self._profile.events()
         self.summary["idle"] = idle_gaps(device_events(events), host_ops=host_events(events))
+        self.summary["launch_sites"] = launch_sites(events)
         if self.sink is not None:
             self.sink["profile"] = self.summary
         if self.rank == 0:

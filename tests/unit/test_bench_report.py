@@ -660,3 +660,19 @@ def test_idle_gaps_split_by_what_ran_meanwhile():
     assert largest["during"] == ["ncclDevKernel_AllGather"] and largest["host"] == []  # training_step: a caller
     assert idle["gaps"][1]["host"] == ["aten::item"]
     assert step_profile.idle_gaps([(0.0, 5.0, "ncclDevKernel_AllGather")])["gaps"] == []
+
+
+def test_launch_sites_name_the_package_caller():
+    """An elementwise kernel's device time goes to the CPU operator that launched it, with its shapes, and to the
+    innermost Python frame of the package among its callers; matmuls are left out."""
+    from types import SimpleNamespace as Event
+
+    caller = Event(name="lightning_fpdt/sequence/all_to_all.py(62): seq_to_head",
+                   cpu_parent=Event(name="torch/autograd/function.py(575): apply", cpu_parent=None))
+    copy = Event(name="aten::copy_", input_shapes=[[2, 3]], cpu_parent=Event(name="aten::clone", cpu_parent=caller),
+                 kernels=[Event(name="direct_copy_kernel", duration=100.0), Event(name="direct_copy_kernel", duration=50.0)])
+    mm = Event(name="aten::mm", input_shapes=[], cpu_parent=caller, kernels=[Event(name="sm90_gemm", duration=900.0)])
+    sites = step_profile.launch_sites([copy, mm])
+    assert len(sites) == 1 and sites[0]["calls"] == 2 and sites[0]["seconds"] == pytest.approx(150e-6)
+    assert sites[0]["site"] == "lightning_fpdt/sequence/all_to_all.py(62): seq_to_head"
+    assert sites[0]["op"] == "aten::copy_ [[2, 3]]"

@@ -126,18 +126,6 @@ def summarize(info: dict[str, Any], *, geometry_run: ModelGeometry, seq_len: int
     )
 
 
-def host_peak_rss() -> Optional[int]:
-    """Peak resident set size of this process (VmHWM), in bytes."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def options(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
     """The options that shape what a system does, as it resolved them."""
     common = {"precision": args.precision, "cpu_offload_params": args.cpu_offload_params,

@@ -16,12 +16,12 @@ import torch.distributed as dist
 from bench.peers.ballast import GIB, host_check, layers_run, run_ballast
 from bench.peers.full_depth import FullDepth, FullDepthRefused, HeldBallast, disk_free_bytes, full_depth_ballast
 from bench.host_readings import largest
-from bench.peers.records import (RankFigures, RunContext, agree_on_status, host_peak_rss, out_of_memory, run_record,
-                                 timed)
+from bench.peers.records import RankFigures, RunContext, agree_on_status, out_of_memory, run_record, timed
 from bench.peers.common import device_peaks, host_peaks
 from bench.peers.systems import SYSTEM_FUNCTIONS
 from bench.provenance import card_name
 from lightning_fpdt.flops import peak_flops
+from lightning_fpdt.offload.host_memory import peak_resident_bytes
 from bench.peers.hf_llama import named_geometry
 from lightning_fpdt.planner import available_host_memory
 from lightning_fpdt.strategy.budget import usable_total_bytes
@@ -140,7 +140,7 @@ def _rank_figures(status: str, info: dict[str, Any], world_size: int, profile_st
     mine = RankFigures(
         peak_gpu=max(peaks) if peaks else None, peak_reserved=max(reserved) if reserved else None,
         # since the process started: the larger of what the spans saw and the high-water mark since the last of them
-        lifetime_rss=largest([host.lifetime_peak, host_peak_rss()]),
+        lifetime_rss=largest([host.lifetime_peak, peak_resident_bytes()]),
         step_rss=largest(timed(info.get("peak_host_rss_bytes_per_step", []), profile_step)),
         rss_reading=host.reading, pinned=info.get("pinned_host_bytes"),
         pinned_caching_allocator=info.get("pinned_host_bytes_caching_allocator"),

@@ -15,11 +15,9 @@ from torch import Tensor
 
 from lightning_fpdt.flops import CONVENTIONS, ModelGeometry, flops_per_step, peak_flops
 from lightning_fpdt.lightning_private import batches_that_stepped
+from lightning_fpdt.offload.host_memory import resident_bytes
 
 _GIB = 2**30
-_PROC_STATUS = "/proc/self/status"
-
-
 @dataclass(frozen=True)
 class StepRecord:
     """What one optimizer step did and how long it took (all micro-batches of gradient accumulation)."""
@@ -174,7 +172,7 @@ class MFUMonitor(pl.Callback):
         device = trainer.strategy.root_device
         if device.type == "cuda":
             metrics["perf/peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / _GIB
-        host_bytes = _host_memory_bytes()
+        host_bytes = resident_bytes()
         if host_bytes is not None:
             metrics["perf/host_mem_gib"] = host_bytes / _GIB
 
@@ -266,18 +264,4 @@ def _device_name(trainer: pl.Trainer) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
 
 
-def _host_memory_bytes() -> Optional[int]:
-    """Resident set size of this process: VmRSS from /proc (Linux), else psutil if installed, else None."""
-    try:
-        with open(_PROC_STATUS) as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024  # reported in kB
-    except OSError:
-        pass
-    try:
-        import psutil
-    except ImportError:
-        return None
-    return psutil.Process().memory_info().rss
 

@@ -72,8 +72,16 @@ def _status_bytes(field: str) -> Optional[int]:
 
 
 def resident_bytes() -> Optional[int]:
-    """This process's resident memory now (``VmRSS``: pinned and pageable pages alike), or ``None`` off Linux."""
-    return _status_bytes("VmRSS")
+    """This process's resident memory now (``VmRSS``: pinned and pageable pages alike); off Linux psutil's reading
+    where it is installed, else ``None``."""
+    found = _status_bytes("VmRSS")
+    if found is not None:
+        return found
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.Process().memory_info().rss)
 
 
 def peak_resident_bytes() -> Optional[int]:

@@ -107,3 +107,11 @@ def test_bench_runs_as_modules():
     none edits ``sys.path`` to find the package."""
     edits = [path.name for path in BENCH.rglob("*.py") if "sys.path.insert" in path.read_text()]
     assert not edits, edits
+
+
+def test_package_never_imports_bench():
+    """bench/ sits above the package: it measures the library, the library never reaches into it."""
+    known = modules(PACKAGE, BENCH)
+    wrong = [f"{name} -> {target}" for name, path in modules(PACKAGE).items()
+             for target in imported(path, known) if target.split(".")[0] == "bench"]
+    assert not wrong, wrong

@@ -36,7 +36,7 @@ Departures, so the run trains what the other systems train:
   per layer in host memory.
 - As in the recipe, ``TiledFusedLogitsLoss`` takes the head's gradient inside its forward, from the tiles' loss sums
   (``output_reduction="sum"``), and scales only the hidden states' gradient by the division by the target count that
-  follows: the head's weight gradient is the target count times the token mean's (tests/unit/test_bench_deepspeed.py
+  follows: the head's weight gradient is the target count times the token mean's (tests/bench/test_bench_deepspeed.py
   checks both). AdamW without clipping is invariant to that constant factor, so the step it takes is the same.
 - One GPU: the tiled loss runs as on several (ArcticTraining's one-GPU runs use Liger's fused loss instead), with the
   labels shifted as the adapter shifts them; the adapter and the Ulysses attention are not used (they are off at

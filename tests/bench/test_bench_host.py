@@ -124,7 +124,7 @@ def test_page_shows_host_peaks_and_plan_ratios_beside_gpu_peaks():
     carrying its plan gets plan / measured for GPU (its peak less the ballast), host and pinned; so does a traced
     step, whose own page plan is left out where an option stayed unresolved."""
     from bench.report import page
-    from tests.unit.test_bench_report import GIB, H100, run_record
+    from tests.bench.test_bench_report import GIB, H100, run_record
 
     rss, pinned, resident = (int(v) * GIB // 10 for v in torch.randint(10, 1000, (3,)))
     new = _with_host(run_record("fpdt", gpus=4, layers=2, seq_len=262_144, peak_gib=60.0, ballast_gib=20.0),

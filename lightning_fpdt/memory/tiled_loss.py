@@ -23,6 +23,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
 from lightning_fpdt.memory.tiling import auto_loss_tiles, check_num_tiles, tile_bounds
+from lightning_fpdt.models.ops import FUSED_OPS
 from lightning_fpdt.sequence.loss import IGNORE_INDEX
 
 WEIGHT_GRAD_SLICE_BYTES = 64 * 2**20
@@ -40,21 +41,68 @@ def _cross_entropy_tile(
     """The loss sum of one tile; writes its hidden gradient into ``grad_hidden (n, hidden)`` and adds its weight
     gradient to ``grad_weight (V, hidden)``. Its own function so the tile's vocabulary-wide buffers die on return,
     before the next tile allocates its own."""
-    acc = denom.dtype
     safe_targets = targets.masked_fill(~valid, 0)[:, None]  # (n, 1): ignored rows gather class 0, then count 0
-    logits = F.linear(h_tile, weight).to(acc)  # (n, V): the only vocabulary-wide buffer, one tile's worth
+    with_grad = grad_hidden is not None or grad_weight is not None
+    if FUSED_OPS.applies(h_tile):
+        args = (F.linear(h_tile, weight), safe_targets, valid, denom, weight.dtype)  # logits (n, V), never upcast
+        fused = _tile_loss_and_grad if with_grad else _tile_loss
+        loss_sum, grad_logits = FUSED_OPS.run(fused, lambda: _tile_in_place(*args, with_grad=with_grad), *args)
+        del args
+    else:
+        # the logits upcast as they are made: one vocabulary-wide buffer, one tile's worth
+        logits = F.linear(h_tile, weight).to(denom.dtype)
+        loss_sum, grad_logits = _tile_in_place(logits, safe_targets, valid, denom, weight.dtype, with_grad=with_grad)
+        del logits
+    if grad_logits is not None:
+        _tile_gradients(grad_logits, h_tile, weight, grad_hidden, grad_weight)
+    return loss_sum
+
+
+def _tile_in_place(logits: Tensor, safe_targets: Tensor, valid: Tensor, denom: Tensor, grad_dtype: torch.dtype, *,
+                   with_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """``(loss sum, d mean / d logits in grad_dtype or None)`` of one tile, eager: the logits in ``denom``'s dtype
+    (upcast here if they are not), the gradient computed in that buffer in place."""
+    logits = logits.to(denom.dtype)
     lse = torch.logsumexp(logits, dim=-1)  # (n,)
     token_loss = lse - logits.gather(1, safe_targets).squeeze(1)  # (n,)
     loss_sum = torch.where(valid, token_loss, torch.zeros_like(token_loss)).sum()
-    if grad_hidden is None and grad_weight is None:
-        return loss_sum
+    if not with_grad:
+        return loss_sum, None
     # d mean / d logits = (softmax - onehot(target)) / N_valid on valid rows, 0 on ignored ones; in place
     grad_logits = logits.sub_(lse[:, None]).exp_()
-    valid_acc = valid.to(acc)[:, None]  # (n, 1)
+    valid_acc = valid.to(denom.dtype)[:, None]  # (n, 1)
     grad_logits.scatter_add_(1, safe_targets, -valid_acc)
     grad_logits.mul_(valid_acc / denom)
     del logits
-    grad_logits = grad_logits.to(weight.dtype)  # matmuls in the weight's dtype (they accumulate in fp32 inside)
+    return loss_sum, grad_logits.to(grad_dtype)  # matmuls in the weight's dtype (they accumulate in fp32 inside)
+
+
+def _tile_loss(logits: Tensor, safe_targets: Tensor, valid: Tensor, denom: Tensor,
+               grad_dtype: torch.dtype) -> tuple[Tensor, None]:
+    """The fused form of :func:`_tile_in_place` without the gradient: one reduction over the vocabulary."""
+    wide = logits.to(denom.dtype)
+    token_loss = torch.logsumexp(wide, dim=-1) - wide.gather(1, safe_targets).squeeze(1)  # (n,)
+    return torch.where(valid, token_loss, torch.zeros_like(token_loss)).sum(), None
+
+
+def _tile_loss_and_grad(logits: Tensor, safe_targets: Tensor, valid: Tensor, denom: Tensor,
+                        grad_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The fused form of :func:`_tile_in_place`: the same formulas as plain tensor expressions (no in-place writes,
+    the one-hot a comparison), which compile to one reduction over the vocabulary and one pass writing the gradient
+    in ``grad_dtype``: the logits are read twice and never upcast in memory."""
+    wide = logits.to(denom.dtype)  # (n, V)
+    lse = torch.logsumexp(wide, dim=-1, keepdim=True)  # (n, 1)
+    loss_sum = torch.where(valid[:, None], lse - wide.gather(1, safe_targets), torch.zeros_like(lse)).sum()
+    classes = torch.arange(wide.shape[1], device=wide.device)[None, :]  # (1, V)
+    scale = torch.where(valid[:, None], 1 / denom, torch.zeros_like(lse))  # (n, 1)
+    grad = (torch.exp(wide - lse) - (classes == safe_targets).to(wide.dtype)) * scale
+    return loss_sum, grad.to(grad_dtype)
+
+
+def _tile_gradients(grad_logits: Tensor, h_tile: Tensor, weight: Tensor, grad_hidden: Optional[Tensor],
+                    grad_weight: Optional[Tensor]) -> None:
+    """Writes the tile's hidden gradient and adds its weight gradient from ``grad_logits (n, V)``."""
+    acc = grad_weight.dtype if grad_weight is not None else None
     if grad_hidden is not None:
         grad_hidden.copy_(grad_logits @ weight)  # (n, V) @ (V, hidden)
     if grad_weight is not None:
@@ -69,7 +117,6 @@ def _cross_entropy_tile(
             for v0 in range(0, weight.shape[0], vocab_slice):
                 v1 = v0 + vocab_slice
                 grad_weight[v0:v1].add_(grad_logits[:, v0:v1].T @ h_tile)  # fp32 sum of low-precision products
-    return loss_sum
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,7 +36,8 @@ TILE_BYTES = 256 * 2**20
 
 
 class FusedOps:
-    """Whether :func:`rms_norm`, :func:`rotary` and :func:`swiglu` run as fused kernels.
+    """Whether :func:`rms_norm`, :func:`rotary`, :func:`swiglu` and the tiled loss's tiles
+    (``lightning_fpdt.memory.tiled_loss``) run as fused kernels.
 
     ``enabled``: ``"auto"`` fuses on CUDA devices (fp16, bf16, fp32), ``True`` wherever the tensors are (the CPU
     too: the tests), ``False`` never (the tiled forms and eager SwiGLU). The fpdt strategy sets it from its
@@ -64,7 +65,7 @@ class FusedOps:
         except Exception as error:  # noqa: BLE001 - any compiler failure: the eager forms compute the same
             if self.failed is None:
                 self.failed = f"{type(error).__name__}: {error}"
-                warnings.warn(f"lightning_fpdt: the fused RMSNorm/RoPE/SwiGLU kernels could not be compiled "
+                warnings.warn(f"lightning_fpdt: the fused RMSNorm/RoPE/SwiGLU/loss kernels could not be compiled "
                               f"({self.failed.splitlines()[0][:300]}); these ops run eager from now on", stacklevel=2)
             return eager()
 

@@ -123,8 +123,9 @@ class FPDTStrategy(ModelParallelStrategy):
             where the unsharded gradients fit beside the rest as it is); ``False`` where nothing plans (no GPU, no
             model config the planner reads).
         fused_ops: run the RMSNorms, RoPE and the gated MLPs' SiLU product (the reference Llama's, a Hugging Face
-            family's norms and SiLU-gated MLPs) as one fused kernel per pass, compiled by ``torch.compile``
-            (``lightning_fpdt.models.ops``): the same formulas, several times fewer trips through device memory.
+            family's norms and SiLU-gated MLPs), and the tiled loss's softmax and its gradient over each tile's
+            logits, as one fused kernel per pass, compiled by ``torch.compile`` (``lightning_fpdt.models.ops``): the
+            same formulas, several times fewer trips through device memory.
             ``"auto"``: on CUDA devices; ``False``: the eager forms. Where compiling fails the ops run eager, with one
             warning. Unless ``False``, Adam and AdamW whose ``fused`` and ``foreach`` the module left unset step with
             torch's fused CUDA kernel where their parameters are on the GPU (the same update in one pass per tensor).

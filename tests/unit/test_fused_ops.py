@@ -72,7 +72,7 @@ def test_a_compiler_failure_falls_back_with_one_warning(fused, monkeypatch):
         got = _grads(fn, inputs)
         again = _grads(fn, inputs)
     assert [str(w.message) for w in caught if "could not be compiled" in str(w.message)] == [
-        "lightning_fpdt: the fused RMSNorm/RoPE/SwiGLU kernels could not be compiled (RuntimeError: no compiler "
+        "lightning_fpdt: the fused RMSNorm/RoPE/SwiGLU/loss kernels could not be compiled (RuntimeError: no compiler "
         "here); these ops run eager from now on"]
     ops.FUSED_OPS.enabled, ops.FUSED_OPS.failed = False, None
     for a, b, c in zip(got, again, _grads(fn, inputs)):
@@ -117,3 +117,54 @@ def _loss_and_grads(model, ids):
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
+def _tiled_loss_and_grads(hidden, weight, targets):
+    from lightning_fpdt.memory.tiled_loss import tiled_cross_entropy
+
+    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    mean, num_valid = tiled_cross_entropy(h, w, targets, num_tiles=3)
+    mean.backward()
+    return mean.detach(), num_valid, h.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_loss_tiles_equal_the_in_place_tiles(fused, dtype):
+    """The tiled loss's fused tile (softmax and its gradient as plain expressions, compiled) gives the loss and both
+    gradients of the in-place tile, with ignored targets among the tokens; fp32: the same formulas in another order
+    (1e-6), bf16: the gradients rounded to bf16 at the same point in both (one bf16 ulp, 1e-2)."""
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 37, 24, generator=gen).to(dtype)
+    weight = (torch.randn(101, 24, generator=gen) / 5).to(dtype)
+    targets = torch.randint(0, 101, (2, 37), generator=gen)
+    targets[0, :6] = -100
+    targets[1, 30:] = -100
+    got = _tiled_loss_and_grads(hidden, weight, targets)
+    assert ops.FUSED_OPS.failed is None
+    ops.FUSED_OPS.enabled = False
+    want = _tiled_loss_and_grads(hidden, weight, targets)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    assert got[1] == want[1] == int((targets != -100).sum())
+    for a, b in zip(got[:1] + got[2:], want[:1] + want[2:]):  # the mean, the hidden and the weight gradients
+        torch.testing.assert_close(a, b, **tol)
+    reference = torch.nn.functional.cross_entropy((hidden.float() @ weight.float().T).flatten(0, 1),
+                                                  targets.flatten(), ignore_index=-100)
+    torch.testing.assert_close(got[0], reference, **tol)
+
+
+def test_a_loss_tile_that_cannot_compile_runs_in_place(fused, monkeypatch):
+    """A compiler failure in the loss's fused tile falls back to the in-place tile: the same loss and gradients."""
+    def broken(fn):
+        def call(*args):
+            raise RuntimeError("no compiler here")
+        return call
+
+    gen = torch.Generator().manual_seed(6)
+    hidden, weight = torch.randn(1, 20, 16, generator=gen), torch.randn(50, 16, generator=gen)
+    targets = torch.randint(0, 50, (1, 20), generator=gen)
+    monkeypatch.setattr(ops, "_compiled", broken)
+    with pytest.warns(UserWarning, match="could not be compiled"):
+        got = _tiled_loss_and_grads(hidden, weight, targets)
+    ops.FUSED_OPS.enabled, ops.FUSED_OPS.failed = False, None
+    for a, b in zip(got, _tiled_loss_and_grads(hidden, weight, targets)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -13,7 +13,8 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_fpdt  # noqa: F401  (registers "fpdt" with Fabric)
-from lightning_fpdt import FPDTFabricStrategy
+from lightning_fpdt import ActivationOffload, FPDTFabricStrategy, TiledLoss, TiledMLP
+from lightning_fpdt.integrations.attributes import TILED_MLP
 from tests.dist.training import TokenDataset, build_model, make_optimizer, model_loss, reference_batch
 
 # fp32: the parallel run sums the same products in another order (the blockwise softmax merge, the gradient sums
@@ -52,12 +53,14 @@ def _reference_step(kind: str, tuning: str | None, dataset: TokenDataset, dp: in
 
 
 def fabric_step(kind: str, sp: int, dp: int, chunks: int, seq_len: int, tuning: str | None = None,
-                by_name: bool = False, data_seed: int = 0) -> None:
+                by_name: bool = False, memory: bool = False, data_seed: int = 0) -> None:
     """One step of a plain Fabric loop under the fpdt strategy equals one process's: the loss on every rank of a
-    sequence group, every gradient, every parameter after the step; frozen parameters get no gradient and stay."""
+    sequence group, every gradient, every parameter after the step; frozen parameters get no gradient and stay.
+    ``memory``: with the memory callbacks' transforms (checkpointed blocks, inputs offloaded, tiled MLP and loss)."""
     batch_size = 2
+    callbacks = [ActivationOffload(), TiledMLP(num_tiles=3), TiledLoss(num_tiles=3)] if memory else []
     strategy = "fpdt" if by_name else FPDTFabricStrategy(sequence_parallel_size=sp, data_parallel_size=dp,
-                                                         chunks=chunks)
+                                                         chunks=chunks, memory_callbacks=callbacks)
     fabric = _fabric(strategy)
     assert isinstance(fabric.strategy, FPDTFabricStrategy)
     dataset = TokenDataset(num_samples=dp * batch_size, seq_len=seq_len, seed=data_seed)
@@ -67,6 +70,7 @@ def fabric_step(kind: str, sp: int, dp: int, chunks: int, seq_len: int, tuning: 
     model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=batch_size, shuffle=True))
     assert (fabric.strategy.sequence_parallel_size, fabric.strategy.data_parallel_size) == (sp, dp)
+    assert any(getattr(m, TILED_MLP, False) for m in model.modules()) == memory  # the transforms ran, or none
 
     # the user's loop, as one process writes it
     batch = next(iter(loader))
@@ -103,13 +107,15 @@ def run_steps(cases: list[dict]) -> None:
 
 def test_fabric_parity_two_processes(dist_pool):
     """1×2: the reference Llama with padding (by the registry name, the options' defaults), a Hugging Face Llama (its
-    own loss), a plain SDPA module whose loop computes the loss from local logits (chunks 2), frozen embeddings."""
+    own loss), a plain SDPA module whose loop computes the loss from local logits (chunks 2), frozen embeddings, the
+    memory callbacks' transforms."""
     seed = int(torch.randint(0, 2**31 - 1, ()))  # fresh random inputs each run
     dist_pool(2).run(run_steps, cases=[
         dict(kind="llama", sp=2, dp=1, chunks=1, seq_len=15, by_name=True, data_seed=seed),
         dict(kind="hf", sp=2, dp=1, chunks=1, seq_len=16, data_seed=seed + 1),
         dict(kind="plain", sp=2, dp=1, chunks=2, seq_len=16, data_seed=seed + 2),
         dict(kind="llama", sp=2, dp=1, chunks=2, seq_len=16, tuning="embeddings", data_seed=seed + 3),
+        dict(kind="hf", sp=2, dp=1, chunks=2, seq_len=16, memory=True, data_seed=seed + 4),
     ])
 
 
@@ -176,3 +182,29 @@ def test_fabric_sizes_that_do_not_divide(dist_pool):
     every rank (none waits in a collective)."""
     messages = dist_pool(2).run(sizes_that_do_not_divide)
     assert all("3" in m and "2" in m for m in messages), messages
+
+
+def meta_model_with_auto_sizes() -> list[float]:
+    """A model made on the meta device, the sizes left "auto": the mesh is built at setup from the model's heads, the
+    model allocated shard by shard, and the optimizer made before setup steps every shard."""
+    fabric = _fabric("fpdt")
+    with fabric.init_module(empty_init=True):
+        model = build_model("llama", SEED)
+    assert all(p.is_meta for p in model.parameters())
+    optimizer = make_optimizer("adamw", model.parameters(), 1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    assert fabric.strategy.sequence_parallel_size == dist.get_world_size()
+    loader = fabric.setup_dataloaders(DataLoader(TokenDataset(num_samples=2, seq_len=16, seed=5), batch_size=2))
+    loss = model_loss("llama", model, next(iter(loader)))
+    fabric.backward(loss)
+    optimizer.step()
+    assert not any(p.is_meta for p in model.parameters())
+    assert len(optimizer.state) == len(list(model.parameters())), "a parameter the optimizer did not step"
+    return [loss.item()]
+
+
+def test_fabric_meta_model_and_auto_sizes(dist_pool):
+    """A meta-device model under Fabric(strategy="fpdt") with every size "auto" trains, its loss equal on every
+    rank of the sequence group."""
+    losses = dist_pool(2).run(meta_model_with_auto_sizes)
+    assert losses[0] == losses[1], losses

@@ -326,8 +326,9 @@ class FPDTStrategy(ModelParallelStrategy):
         model allocated shard by shard, the host memory guard and the disk tier."""
         trainer = self.lightning_module.trainer
         self._geometry, self._vocabulary = parallelize_model(
-            model, self.device_mesh, config=self._parallelize_config(trainer), precision=self.precision_plugin.precision,
-            pad_token_id=self._pad_token_id, device=self.root_device, rank=self.global_rank, data=trainer.datamodule)
+            model, self.device_mesh, config=self._parallelize_config(trainer),
+            precision=self.precision_plugin.precision, pad_token_id=self._pad_token_id, device=self.root_device,
+            rank=self.global_rank, data=trainer.datamodule)
         if not self.cpu_offload_params:
             super().model_to_device()
         self.memory.guard_host_memory(self)

@@ -35,35 +35,39 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
 
 
-def _reference_step(kind: str, tuning: str | None, dataset: TokenDataset, dp: int, batch_size: int):
-    """One process, one SGD step over the first batch of every data-parallel group (the batches Fabric's sampler
-    gives each group): each group's loss, the gradients of their mean, the parameters after the step."""
+def _reference_step(kind: str, tuning: str | None, dataset: TokenDataset, dp: int, batch_size: int,
+                    accumulate: int):
+    """One process, one SGD step over the first ``accumulate`` batches of every data-parallel group (the batches
+    Fabric's sampler gives each group): each group's losses, the gradients of their mean, the parameters after the
+    step."""
     model = build_model(kind, SEED, tuning)
     optimizer = make_optimizer("sgd", [p for p in model.parameters() if p.requires_grad], LR)
-    losses = []
+    losses: list[list[float]] = []
     for d in range(dp):
         sampler = DistributedSampler(dataset, num_replicas=dp, rank=d, shuffle=True, seed=0)
-        batch = next(iter(DataLoader(dataset, batch_size=batch_size, sampler=sampler)))
-        loss = model_loss(kind, model, reference_batch(kind, batch))
-        losses.append(loss.item())
-        (loss / dp).backward()
+        losses.append([])
+        for batch in DataLoader(dataset, batch_size=batch_size, sampler=sampler):
+            loss = model_loss(kind, model, reference_batch(kind, batch))
+            losses[d].append(loss.item())
+            (loss / (dp * accumulate)).backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     optimizer.step()
     return losses, grads, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def fabric_step(kind: str, sp: int, dp: int, chunks: int, seq_len: int, tuning: str | None = None,
-                by_name: bool = False, memory: bool = False, data_seed: int = 0) -> None:
+                by_name: bool = False, memory: bool = False, accumulate: int = 1, data_seed: int = 0) -> None:
     """One step of a plain Fabric loop under the fpdt strategy equals one process's: the loss on every rank of a
     sequence group, every gradient, every parameter after the step; frozen parameters get no gradient and stay.
-    ``memory``: with the memory callbacks' transforms (checkpointed blocks, inputs offloaded, tiled MLP and loss)."""
+    ``memory``: with the memory callbacks' transforms (checkpointed blocks, inputs offloaded, tiled MLP and loss);
+    ``accumulate``: batches per step, the ones before the last without FSDP2's gradient reduce-scatter."""
     batch_size = 2
     callbacks = [ActivationOffload(), TiledMLP(num_tiles=3), TiledLoss(num_tiles=3)] if memory else []
     strategy = "fpdt" if by_name else FPDTFabricStrategy(sequence_parallel_size=sp, data_parallel_size=dp,
                                                          chunks=chunks, memory_callbacks=callbacks)
     fabric = _fabric(strategy)
     assert isinstance(fabric.strategy, FPDTFabricStrategy)
-    dataset = TokenDataset(num_samples=dp * batch_size, seq_len=seq_len, seed=data_seed)
+    dataset = TokenDataset(num_samples=dp * batch_size * accumulate, seq_len=seq_len, seed=data_seed)
     initial = build_model(kind, SEED, tuning)
     model = build_model(kind, SEED, tuning)
     optimizer = make_optimizer("sgd", [p for p in model.parameters() if p.requires_grad], LR)
@@ -73,20 +77,23 @@ def fabric_step(kind: str, sp: int, dp: int, chunks: int, seq_len: int, tuning: 
     assert any(getattr(m, TILED_MLP, False) for m in model.modules()) == memory  # the transforms ran, or none
 
     # the user's loop, as one process writes it
-    batch = next(iter(loader))
-    assert batch["input_ids"].shape[1] == fabric.strategy.batch_plan.padded_len // sp  # this rank's share
-    loss = model_loss(kind, model, batch)
-    if kind == "plain":  # a loss computed from local logits: the sequence's token mean
-        loss = fabric.strategy.reduce_loss(loss)
-    fabric.backward(loss)
+    losses = []
+    for index, batch in enumerate(loader):
+        assert batch["input_ids"].shape[1] == fabric.strategy.batch_plan.padded_len // sp  # this rank's share
+        with fabric.no_backward_sync(model, enabled=index < accumulate - 1):
+            loss = model_loss(kind, model, batch)
+            if kind == "plain":  # a loss computed from local logits: the sequence's token mean
+                loss = fabric.strategy.reduce_loss(loss)
+            fabric.backward(loss / accumulate)
+        losses.append(loss.item())
     grads = {name: _full(p.grad) for name, p in model.module.named_parameters() if p.grad is not None}
     optimizer.step()
     optimizer.zero_grad()
 
-    ref_losses, ref_grads, ref_params = _reference_step(kind, tuning, dataset, dp, batch_size)
+    ref_losses, ref_grads, ref_params = _reference_step(kind, tuning, dataset, dp, batch_size, accumulate)
     dp_rank = fabric.strategy.device_mesh["data_parallel"].get_local_rank()
-    case = f"{kind} dp={dp} sp={sp} chunks={chunks} S={seq_len} tuning={tuning}"
-    torch.testing.assert_close(loss.item(), ref_losses[dp_rank], **TOL, msg=lambda m: f"{case} loss: {m}")
+    case = f"{kind} dp={dp} sp={sp} chunks={chunks} S={seq_len} tuning={tuning} accumulate={accumulate}"
+    torch.testing.assert_close(losses, ref_losses[dp_rank], **TOL, msg=lambda m: f"{case} losses: {m}")
     assert set(grads) == set(ref_grads), f"{case}: gradients of {sorted(set(grads) ^ set(ref_grads))} differ in kind"
     for name, ref in ref_grads.items():
         torch.testing.assert_close(grads[name], ref, **TOL, msg=lambda m: f"{case} gradient of {name}: {m}")
@@ -121,11 +128,12 @@ def test_fabric_parity_two_processes(dist_pool):
 
 def test_fabric_parity_four_processes(dist_pool):
     """1×4 (kv heads replicated, chunks 2) and 2×2 (data parallel: the groups sample apart, the ranks of a group
-    alike), the reference and a Hugging Face Llama."""
+    alike), the reference and a Hugging Face Llama; gradient accumulation over 2 batches, with padding."""
     seed = int(torch.randint(0, 2**31 - 1, ()))
     dist_pool(4).run(run_steps, cases=[
         dict(kind="llama", sp=4, dp=1, chunks=2, seq_len=24, data_seed=seed),
         dict(kind="hf", sp=2, dp=2, chunks=2, seq_len=16, data_seed=seed + 1),
+        dict(kind="llama", sp=2, dp=2, chunks=1, seq_len=15, accumulate=2, data_seed=seed + 2),
     ])
 
 

@@ -58,7 +58,8 @@ def _reference_step(kind: str, tuning: str | None, dataset: TokenDataset, dp: in
 def fabric_step(kind: str, sp: int, dp: int, chunks: int, seq_len: int, tuning: str | None = None,
                 by_name: bool = False, memory: bool = False, accumulate: int = 1, data_seed: int = 0) -> None:
     """One step of a plain Fabric loop under the fpdt strategy equals one process's: the loss on every rank of a
-    sequence group, every gradient, every parameter after the step; frozen parameters get no gradient and stay.
+    sequence group, every gradient and their norm (``fabric.clip_gradients``), every parameter after the step; frozen
+    parameters get no gradient and stay.
     ``memory``: with the memory callbacks' transforms (checkpointed blocks, inputs offloaded, tiled MLP and loss);
     ``accumulate``: batches per step, the ones before the last without FSDP2's gradient reduce-scatter."""
     batch_size = 2
@@ -87,6 +88,7 @@ def fabric_step(kind: str, sp: int, dp: int, chunks: int, seq_len: int, tuning: 
             fabric.backward(loss / accumulate)
         losses.append(loss.item())
     grads = {name: _full(p.grad) for name, p in model.module.named_parameters() if p.grad is not None}
+    norm = _full(fabric.clip_gradients(model, optimizer, max_norm=1e9))  # the whole model's norm, nothing clipped
     optimizer.step()
     optimizer.zero_grad()
 
@@ -94,6 +96,8 @@ def fabric_step(kind: str, sp: int, dp: int, chunks: int, seq_len: int, tuning: 
     dp_rank = fabric.strategy.device_mesh["data_parallel"].get_local_rank()
     case = f"{kind} dp={dp} sp={sp} chunks={chunks} S={seq_len} tuning={tuning} accumulate={accumulate}"
     torch.testing.assert_close(losses, ref_losses[dp_rank], **TOL, msg=lambda m: f"{case} losses: {m}")
+    ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()]))
+    torch.testing.assert_close(norm, ref_norm, **TOL, msg=lambda m: f"{case} gradient norm: {m}")
     assert set(grads) == set(ref_grads), f"{case}: gradients of {sorted(set(grads) ^ set(ref_grads))} differ in kind"
     for name, ref in ref_grads.items():
         torch.testing.assert_close(grads[name], ref, **TOL, msg=lambda m: f"{case} gradient of {name}: {m}")

@@ -32,6 +32,7 @@ from lightning_fpdt.models.ops import FUSED_OPS
 from lightning_fpdt.sequence.layout import SequenceLayout
 from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry
+from lightning_fpdt.sequence.sizes import resolve_sequence_sizes
 from lightning_fpdt.strategy import budget, tokens
 from lightning_fpdt.strategy import checkpoint as checkpointing
 from lightning_fpdt.strategy.batch import BatchNotices, BatchPlan, begin_batch, check_batch
@@ -75,8 +76,8 @@ class FPDTFabricStrategy(ModelParallelStrategy):
     from local logits becomes it with :meth:`reduce_loss` (``fabric.backward`` reduces one that was not).
 
     Args:
-        sequence_parallel_size: ranks that share one sequence; ``"auto"``: the devices of a node (capped by the heads
-            once the model is known: the mesh is built at the first ``fabric.setup`` where the sizes are ``"auto"``).
+        sequence_parallel_size: ranks that share one sequence; ``"auto"``: the devices of a node, capped by the heads
+            (the mesh is built at the first ``fabric.setup``, where the model's heads are known).
         data_parallel_size: groups that see different samples; ``"auto"``: world size / sequence_parallel_size.
         chunks: FPDT chunks per rank ``u``; ``1`` is plain Ulysses. ``"auto"``: sized from the free GPU memory at the
             first batch (at most 65,536 global tokens per chunk without a GPU); the planner's search, which the Trainer
@@ -160,9 +161,9 @@ class FPDTFabricStrategy(ModelParallelStrategy):
     @property
     @override
     def device_mesh(self) -> Any:
-        """The ``(data_parallel, sequence_parallel)`` mesh (``strategy/mesh.py``). Built when the processes start
-        where both sizes are given, else at the first ``fabric.setup``, where the model's heads cap
-        ``sequence_parallel_size="auto"``; read before both, it is built without the heads."""
+        """The ``(data_parallel, sequence_parallel)`` mesh (``strategy/mesh.py``), with a ring's axes where one is
+        needed. Built at the first ``fabric.setup``, where the model's heads cap ``sequence_parallel_size="auto"`` and
+        choose ``ring_size="auto"``; read before it (``fabric.setup_dataloaders`` first), it is built without them."""
         if self._device_mesh is None:
             self._build_mesh(heads=None)
         return self._device_mesh
@@ -215,8 +216,12 @@ class FPDTFabricStrategy(ModelParallelStrategy):
         # not super().setup_environment(): it would build the (data, tensor) mesh the (data, sequence) one replaces
         super(ModelParallelStrategy, self).setup_environment()  # the device
         self._setup_distributed()
-        if self._sequence_parallel_size != "auto" and self._data_parallel_size != "auto":
-            self._build_mesh(heads=None)  # the sizes are given: no need to wait for the model
+        # sizes that cannot work are refused now, on every rank; the mesh waits for the model's heads (fabric.setup),
+        # which "auto" sizes and the ring's size are resolved with
+        resolve_sequence_sizes(world_size=self.world_size, devices_per_node=self.num_processes,
+                               data_parallel_size=self._data_parallel_size,
+                               sequence_parallel_size=self._sequence_parallel_size, ring_size=self.options.ring_size,
+                               heads=None)
 
     # ---- model ----------------------------------------------------------------------------------------------------
     @override

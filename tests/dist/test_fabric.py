@@ -56,7 +56,8 @@ def _reference_step(kind: str, tuning: str | None, dataset: TokenDataset, dp: in
 
 
 def fabric_step(kind: str, sp: int, dp: int, chunks: int, seq_len: int, tuning: str | None = None,
-                by_name: bool = False, memory: bool = False, accumulate: int = 1, data_seed: int = 0) -> None:
+                by_name: bool = False, memory: bool = False, accumulate: int = 1, ring: int = 1,
+                data_seed: int = 0) -> None:
     """One step of a plain Fabric loop under the fpdt strategy equals one process's: the loss on every rank of a
     sequence group, every gradient and their norm (``fabric.clip_gradients``), every parameter after the step; frozen
     parameters get no gradient and stay.
@@ -75,6 +76,7 @@ def fabric_step(kind: str, sp: int, dp: int, chunks: int, seq_len: int, tuning: 
     model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=batch_size, shuffle=True))
     assert (fabric.strategy.sequence_parallel_size, fabric.strategy.data_parallel_size) == (sp, dp)
+    assert fabric.strategy.ring_size == ring
     assert any(getattr(m, TILED_MLP, False) for m in model.modules()) == memory  # the transforms ran, or none
 
     # the user's loop, as one process writes it
@@ -139,6 +141,13 @@ def test_fabric_parity_four_processes(dist_pool):
         dict(kind="hf", sp=2, dp=2, chunks=2, seq_len=16, data_seed=seed + 1),
         dict(kind="llama", sp=2, dp=2, chunks=1, seq_len=15, accumulate=2, data_seed=seed + 2),
     ])
+
+
+def test_fabric_parity_ring(dist_pool):
+    """1×4 with 2 query heads: a Ulysses × ring mesh (ring_size "auto" chosen from the model's heads at setup)."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    dist_pool(4).run(run_steps, cases=[dict(kind="llama-2heads", sp=4, dp=1, chunks=1, seq_len=16, ring=2,
+                                               data_seed=seed)])
 
 
 def save_and_load(folder: str) -> None:

@@ -1,4 +1,5 @@
-"""lightning_fpdt: ultra-long-context training for PyTorch Lightning (``Trainer(strategy="fpdt")``).
+"""lightning_fpdt: ultra-long-context training for PyTorch Lightning (``Trainer(strategy="fpdt")``,
+``Fabric(strategy="fpdt")``).
 
 The plain-PyTorch layers (``lightning_fpdt.sequence``, ``.memory``, ``.planner``, ``.flops``) import without
 Lightning. Where Lightning is installed, importing this package also imports the strategy, which registers
@@ -10,7 +11,7 @@ from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, fpdt_attentio
 
 __version__ = "0.1.0"
 
-LIGHTNING_NAMES = ("ActivationOffload", "FPDTStrategy", "GradientCheck", "LongContextEval", "MFUMonitor",
+LIGHTNING_NAMES = ("ActivationOffload", "FPDTFabricStrategy", "FPDTStrategy", "GradientCheck", "LongContextEval", "MFUMonitor",
                    "SequenceLengthCurriculum", "StepProgress", "TiledLoss", "TiledMLP", "apply_fpdt", "sequence_loss",
                    "tiled_cross_entropy")
 """The public names that need Lightning."""
@@ -36,7 +37,7 @@ if LIGHTNING_AVAILABLE:
         TiledMLP,
         tiled_cross_entropy,
     )
-    from lightning_fpdt.strategy import FPDTStrategy, apply_fpdt  # registers "fpdt" with Lightning
+    from lightning_fpdt.strategy import FPDTFabricStrategy, FPDTStrategy, apply_fpdt  # registers "fpdt" with Lightning
     from lightning_fpdt.strategy.loss import sequence_loss
 else:
     def __getattr__(name: str) -> object:
@@ -53,6 +54,7 @@ __all__ = [
     "TiledMLP",
     "tiled_cross_entropy",
     "FPDTAttention",
+    "FPDTFabricStrategy",
     "FPDTStrategy",
     "GradientCheck",
     "LongContextEval",

@@ -6,7 +6,10 @@ these, ``FPDTStrategy`` reads and sets state it inherits from ``ModelParallelStr
 place of the parent's), ``_precision_plugin`` (its ``precision_plugin`` property) and
 ``_save_distributed_checkpoint`` (the constructor's option, in ``save_checkpoint``); and it overrides
 ``Strategy._setup_model``, the hook of ``Strategy.setup`` where a strategy wraps the model (its FPDT steps:
-``apply_fpdt``, a meta model allocated, the host guard and the disk tier).
+``apply_fpdt``, a meta model allocated, the host guard and the disk tier). ``FPDTFabricStrategy`` likewise reads and
+sets what it inherits from Fabric's ``ModelParallelStrategy``: ``_setup_distributed()`` (in ``setup_environment``),
+``_data_parallel_size`` and ``_device_mesh`` (its own mesh), ``_precision`` (its ``precision`` property) and
+``_save_distributed_checkpoint`` (in ``save_checkpoint``).
 """
 
 from __future__ import annotations

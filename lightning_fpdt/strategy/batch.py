@@ -183,3 +183,39 @@ def length_message(seq_len: int, resolved: Any, options: Any, sp_size: int, free
     return (f"fpdt: sequences of {seq_len} tokens: chunks={resolved.chunks} ({options.chunks!r}), "
             f"offload={resolved.offload} ({options.offload!r}), sequence_parallel_size={sp_size}"
             + (f", planned for {free_bytes / 2**30:.1f} GiB free" if free_bytes else ""))
+
+
+def begin_batch(
+    batch: Mapping[str, Any], *, layout: SequenceLayout, context: Any, resolved: Any, pad_token_id: int,
+    pad_to_multiple: bool,
+) -> tuple[dict[str, Any], BatchPlan]:
+    """Shard ``batch`` (:func:`shard_batch`) and hand the plan to the model's installed wrappers through ``context``
+    (a :class:`~lightning_fpdt.integrations.SequenceParallelContext`), with the ``resolved`` options' offload: the
+    one per-batch step both strategies take before a forward."""
+    sharded, plan = shard_batch(batch, layout=layout, pad_token_id=pad_token_id, pad_to_multiple=pad_to_multiple)
+    context.begin_batch(layout, documents=plan.documents, position_ids=plan.position_ids,
+                        token_mask=plan.token_mask, offload=resolved.offload, offload_dq=resolved.offload_dq)
+    return sharded, plan
+
+
+class BatchNotices:
+    """What the log says about batches, each said once: a new length's options, a length's padding. Each method
+    returns the message to log, or ``None`` when it was said already (the strategy logs it)."""
+
+    def __init__(self) -> None:
+        self._lengths: set[tuple[int, Any]] = set()
+        self._paddings: set[tuple[int, int]] = set()  # (length, padded length)
+
+    def length(self, seq_len: int, resolved: Any, options: Any, sp_size: int,
+               free_bytes: Optional[int]) -> Optional[str]:
+        if (seq_len, resolved) in self._lengths:
+            return None
+        self._lengths.add((seq_len, resolved))
+        return length_message(seq_len, resolved, options, sp_size, free_bytes)
+
+    def padding(self, plan: BatchPlan) -> Optional[str]:
+        padding = (plan.seq_len, plan.padded_len)
+        if plan.padded_len == plan.seq_len or padding in self._paddings:
+            return None
+        self._paddings.add(padding)
+        return padding_message(plan)

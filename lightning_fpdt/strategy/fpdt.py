@@ -24,14 +24,13 @@ from typing_extensions import override
 
 from lightning_fpdt.callbacks.gradient_check import add_gradient_check
 from lightning_fpdt.flops import attention_heads
-from lightning_fpdt.integrations import SequenceParallelContext, attention_geometry
+from lightning_fpdt.integrations import SequenceParallelContext
 from lightning_fpdt.integrations.attributes import DEVICE_MESH
 from lightning_fpdt.integrations.huggingface import train_mode_for_fit
 from lightning_fpdt.lightning_private import wrapped_closure
 from lightning_fpdt.memory.surgery import find_model
 from lightning_fpdt.models.ops import FUSED_OPS
 from lightning_fpdt.planner.components import MemoryPlan
-from lightning_fpdt.sequence.attention import FPDTAttention
 from lightning_fpdt.offload.host_memory import HostMemoryError
 from lightning_fpdt.sequence.layout import SequenceLayout
 from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
@@ -39,7 +38,7 @@ from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.strategy import budget
 from lightning_fpdt.strategy import checkpoint as checkpointing
 from lightning_fpdt.strategy import noise, storage, tokens
-from lightning_fpdt.strategy.batch import BatchPlan, check_batch, length_message, padding_message, shard_batch
+from lightning_fpdt.strategy.batch import BatchNotices, BatchPlan, begin_batch, check_batch
 from lightning_fpdt.strategy.host_optimizer import (
     InBackwardStep,
     fuse_optimizers,
@@ -48,9 +47,15 @@ from lightning_fpdt.strategy.host_optimizer import (
     prepare_host_step,
 )
 from lightning_fpdt.strategy.loss import check_training_loss, no_target_message, unwrap_loss, with_loss
-from lightning_fpdt.strategy.materialize import has_meta_parameters, materialize
-from lightning_fpdt.strategy.mesh import attention_group, build_mesh, ring_size_of, sequence_mesh
-from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt, declared_transforms, no_gradient_sync
+from lightning_fpdt.strategy.materialize import has_meta_parameters
+from lightning_fpdt.strategy.mesh import build_mesh, ring_size_of, sequence_mesh
+from lightning_fpdt.strategy.parallelize import (
+    ParallelizeConfig,
+    declared_transforms,
+    no_gradient_sync,
+    parallelize_model,
+    sequence_parallel_context,
+)
 from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
 from lightning_fpdt.strategy.predict import check_predict_outputs, gather_sequence
 from lightning_fpdt.strategy.preemption import DEFAULT_TIMEOUT, Preemption, PreemptionCheckpoint, watch_with
@@ -201,14 +206,13 @@ class FPDTStrategy(ModelParallelStrategy):
         self._vocabulary: Optional[tokens.Vocabulary] = None  # read once at setup; every batch's ids are checked
         self._checkpoint_size: Optional[storage.CheckpointSize] = None  # counted at setup, named when a save fails
         self._free_bytes: Optional[int] = None  # free GPU memory at the first batch, what "auto" plans with
-        self._lengths_seen: set[tuple[int, ResolvedOptions]] = set()
         if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
             raise ValueError(f"offload_dir must be a directory path (str or os.PathLike) or None, got "
                              f"{type(offload_dir).__name__} {offload_dir!r}")
         self.offload_dir: Optional[str] = None if offload_dir is None else os.fspath(offload_dir)
         self.memory = budget.MemoryBudget(check=check_memory, offload_dir=self.offload_dir)
         """The plans of the lengths trained, the host memory guard, the page-locked states (``strategy/budget.py``)."""
-        self._paddings_logged: set[tuple[int, int]] = set()  # (length, padded length): each said once
+        self._notices = BatchNotices()  # a new length's options, a length's padding: each said once
         self._targetless_warned = False
         self._context: Optional[SequenceParallelContext] = None
         self._pending_rng_states: Optional[dict[str, Any]] = None
@@ -293,13 +297,8 @@ class FPDTStrategy(ModelParallelStrategy):
         for loop in loops:
             loop.inference_mode = False
         if self._context is None:
-            attention = FPDTAttention(  # (ulysses_group, ring_group) with a ring: the hybrid
-                group=attention_group(self.device_mesh), backend=self.options.attention_backend,
-                offload=self.options.offload is True, offload_dq=self.options.offload_dq is True,
-                head_chunks=self.memory.head_chunks_at_setup(self, trainer),
-            )
-            # the loss is reduced over all P ranks
-            self._context = SequenceParallelContext(group=self.sequence_parallel_group, attention=attention)
+            self._context = sequence_parallel_context(self.device_mesh, self.options,
+                                                      head_chunks=self.memory.head_chunks_at_setup(self, trainer))
         FUSED_OPS.enabled = self.fused_ops  # the process's model ops (before any forward)
         Strategy.setup(self, trainer)
         if trainer.state.fn == TrainerFn.FITTING:  # a folder that cannot take a checkpoint fails now, not hours in
@@ -327,16 +326,10 @@ class FPDTStrategy(ModelParallelStrategy):
         """The FPDT steps of setup: the model transforms and FSDP2 (``apply_fpdt``), the vocabulary checks, a meta
         model allocated shard by shard, the host memory guard and the disk tier."""
         trainer = self.lightning_module.trainer
-        on_meta = has_meta_parameters(model)
-        apply_fpdt(model, self.device_mesh, config=self._parallelize_config(trainer))
-        self._geometry = attention_geometry(find_model(model), self.precision_plugin.precision)
-        self._vocabulary = tokens.model_vocabulary(model)
-        tokens.check_pad_token(self._pad_token_id, self._vocabulary)
-        tokens.check_data_vocabulary(trainer.datamodule, self._vocabulary)
-        if on_meta:
-            # FSDP2 offloading keeps the sharded parameters in host memory and refuses them anywhere else
-            materialize(model, torch.device("cpu") if self.cpu_offload_params else self.root_device,
-                        rank=self.global_rank)
+        self._geometry, self._vocabulary = parallelize_model(
+            model, self.device_mesh, config=self._parallelize_config(trainer),
+            precision=self.precision_plugin.precision, pad_token_id=self._pad_token_id, device=self.root_device,
+            rank=self.global_rank, data=trainer.datamodule)
         if not self.cpu_offload_params:
             super().model_to_device()
         self.memory.guard_host_memory(self)
@@ -419,25 +412,17 @@ class FPDTStrategy(ModelParallelStrategy):
         self._log_new_length(seq_len, batch_size, options)
         layout = SequenceLayout(self.sequence_parallel_size, self.sequence_parallel_rank, options.chunks,
                                 ring_size=self.ring_size)
-        sharded, plan = shard_batch(batch, layout=layout, pad_token_id=self._pad_token_id,
-                                    pad_to_multiple=self._pad_to_multiple)
+        sharded, plan = begin_batch(batch, layout=layout, context=self._context, resolved=options,
+                                    pad_token_id=self._pad_token_id, pad_to_multiple=self._pad_to_multiple)
         self._log_padding(plan)
         self.batch_plan = plan
-        self._context.begin_batch(layout, documents=plan.documents, position_ids=plan.position_ids,
-                                  token_mask=plan.token_mask, offload=options.offload, offload_dq=options.offload_dq)
         return sharded
 
     def _log_new_length(self, seq_len: int, batch_size: int, options: ResolvedOptions) -> None:
-        if (seq_len, options) not in self._lengths_seen:
-            self._lengths_seen.add((seq_len, options))
-            sp_size = self.sequence_parallel_size
-            rank_zero_info(length_message(seq_len, options, self.options, sp_size, self._free_bytes))
+        _log(self._notices.length(seq_len, options, self.options, self.sequence_parallel_size, self._free_bytes))
 
     def _log_padding(self, plan: BatchPlan) -> None:
-        padding = (plan.seq_len, plan.padded_len)
-        if plan.padded_len != plan.seq_len and padding not in self._paddings_logged:
-            self._paddings_logged.add(padding)
-            rank_zero_info(padding_message(plan))
+        _log(self._notices.padding(plan))
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -572,3 +557,8 @@ class FPDTStrategy(ModelParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(cls.strategy_name, cls, description="lightning_fpdt sequence parallelism")
+
+
+def _log(message: Optional[str]) -> None:
+    if message is not None:
+        rank_zero_info(message)

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -17,11 +18,16 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from lightning_fpdt.integrations import SequenceParallelContext, check_router_loss, install
+from lightning_fpdt.integrations import SequenceParallelContext, attention_geometry, check_router_loss, install
 from lightning_fpdt.integrations.attributes import APPLIED, STEP_METHODS
 from lightning_fpdt.integrations.head_loss import loss_head
 from lightning_fpdt.memory.surgery import find_blocks, find_model, has_parameters
-from lightning_fpdt.strategy.mesh import flat_mesh
+from lightning_fpdt.sequence.attention import FPDTAttention
+from lightning_fpdt.sequence.options import FPDTOptions
+from lightning_fpdt.sequence.planning import AttentionGeometry
+from lightning_fpdt.strategy import tokens
+from lightning_fpdt.strategy.materialize import has_meta_parameters, materialize
+from lightning_fpdt.strategy.mesh import attention_group, flat_mesh, sequence_mesh
 
 ModelTransform = Callable[[nn.Module, list[nn.Module]], None]
 """``transform(model, blocks)``: changes the network in place (a memory callback's ``fpdt_transform``)."""
@@ -92,9 +98,9 @@ def apply_fpdt(module: nn.Module, mesh: DeviceMesh, *, config: ParallelizeConfig
         transform(model, blocks)
     # 5. FSDP2 (plain gradient averaging over all ranks, see sequence_parallel_loss): each block its own unit
     #    (gathered just in time), then one root unit for what remains (embeddings, final norm, head; tied weights
-    #    stay in one unit): the network's own module, or, when the parts sit on the LightningModule itself
-    #    (nanoGPT style), the LightningModule, whose steps then count as forwards (Lightning calls training_step,
-    #    never forward, so FSDP2 would otherwise not gather the root's parameters)
+    #    stay in one unit): the network's own module, or, when the parts sit on the module given (nanoGPT style, or
+    #    the model itself under Fabric), that module, whose LightningModule steps then count as forwards (Lightning
+    #    calls training_step, never forward, so FSDP2 would otherwise not gather the root's parameters)
     fsdp = dict(mesh=flat_mesh(mesh), mp_policy=config.mp_policy or MixedPrecisionPolicy())
     if config.cpu_offload_params:
         # page-locked by the strategy itself, each shard exactly its size (budget.register_host_states): FSDP2's own
@@ -116,9 +122,40 @@ def apply_fpdt(module: nn.Module, mesh: DeviceMesh, *, config: ParallelizeConfig
     elif rest:
         fully_shard(module, **fsdp)
         for method in STEP_METHODS:
-            register_fsdp_forward_method(module, method)
+            if callable(getattr(module, method, None)):  # a plain nn.Module (a Fabric loop's model) has none
+                register_fsdp_forward_method(module, method)
     setattr(module, APPLIED, True)
     return module
+
+
+def sequence_parallel_context(mesh: DeviceMesh, options: FPDTOptions, *, head_chunks: int) -> SequenceParallelContext:
+    """The attention (its group, kernel, offload and head groups) and the context the installed wrappers share with a
+    strategy; the loss is reduced over all ``P`` ranks of the sequence mesh, with or without a ring."""
+    attention = FPDTAttention(  # (ulysses_group, ring_group) with a ring: the hybrid
+        group=attention_group(mesh), backend=options.attention_backend, offload=options.offload is True,
+        offload_dq=options.offload_dq is True, head_chunks=head_chunks,
+    )
+    return SequenceParallelContext(group=sequence_mesh(mesh).get_group(), attention=attention)
+
+
+def parallelize_model(
+    module: nn.Module, mesh: DeviceMesh, *, config: ParallelizeConfig, precision: str, pad_token_id: int,
+    device: torch.device, rank: int, data: Any = None,
+) -> tuple[Optional[AttentionGeometry], Optional[tokens.Vocabulary]]:
+    """The model steps both strategies take at setup: :func:`apply_fpdt`, the vocabulary checks (the pad token, and
+    ``data``'s vocabulary when it names one), a meta model allocated shard by shard on ``device`` (the host under
+    ``cpu_offload_params``, where FSDP2 keeps the shards). Returns the attention geometry the ``"auto"`` options are
+    sized with and the model's vocabulary, which every batch's token ids are checked against."""
+    on_meta = has_meta_parameters(module)
+    apply_fpdt(module, mesh, config=config)
+    geometry = attention_geometry(find_model(module), precision)
+    vocabulary = tokens.model_vocabulary(module)
+    tokens.check_pad_token(pad_token_id, vocabulary)
+    tokens.check_data_vocabulary(data, vocabulary)
+    if on_meta:
+        # FSDP2 offloading keeps the sharded parameters in host memory and refuses them anywhere else
+        materialize(module, torch.device("cpu") if config.cpu_offload_params else device, rank=rank)
+    return geometry, vocabulary
 
 
 def unsharded_children(module: nn.Module) -> list[nn.Module]:

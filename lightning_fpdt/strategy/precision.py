@@ -1,4 +1,7 @@
-"""Precision for the fpdt strategy: FSDP2's MixedPrecisionPolicy instead of autocast (docs/design.md §5)."""
+"""Precision for the fpdt strategies: FSDP2's MixedPrecisionPolicy instead of autocast (docs/design.md §5).
+
+:class:`FPDTFabricPrecision` holds the whole behaviour on Fabric's plugin interface (``Fabric(strategy="fpdt")``);
+:class:`FPDTPrecision` is the same on the Trainer's, whose plugin class extends Fabric's."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -15,7 +19,7 @@ from typing_extensions import override
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
-class FPDTPrecision(Precision):
+class FPDTFabricPrecision(FabricPrecision):
     """``bf16-mixed``: fp32 master weights, bf16 compute, fp32 gradient reduction; ``bf16-true``: bf16 everywhere;
     ``32-true``: fp32 (the CPU tests)."""
 
@@ -63,8 +67,15 @@ class FPDTPrecision(Precision):
         return data  # FSDP2 casts floating inputs to param_dtype itself (cast_forward_inputs)
 
 
-def to_fpdt_precision(plugin: Optional[Precision]) -> Optional[FPDTPrecision]:
-    """Map the plugin Lightning chose from ``Trainer(precision=...)`` to :class:`FPDTPrecision`, or refuse it."""
-    if plugin is None or isinstance(plugin, FPDTPrecision):
+class FPDTPrecision(FPDTFabricPrecision, Precision):
+    """:class:`FPDTFabricPrecision` as a Trainer plugin (the Trainer's backward and optimizer step)."""
+
+
+def to_fpdt_precision(
+    plugin: Optional[FabricPrecision], kind: type[FPDTFabricPrecision] = FPDTPrecision
+) -> Optional[FPDTFabricPrecision]:
+    """Map the plugin Lightning chose from ``Trainer(precision=...)`` or ``Fabric(precision=...)`` to ``kind``
+    (:class:`FPDTPrecision` for the Trainer, :class:`FPDTFabricPrecision` for Fabric), or refuse it."""
+    if plugin is None or isinstance(plugin, kind):
         return plugin
-    return FPDTPrecision(getattr(plugin, "precision", "32-true"))
+    return kind(getattr(plugin, "precision", "32-true"))

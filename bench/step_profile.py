@@ -28,7 +28,9 @@ subtracted.
 from __future__ import annotations
 
 import bisect
+import cProfile
 import json
+import pstats
 import os
 import time
 from typing import Any, Optional
@@ -147,6 +149,18 @@ def launch_sites(events: Any, *, kinds: tuple[str, ...] = ("other",), top: int =
     return [{"kernel": k, "op": op, "site": site, "seconds": sec, "calls": n} for (k, op, site), (sec, n) in ranked]
 
 
+def python_hotspots(python: cProfile.Profile, *, top: int = 15) -> dict[str, list[dict[str, Any]]]:
+    """The step's Python time on rank 0 (``cProfile``, which slows the host: the step's device view is read apart):
+    the functions of the package, the bench and Lightning by cumulative time (which hook or call holds the host),
+    and every function by its own time (where it is spent)."""
+    stats = pstats.Stats(python).stats  # {(file, line, name): (calls, primitive, own s, cumulative s, callers)}
+    rows = [{"function": f"{file.split('site-packages/')[-1]}:{line}({name})", "calls": calls, "own_s": own,
+             "cumulative_s": cumulative} for (file, line, name), (_, calls, own, cumulative, _) in stats.items()]
+    ours = [r for r in rows if any(part in r["function"] for part in ("lightning_fpdt/", "bench/", "lightning/"))]
+    return {"cumulative": sorted(ours, key=lambda r: -r["cumulative_s"])[:top],
+            "own": sorted(rows, key=lambda r: -r["own_s"])[:top]}
+
+
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[tuple[float, float]] = []
     for start, end in sorted(intervals):
@@ -217,6 +231,12 @@ def format_summary(summary: dict[str, Any]) -> str:
              f"({100 * (summary['busy_fraction'] or 0):.1f}%), waiting {summary['wait_s']:.3f} s"]
     lines += [f"  {name:<22} {value:8.3f} s" for name, value in summary["device_s"].items()]
     lines += [f"  {name:<22} {value:8.3f} s (host)" for name, value in summary.get("host_stalls_s", {}).items()]
+    python = summary.get("python")
+    if python:
+        lines.append("  host Python (rank 0, cProfile), by cumulative time:")
+        lines += [f"  {r['cumulative_s']:8.3f} s {r['calls']:6d}x {r['function']}" for r in python["cumulative"]]
+        lines.append("  by own time:")
+        lines += [f"  {r['own_s']:8.3f} s {r['calls']:6d}x {r['function']}" for r in python["own"]]
     sites = summary.get("launch_sites")
     if sites:
         lines.append("  elementwise kernels by launch site:")
@@ -247,6 +267,7 @@ class StepProfiler:
         self.step, self.out_prefix, self.device, self.rank, self.trace = step, out_prefix, device, rank, trace
         self.sink = sink
         self._profile: Optional[profile] = None
+        self._python: Optional[cProfile.Profile] = None
         self._start = 0.0
         self.summary: Optional[dict[str, Any]] = None
 
@@ -258,6 +279,9 @@ class StepProfiler:
         # stacks and shapes: where each kernel was launched from (launch_sites); the profiled step is timed apart
         self._profile = profile(activities=activities, with_stack=True, record_shapes=True)
         self._profile.__enter__()
+        if self.rank == 0:
+            self._python = cProfile.Profile()
+            self._python.enable()
         self._start = time.perf_counter()
 
     def stop(self, step: int) -> None:
@@ -267,11 +291,17 @@ class StepProfiler:
             raise RuntimeError(f"StepProfiler.stop({step}) called before start({step})")
         self._sync()
         wall = time.perf_counter() - self._start
+        python = None
+        if self._python is not None:
+            self._python.disable()
+            python, self._python = python_hotspots(self._python), None
         self._profile.__exit__(None, None, None)
         self.summary = summarize(self._profile.key_averages(), wall)
         events = self._profile.events()
         self.summary["idle"] = idle_gaps(device_events(events), host_ops=host_events(events))
         self.summary["launch_sites"] = launch_sites(events)
+        if python is not None:
+            self.summary["python"] = python
         if self.sink is not None:
             self.sink["profile"] = self.summary
         if self.rank == 0:

@@ -676,3 +676,17 @@ def test_launch_sites_name_the_package_caller():
     assert len(sites) == 1 and sites[0]["calls"] == 2 and sites[0]["seconds"] == pytest.approx(150e-6)
     assert sites[0]["site"] == "lightning_fpdt/sequence/all_to_all.py(62): seq_to_head"
     assert sites[0]["op"] == "aten::copy_ [[2, 3]]"
+
+
+def test_profiled_step_names_the_host_python(tmp_path):
+    """Rank 0's profiled step carries its Python time: the package's and bench's functions by cumulative time and
+    every function by its own time."""
+    sink = {}
+    profiler = step_profile.StepProfiler(1, str(tmp_path / "step"), device=torch.device("cpu"), rank=0, sink=sink)
+    profiler.start(1)
+    torch.randn(64, 64) @ torch.randn(64, 64)
+    profiler.stop(1)
+    python = sink["profile"]["python"]
+    assert any("bench/step_profile.py" in row["function"] for row in python["cumulative"])
+    assert python["own"] and {"function", "calls", "own_s", "cumulative_s"} <= set(python["own"][0])
+    assert json.loads((tmp_path / "step.json").read_text())["python"] == python

@@ -134,7 +134,7 @@ def _python_site(event: Any) -> str:
 
 def launch_sites(events: Any, *, kinds: tuple[str, ...] = ("other",), top: int = 12) -> list[dict[str, Any]]:
     """The device time of the ``kinds`` kernels by the code that launched them: kernel, the CPU operator with its
-    input shapes, and the Python caller (:func:`_python_site`; needs ``with_stack``), largest first."""
+    input shapes, and the Python caller where the profile has stacks (:func:`_python_site`), largest first."""
     sites: dict[tuple[str, str, str], list[float]] = {}
     for event in events:
         for kernel in getattr(event, "kernels", None) or ():
@@ -276,12 +276,16 @@ class StepProfiler:
             return
         self._sync()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        # stacks and shapes: where each kernel was launched from (launch_sites); the profiled step is timed apart
-        self._profile = profile(activities=activities, with_stack=True, record_shapes=True)
+        # shapes: which tensors each kernel's operator had (launch_sites); no stacks: from Python 3.12 the profiler's
+        # stack tracing and cProfile (the host's Python time, below) exclude each other. The step is timed apart.
+        self._profile = profile(activities=activities, record_shapes=True)
         self._profile.__enter__()
         if self.rank == 0:
             self._python = cProfile.Profile()
-            self._python.enable()
+            try:
+                self._python.enable()
+            except ValueError:  # another profiling tool holds the interpreter's hook
+                self._python = None
         self._start = time.perf_counter()
 
     def stop(self, step: int) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+import torch
 from torch import nn
 
 from lightning_fpdt.callbacks.transforms import transform_without_fpdt
@@ -177,4 +178,7 @@ class ActivationOffload(Callback):
         transform_without_fpdt(self, trainer, pl_module, self.layer_classes, require_parameters=False)
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
-        pl_module.log("memory/activation_offload_host_gib", self.host_bytes / 2**30, on_step=True, logger=True)
+        # a host tensor: Lightning keeps the logged value where it is given; a Python float would be copied to the
+        # GPU, from pageable memory, which waits for the step's last kernel on every batch
+        pl_module.log("memory/activation_offload_host_gib", torch.tensor(self.host_bytes / 2**30), on_step=True,
+                      logger=True)

@@ -394,3 +394,16 @@ def test_checkpoint_blocks_from_the_strategy_choice():
 def _models_and_blocks():
     model, _ = _models()
     return model, find_blocks(model)
+
+
+def test_activation_offload_logs_its_host_memory_without_a_device_copy():
+    """The host memory ActivationOffload logs each batch is a host tensor: Lightning keeps a logged tensor where it
+    is, where a Python float becomes a copy to the GPU from pageable memory that waits for the step's last kernel."""
+    from types import SimpleNamespace
+
+    logged = {}
+    module = SimpleNamespace(log=lambda name, value, **kwargs: logged.update({name: value}))
+    callback = ActivationOffload()
+    callback.on_train_batch_end(None, module, None, None, 0)
+    value = logged["memory/activation_offload_host_gib"]
+    assert isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() == 1

@@ -37,7 +37,7 @@ from lightning_fpdt.strategy import budget, tokens
 from lightning_fpdt.strategy import checkpoint as checkpointing
 from lightning_fpdt.strategy.batch import BatchNotices, BatchPlan, begin_batch, check_batch
 from lightning_fpdt.strategy.materialize import has_meta_parameters
-from lightning_fpdt.strategy.mesh import build_mesh, ring_size_of, sequence_mesh
+from lightning_fpdt.strategy.mesh import MeshSizes, build_mesh
 from lightning_fpdt.strategy.parallelize import (
     ParallelizeConfig,
     declared_transforms,
@@ -64,7 +64,7 @@ TRAINER_ONLY_OPTIONS = {
 """``FPDTStrategy``'s options that have no meaning under Fabric, each with why (named when given)."""
 
 
-class FPDTFabricStrategy(ModelParallelStrategy):
+class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
     """Sequence-parallel training of long sequences in a Fabric loop: Ulysses all-to-all, FPDT chunked attention,
     FSDP2 over the (data × sequence) mesh.
 
@@ -178,27 +178,6 @@ class FPDTFabricStrategy(ModelParallelStrategy):
         )
         self._data_parallel_size, self._sequence_parallel_size = dp, sp
         self._device_mesh = build_mesh(self.root_device.type, dp, sp, ring)
-
-    @property
-    def sequence_parallel_size(self) -> int:
-        return sequence_mesh(self.device_mesh).size()
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.device_mesh["data_parallel"].size()
-
-    @property
-    def sequence_parallel_rank(self) -> int:
-        return sequence_mesh(self.device_mesh).get_local_rank()
-
-    @property
-    def sequence_parallel_group(self) -> torch.distributed.ProcessGroup:
-        return sequence_mesh(self.device_mesh).get_group()
-
-    @property
-    def ring_size(self) -> int:
-        """``R``: ring ranks of the sequence mesh (1: plain Ulysses/FPDT)."""
-        return ring_size_of(self.device_mesh)
 
     @property
     @override

@@ -48,7 +48,7 @@ from lightning_fpdt.strategy.host_optimizer import (
 )
 from lightning_fpdt.strategy.loss import check_training_loss, no_target_message, unwrap_loss, with_loss
 from lightning_fpdt.strategy.materialize import has_meta_parameters
-from lightning_fpdt.strategy.mesh import build_mesh, ring_size_of, sequence_mesh
+from lightning_fpdt.strategy.mesh import MeshSizes, build_mesh
 from lightning_fpdt.strategy.parallelize import (
     ParallelizeConfig,
     declared_transforms,
@@ -63,7 +63,7 @@ from lightning_fpdt.strategy.topology import resolve_topology
 from lightning_fpdt.strategy.watchdog import DEFAULT_STALE_AFTER, RankWatchdog
 
 
-class FPDTStrategy(ModelParallelStrategy):
+class FPDTStrategy(MeshSizes, ModelParallelStrategy):
     """Sequence-parallel training of long sequences: Ulysses all-to-all, FPDT chunked attention, FSDP2.
 
     Args:
@@ -221,28 +221,7 @@ class FPDTStrategy(ModelParallelStrategy):
         self.batch_plan: Optional[BatchPlan] = None
         """What the sharding of the last batch decided (its layout, documents, valid tokens)."""
 
-    # ---- sizes and mesh -------------------------------------------------------------------------------------------
-    @property
-    def sequence_parallel_size(self) -> int:
-        return sequence_mesh(self.device_mesh).size()
-
-    @property
-    def ring_size(self) -> int:
-        """``R``: ring ranks of the sequence mesh (1: plain Ulysses/FPDT)."""
-        return ring_size_of(self.device_mesh)
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.device_mesh["data_parallel"].size()
-
-    @property
-    def sequence_parallel_rank(self) -> int:
-        return sequence_mesh(self.device_mesh).get_local_rank()
-
-    @property
-    def sequence_parallel_group(self) -> torch.distributed.ProcessGroup:
-        return sequence_mesh(self.device_mesh).get_group()
-
+    # ---- sizes and mesh (the sizes, rank and groups: MeshSizes) --------------------------------------------------
     @property
     def last_batch_geometry(self) -> Optional[tuple[int, int, int]]:
         """``(batch_size, seq_len, padded_seq_len)`` of the global sequence of the last batch sharded."""
@@ -524,7 +503,7 @@ class FPDTStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()
-        self.memory.close()  # the states' registration ended before FSDP2 lets the memory go, the disk tier's files gone
+        self.memory.close()  # the states' registration ends before FSDP2 lets the memory go; the disk tier's files go
         if self._preemption is not None:
             self._preemption.uninstall()
         if self._in_backward is not None:

@@ -53,3 +53,31 @@ def attention_group(mesh: DeviceMesh) -> Union[ProcessGroup, tuple[ProcessGroup,
 def flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The 1-D mesh over every rank that FSDP2 shards parameters across (data × sequence)."""
     return mesh[mesh.mesh_dim_names]._flatten("data_sequence")
+
+
+class MeshSizes:
+    """The sizes, rank and groups a strategy reads from its ``device_mesh`` (:func:`build_mesh`): the Trainer's and
+    Fabric's strategies alike."""
+
+    device_mesh: DeviceMesh
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return sequence_mesh(self.device_mesh).size()
+
+    @property
+    def ring_size(self) -> int:
+        """``R``: ring ranks of the sequence mesh (1: plain Ulysses/FPDT)."""
+        return ring_size_of(self.device_mesh)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.device_mesh["data_parallel"].size()
+
+    @property
+    def sequence_parallel_rank(self) -> int:
+        return sequence_mesh(self.device_mesh).get_local_rank()
+
+    @property
+    def sequence_parallel_group(self) -> ProcessGroup:
+        return sequence_mesh(self.device_mesh).get_group()

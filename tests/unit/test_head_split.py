@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_fpdt.planner import plan_memory
+from lightning_fpdt.planner.sizes import StepSizes
 from lightning_fpdt.sequence.heads import HeadSplit
+from lightning_fpdt.sequence.planning import AttentionGeometry, stash_bytes
+from lightning_fpdt.sequence.sizes import resolve_sizes
 
 
 def test_uneven_split_blocks_and_kv_heads():
@@ -46,3 +50,21 @@ def test_split_refusals_name_the_fix():
         HeadSplit(num_heads=6, num_kv_heads=4, sp_size=2)
     with pytest.raises(ValueError, match="sequence_parallel_size must be a positive int, got 0"):
         HeadSplit(num_heads=6, num_kv_heads=2, sp_size=0)
+
+
+def test_planner_counts_the_busiest_rank():
+    """The planner plans all GPUs of a host for heads they do not divide, and counts the busiest rank's ⌈H/P⌉ query
+    heads (and the kv heads they read) in the stash and the attention's time; an even split is counted as before."""
+    uneven = AttentionGeometry(num_layers=1, num_heads=14, num_kv_heads=2, head_dim=64)  # Qwen2.5-0.5B's heads
+    local = 2 * 4096 // 4
+    # rank 0 holds q heads 0-3 (as if every rank held 4: 16) and rank 1 reads both kv heads (2 a rank: 8)
+    assert stash_bytes(uneven, batch_size=2, seq_len=4096, sp_size=4) == local * (16 + 2 * 8) * 64 * 2 + local * 16 * 4
+    even = AttentionGeometry(num_layers=1, num_heads=32, num_kv_heads=8, head_dim=64)
+    assert stash_bytes(even, batch_size=2, seq_len=4096, sp_size=4) == local * (32 + 2 * 8) * 64 * 2 + local * 32 * 4
+    plan = plan_memory(geometry="llama3-8b", seq_len=65536, num_gpus=3, activation_offload=True, tiled_mlp=True,
+                       tiled_loss=True)
+    assert (plan.options.sequence_parallel_size, plan.options.ring_size) == (3, 1)  # 32 heads: 11, 11, 10
+    sizes = StepSizes(g=plan.geometry, o=plan.options, seq_len=plan.padded_seq_len, batch_size=1, num_gpus=3)
+    assert sizes.attention_heads == 33 and sizes.attn_width == 32 * 128
+    assert resolve_sizes(world_size=4, devices_per_node=4, data_parallel_size="auto", sequence_parallel_size="auto",
+                         heads=(14, 2)) == (1, 4)

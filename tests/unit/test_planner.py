@@ -546,8 +546,8 @@ def test_geometry_from_a_hugging_face_config_file(tmp_path):
         (dict(seq_len=0), r"seq_len \(0\) must be a positive int"),
         (dict(num_gpus=6, gpus_per_node=4), r"gpus_per_node \(4\) must divide num_gpus \(6\)"),
         (dict(sequence_parallel_size=3), r"sequence_parallel_size \(3\) does not divide the world size 4"),
-        (dict(num_gpus=3, gpus_per_node=3, sequence_parallel_size=3, ring_size=1),
-         "not divisible by sequence_parallel_size"),
+        (dict(num_gpus=6, gpus_per_node=6, sequence_parallel_size=6, ring_size=2),
+         "not divisible by sequence_parallel_size"),  # the ring's Ulysses level splits the heads evenly
         (dict(num_gpus=8, gpus_per_node=8, sequence_parallel_size=8, ring_size=3),
          r"ring_size \(3\) does not divide sequence_parallel_size \(8\)"),
         (dict(num_gpus=4, sequence_parallel_size=4, ring_size=2, chunks=2),

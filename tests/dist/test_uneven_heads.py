@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_fpdt.callbacks.activation_offload import ActivationOffload
 from lightning_fpdt.sequence import SequenceLayout, all_to_all_head_to_seq, all_to_all_seq_to_head
 from lightning_fpdt.sequence.all_to_all import group_rank, group_size
 from lightning_fpdt.sequence.heads import HeadSplit
+from tests.dist import test_strategy_parity as parity
 from tests.dist.test_packed_attention import check_packed, random_starts
 from tests.dist.test_fpdt_attention import TOLERANCE, run_attention_cases
 
@@ -104,3 +106,36 @@ def test_uneven_all_to_all_round_trip_and_gradient(dist_pool, sp_size):
     """seq->head with unequal splits gives each rank its q heads and the kv heads they read; head->seq inverts it for
     q; the backward sums a replicated kv head's gradients."""
     dist_pool(sp_size).run(run_all_to_all_cases, cases=[dict(heads=h, seed=n) for n, h in enumerate(UNEVEN[sp_size])])
+
+
+def run_training(cases: list[dict]) -> None:
+    for case in cases:
+        activation_offload = case.pop("activation_offload", False)
+        parity.train_and_compare(**case, callbacks=[ActivationOffload()] if activation_offload else [])
+
+
+# Tolerance: test_strategy_parity.TOL (fp32, rtol 1e-4 / atol 2e-5) on losses and parameters after 3 SGD steps: the
+# parallel run sums the same products in another order (blockwise softmax, a kv head's gradient summed over the ranks
+# that read it), ~1e-7 relative per op; a q head attending the wrong kv head or a lost kv gradient copy moves the loss
+# or a parameter by > 1e-3.
+
+
+def test_training_parity_uneven_heads_four_processes(dist_pool):
+    """1×4 with 6 query / 2 kv heads (2, 2, 1, 1 query heads a rank; kv head 0 read on ranks 0 and 1, kv head 1 on
+    ranks 1 to 3): the reference Llama with chunks 2, host offload and ActivationOffload, a Qwen2-shaped HF model
+    with chunks 2, and sequence_parallel_size "auto" taking all 4 ranks for 6 heads."""
+    dist_pool(4).run(run_training, cases=[
+        dict(kind="llama-6q2kv", dp=1, sp=4, chunks=2, accumulate=1, seq_len=23, offload=True,
+             activation_offload=True),
+        dict(kind="hf-qwen2-6q2kv", dp=1, sp=4, chunks=2, accumulate=1, seq_len=16),
+        dict(kind="hf-qwen2-6q2kv", dp=1, sp=4, chunks=1, accumulate=1, seq_len=16, strategy_name=True),
+    ])
+
+
+def test_training_parity_uneven_heads_three_processes(dist_pool):
+    """1×3 with 4 query / 2 kv heads (2, 1, 1 query heads a rank), chunks 2; and head groups (8 query / 4 kv heads
+    in 2 groups of 4 / 2, each split unevenly over the 3 ranks)."""
+    dist_pool(3).run(run_training, cases=[
+        dict(kind="llama", dp=1, sp=3, chunks=2, accumulate=1, seq_len=18),
+        dict(kind="llama-gqa8", dp=1, sp=3, chunks=2, accumulate=1, seq_len=18, head_chunks=2, offload=True),
+    ])

@@ -91,26 +91,34 @@ def resolve_sequence_sizes(
     dp, sp = resolve_sizes(world_size=world_size, devices_per_node=devices_per_node,
                            data_parallel_size=data_parallel_size, sequence_parallel_size=sequence_parallel_size,
                            heads=heads, ring_size=ring_size)
-    ring = resolve_ring_size(sequence_parallel_size=sp, ring_size=ring_size, heads=heads)
+    ring = resolve_ring_size(sequence_parallel_size=sp, ring_size=ring_size, heads=heads,
+                             devices_per_node=devices_per_node)
     check_ring(ring, head_chunks=head_chunks)
     return dp, sp, ring
 
 
 def resolve_ring_size(
-    *, sequence_parallel_size: int, ring_size: Union[str, int], heads: Optional[tuple[int, int]] = None
+    *, sequence_parallel_size: int, ring_size: Union[str, int], heads: Optional[tuple[int, int]] = None,
+    devices_per_node: Optional[int] = None,
 ) -> int:
     """``R``: ring ranks of the 2-D sequence mesh (``P = U·R``, docs/ring.md).
 
     ``"auto"``: ``1`` (plain Ulysses/FPDT, the heads split unevenly where ``P`` does not divide them) when
     ``P <= H``, else the smallest ``R`` whose ``U = P/R`` splits the heads evenly (``H % U == 0`` and ``Hkv``, ``U``
-    dividing one another, as :func:`check_heads` says: the ring's Ulysses level is even). An int is checked: it must
-    divide ``P`` and leave a ``U`` the heads allow (any ``U <= H`` for ``R = 1``, an even one for ``R > 1``).
+    dividing one another, as :func:`check_heads` says: the ring's Ulysses level is even). A group larger than
+    ``devices_per_node`` (it spans hosts) prefers a ring with even Ulysses groups where one exists, as before uneven
+    splits existed: then only the ring's point-to-point traffic crosses hosts. An int is checked: it must divide ``P``
+    and leave a ``U`` the heads allow (any ``U <= H`` for ``R = 1``, an even one for ``R > 1``).
     """
     P = sequence_parallel_size
     if ring_size == "auto":
         if heads is None:
             return 1
-        ring = next((r for r in range(1, P + 1) if P % r == 0 and ulysses_allows(*heads, P // r, ring_size=r)), None)
+        divisors = [r for r in range(1, P + 1) if P % r == 0]
+        even = [r for r in divisors if heads_allow(*heads, P // r)]
+        if devices_per_node is not None and P > devices_per_node and even:
+            return even[0]
+        ring = next((r for r in divisors if ulysses_allows(*heads, P // r, ring_size=r)), None)
         if ring is None:  # only when num_heads % num_kv_heads != 0: let check_heads say so
             check_heads(*heads, 1)
         return ring

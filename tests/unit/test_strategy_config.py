@@ -51,6 +51,9 @@ def test_ring_size_auto_and_explicit():
     assert resolve_ring_size(sequence_parallel_size=8, ring_size="auto", heads=(32, 8)) == 1
     assert resolve_ring_size(sequence_parallel_size=8, ring_size="auto", heads=(12, 4)) == 1  # uneven: 2 or 1 heads
     assert resolve_ring_size(sequence_parallel_size=8, ring_size=2, heads=(12, 4)) == 2  # the ring stays reachable
+    # a group spanning hosts prefers a ring whose Ulysses groups split the heads evenly (only the ring leaves a host)
+    assert resolve_ring_size(sequence_parallel_size=16, ring_size="auto", heads=(24, 8), devices_per_node=8) == 2
+    assert resolve_ring_size(sequence_parallel_size=16, ring_size="auto", heads=(24, 8), devices_per_node=16) == 1
     with pytest.raises(ValueError, match=r"sequence_parallel_size \(8\) / ring_size \(4\) = 2 Ulysses ranks: "
                                          r"num_kv_heads \(3\).*ring sizes the heads allow: \[1, 8\]"):
         resolve_ring_size(sequence_parallel_size=8, ring_size=4, heads=(12, 3))  # the ring's Ulysses level is even

@@ -36,8 +36,8 @@ from lightning_fpdt.sequence.blocks import (
     softmax_scale,
     sum_kv_replicas,
 )
-from lightning_fpdt.sequence.heads import HeadSplit
 from lightning_fpdt.sequence.documents import BlockPlan, DocumentBoundaries, Segment
+from lightning_fpdt.sequence.heads import HeadSplit
 from lightning_fpdt.offload.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.kernels import BlockKernel, VarlenFlashKernel, accumulation_dtype, make_kernel
 from lightning_fpdt.sequence.layout import SequenceLayout
@@ -156,7 +156,8 @@ def _block_backward(
 
 
 def _block_backward_heads(
-    plan: FPDTPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
+    plan: FPDTPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int,
+    kv_chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`_block_backward` for kv heads the kernels group the q heads over.
 
@@ -376,6 +377,10 @@ class _FPDTAttentionFunction(torch.autograd.Function):
     | stash ("lse", i) | (B, H/P, C) fp32 | heads | yes: with out it makes the blockwise backward exact |
     | stash ("dout"/"out", i) | (B, H/P, C, D) | heads | backward only: all-to-all'd once, read by every kv step |
     | partial dQ ("dq", i) | (B, H/P, C, D) fp32 | heads | backward only: device or host by the memory budget |
+
+    ``H/P`` and ``Hkv/P`` are this rank's query and kv heads after the all-to-all, ``h_r`` and ``hk_r`` of the plan's
+    :class:`HeadSplit` (unequal over the ranks when ``P`` does not divide the heads); the stashed kv chunks hold the
+    ``hk_r`` kv heads as received, never expanded to one per query head.
 
     Nothing is recomputed in backward: the block backward runs on the stashed chunks (with packed documents, on the
     same per-document segments as the forward; the plan holds the boundaries).

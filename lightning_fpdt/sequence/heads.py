@@ -24,7 +24,7 @@ HeadRanges = tuple[tuple[int, int], ...]
 """``[start, stop)`` of the heads of one tensor that each rank holds after the all-to-all, indexed by rank."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HeadSplit:
     """The heads of ``num_heads`` query and ``num_kv_heads`` kv heads over ``sp_size`` ranks.
 

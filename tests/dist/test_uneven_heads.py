@@ -48,12 +48,14 @@ def test_uneven_heads_match_single_process(dist_pool, sp_size):
 
 def _packed_cases(sp_size: int) -> list[dict]:
     cases = []
-    for num_chunks in (1, 2):
-        seq_len = sp_size * num_chunks * 3 + 2
-        gen = torch.Generator().manual_seed(10 * sp_size + num_chunks)
-        starts = [random_starts(seq_len, gen, force=[3]), random_starts(seq_len, gen, force=[1, seq_len - 1])]
-        cases.append(dict(seq_len=seq_len, num_chunks=num_chunks, heads=UNEVEN[sp_size][0], starts=starts,
-                          seed=len(cases), offload=num_chunks == 2))
+    # the first split with the kernels' own grouping on every rank; (8, 2) on 3 and (12, 6) on 4 expand kv locally
+    for heads in (UNEVEN[sp_size][0], {3: (8, 2), 4: (12, 6)}[sp_size]):
+        for num_chunks in (1, 2):
+            seq_len = sp_size * num_chunks * 3 + 2
+            gen = torch.Generator().manual_seed(10 * sp_size + num_chunks)
+            starts = [random_starts(seq_len, gen, force=[3]), random_starts(seq_len, gen, force=[1, seq_len - 1])]
+            cases.append(dict(seq_len=seq_len, num_chunks=num_chunks, heads=heads, starts=starts, seed=len(cases),
+                              offload=num_chunks == 2))
     return cases
 
 

@@ -602,8 +602,12 @@ def test_cli_exit_codes(capsys):
     assert main(["--seq-len", "131072", "--callbacks", "none"]) == 1
     recommendation = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("recommendation"))
     assert "tiled_loss=True" in recommendation and "cpu_offload_params=True" in recommendation
-    assert main(["--seq-len", "131072", "--gpus", "3", "--sp", "3", "--ring-size", "1"]) == 2
+    # a ring whose Ulysses level does not split the heads evenly (3 of llama3-8b's 32)
+    assert main(["--seq-len", "131072", "--gpus", "6", "--sp", "6", "--ring-size", "2"]) == 2
     assert "sequence_parallel_size" in capsys.readouterr().err
+    # without a ring the 32 heads split unevenly over 3 GPUs (11, 11, 10): planned, not refused
+    assert main(["--seq-len", "131072", "--gpus", "3", "--sp", "3", "--ring-size", "1"]) in (0, 1)
+    assert "sp=3" in capsys.readouterr().out
 
 
 def test_ring_plan_by_hand():

@@ -88,15 +88,9 @@ def _seq_to_head_uneven(tensors: Sequence[Tensor], group: Optional[dist.ProcessG
     # (B, s, h, D) -slice heads [start_p, stop_p)-> (B, s, h_p, D) -transpose-> (B, h_p, s, D): block p goes to rank p
     send = [[x[:, :, heads[p][0]:heads[p][1]].transpose(1, 2) for x, heads in zip(tensors, ranges)]
             for p in range(sp_size)]
-    recv_shapes = []
-    for _ in range(sp_size):
-        shapes = []
-        for x, heads in zip(tensors, ranges):
-            b, s, _, d = x.shape
-            start, stop = heads[rank]
-            shapes.append((b, stop - start, s, d))
-        recv_shapes.append(shapes)
-    received = _exchange_uneven(send, recv_shapes, group)
+    # every source sends this rank the same heads of its s tokens: (B, h_r, s, D) per tensor
+    shapes = [(x.shape[0], heads[rank][1] - heads[rank][0], x.shape[1], x.shape[3]) for x, heads in zip(tensors, ranges)]
+    received = _exchange_uneven(send, [shapes] * sp_size, group)
     # (B, h_r, s, D) from each source rank -cat by source-> (B, h_r, P·s, D)
     return [torch.cat([pieces[t] for pieces in received], dim=2) for t in range(len(tensors))]
 

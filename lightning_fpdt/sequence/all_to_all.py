@@ -89,7 +89,8 @@ def _seq_to_head_uneven(tensors: Sequence[Tensor], group: Optional[dist.ProcessG
     send = [[x[:, :, heads[p][0]:heads[p][1]].transpose(1, 2) for x, heads in zip(tensors, ranges)]
             for p in range(sp_size)]
     # every source sends this rank the same heads of its s tokens: (B, h_r, s, D) per tensor
-    shapes = [(x.shape[0], heads[rank][1] - heads[rank][0], x.shape[1], x.shape[3]) for x, heads in zip(tensors, ranges)]
+    shapes = [(x.shape[0], heads[rank][1] - heads[rank][0], x.shape[1], x.shape[3])
+              for x, heads in zip(tensors, ranges)]
     received = _exchange_uneven(send, [shapes] * sp_size, group)
     # (B, h_r, s, D) from each source rank -cat by source-> (B, h_r, P·s, D)
     return [torch.cat([pieces[t] for pieces in received], dim=2) for t in range(len(tensors))]

@@ -81,7 +81,7 @@ from typing import Literal, Optional
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.memory.tiling import auto_loss_tiles, auto_mlp_tiles
 from lightning_fpdt.planner.options import PlanOptions
-from lightning_fpdt.sequence.planning import AttentionGeometry, stash_bytes
+from lightning_fpdt.sequence.planning import AttentionGeometry, rank_heads, stash_bytes
 
 GIB = 2**30
 GPU_CONTEXT_BYTES = 2**30
@@ -295,9 +295,9 @@ def attention_backward_bytes(
     g, b = geometry, geometry.dtype_bytes
     ulysses = sp_size // ring_size
     chunk = batch_size * math.ceil(seq_len / (num_chunks * ring_size))  # C (with a ring: the share)
-    heads, kv_heads = g.num_heads // ulysses, max(g.num_kv_heads, ulysses) // ulysses
+    heads, kv_heads = rank_heads(g, ulysses)  # the busiest rank's: ⌈H/U⌉ when U does not divide the heads
     q_chunk, kv_chunk = chunk * heads * g.head_dim, chunk * kv_heads * g.head_dim  # elements
-    local_q = batch_size * seq_len // sp_size * g.num_heads * g.head_dim  # all local q elements
+    local_q = batch_size * seq_len // sp_size * heads * ulysses * g.head_dim  # all local q elements, head-sharded
     q_side = 3 * q_chunk * b + chunk * heads * 4
     kernel = (2 * q_chunk * b if heads > kv_heads else 0) + 3 * q_chunk * b + 4 * q_chunk
     kv_acc = 2 * kv_chunk * 4
@@ -323,15 +323,17 @@ def attention_host_bytes(
     outputs kept for checkpoint recomputes (``kept_out_layers`` of them), one layer's ``dout`` and ``out`` chunks
     (all-to-all'd in its backward) and fp32 partial dQ sums (the pool reuses buffers across layers)."""
     g, b = geometry, geometry.dtype_bytes
-    local_q = batch_size * seq_len // sp_size * g.num_heads * g.head_dim
+    local_q = batch_size * seq_len // sp_size * g.num_heads * g.head_dim  # a sequence-sharded output
+    ulysses = sp_size // ring_size
+    heads_q = batch_size * seq_len // sp_size * rank_heads(g, ulysses)[0] * ulysses * g.head_dim  # head-sharded
     host = 0
     if offload:
         host += g.num_layers * stash_bytes(g, batch_size=batch_size, seq_len=seq_len, sp_size=sp_size,
                                            ring_size=ring_size)
         # kept outputs + one layer's dout (and out chunks: FPDT all-to-alls them in backward; the ring stashed its own)
-        host += kept_out_layers * local_q * b + (2 if ring_size == 1 else 1) * local_q * b
+        host += kept_out_layers * local_q * b + (2 if ring_size == 1 else 1) * heads_q * b
     if offload_dq:
-        host += 4 * local_q
+        host += 4 * heads_q
     return host
 
 

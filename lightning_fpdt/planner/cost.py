@@ -35,8 +35,9 @@ def dense_forward_seconds(s: StepSizes, parameters: int) -> float:
 
 def attention_seconds(s: StepSizes) -> float:
     """The causal attention's forward and backward over the GPU's share of heads and tokens (``6·L·S·d_attn``
-    per token, as the MFU counts it)."""
-    return 6 * s.L * s.seq_len * s.attn_width * s.N / ATTENTION_FLOPS
+    per token, as the MFU counts it), for the busiest rank's heads when ``P`` does not divide them (the others wait
+    for it at the next all-to-all)."""
+    return 6 * s.L * s.seq_len * s.attention_heads * s.g.head_dim * s.N / ATTENTION_FLOPS
 
 
 def attention_forward_seconds(s: StepSizes) -> float:

@@ -14,7 +14,7 @@ from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.memory.block_schedule import largest_segment
 from lightning_fpdt.planner.geometry import PRECISIONS, attention_geometry, parameter_counts, total_parameters
 from lightning_fpdt.planner.options import PlanOptions
-from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry
+from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry, rank_heads
 
 ROPE_TABLES = 2
 """fp32 ``(B, N, D)`` tables a layer holds for backward: cos and sin."""
@@ -76,6 +76,13 @@ class StepSizes:
     @property
     def attn_width(self) -> int:
         return self.g.num_heads * self.g.head_dim
+
+    @cached_property
+    def attention_heads(self) -> int:
+        """Query heads as the attention's time counts them: ``P/R`` times the busiest Ulysses rank's (``H`` when the
+        heads split evenly; ``P·⌈H/P⌉`` otherwise, each head group's split counted)."""
+        ulysses = self.P // self.o.ring_size
+        return rank_heads(self.attention, ulysses)[0] * ulysses * self.G
 
     @property
     def out(self) -> int:

@@ -10,6 +10,7 @@ from lightning_fpdt.sequence.attention import (
 )
 from lightning_fpdt.sequence.blocks import check_heads, merge_partial
 from lightning_fpdt.sequence.documents import DocumentBoundaries
+from lightning_fpdt.sequence.heads import HeadSplit
 from lightning_fpdt.offload.host_stash import ChunkStash, HostBufferPool, HostStash, StashFactory
 from lightning_fpdt.sequence.kernels import make_kernel, supported_backends
 from lightning_fpdt.sequence.layout import IGNORE_INDEX, RingBlock, SequenceLayout
@@ -25,6 +26,7 @@ __all__ = [
     "DocumentBoundaries",
     "FPDTAttention",
     "FPDTOptions",
+    "HeadSplit",
     "HostBufferPool",
     "HostStash",
     "LayerAttention",

@@ -6,16 +6,25 @@ global order) for ``h/P`` heads, in the ``(B, heads, seq, D)`` order the attenti
 
 Several tensors with the same dtype travel in one collective (q, k and v in forward; dq, dk and dv in backward):
 each is laid out as ``(P, n_t)`` by destination rank and the blocks are concatenated along the second dim.
+
+Uneven heads (``ranges``, from :class:`~lightning_fpdt.sequence.heads.HeadSplit`): rank ``r`` holds heads
+``[start_r, stop_r)`` of each tensor, ``h_r`` of them; blocks differ in size by rank, so the collective takes split
+sizes. Ranges of kv heads may overlap (a kv head goes to every rank whose query heads read it); going back, the
+copies of such a head are summed, which is the backward of sending it several times. With ``ranges=None`` the even
+split runs unchanged: one equal-split collective, no extra copy.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_fpdt.sequence.heads import HeadRanges
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -45,8 +54,81 @@ def _exchange(blocks: list[Tensor], group: Optional[dist.ProcessGroup], sp_size:
     return [r.view(b.shape) for r, b in zip(recv.split(sizes, dim=1), blocks)]
 
 
-def seq_to_head(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup]) -> list[Tensor]:
-    """``(B, s, h, D)`` each ``-> (B, h/P, P·s, D)``; one collective for all (they must share a dtype)."""
+def _exchange_uneven(send: list[list[Tensor]], recv_shapes: list[list[tuple[int, ...]]],
+                     group: Optional[dist.ProcessGroup]) -> list[list[Tensor]]:
+    """One all-to-all of unequal blocks: ``send[p]`` are the tensors for rank ``p`` (any strides: each is copied
+    once, into the send buffer), ``recv_shapes[p]`` the shapes of those rank ``p`` sends here; returns them indexed
+    by source, as views of the receive buffer."""
+    first = send[0][0]
+    send_sizes = [sum(t.numel() for t in blocks) for blocks in send]
+    recv_sizes = [sum(math.prod(shape) for shape in shapes) for shapes in recv_shapes]
+    send_buffer = first.new_empty(sum(send_sizes))
+    offset = 0
+    for blocks in send:
+        for block in blocks:
+            send_buffer[offset:offset + block.numel()].view(block.shape).copy_(block)
+            offset += block.numel()
+    recv_buffer = first.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(recv_buffer, send_buffer, output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
+                           group=group)
+    received, offset = [], 0
+    for shapes in recv_shapes:
+        pieces = []
+        for shape in shapes:
+            size = math.prod(shape)
+            pieces.append(recv_buffer[offset:offset + size].view(shape))
+            offset += size
+        received.append(pieces)
+    return received
+
+
+def _seq_to_head_uneven(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup],
+                        ranges: Sequence[HeadRanges]) -> list[Tensor]:
+    sp_size, rank = group_size(group), group_rank(group)
+    # (B, s, h, D) -slice heads [start_p, stop_p)-> (B, s, h_p, D) -transpose-> (B, h_p, s, D): block p goes to rank p
+    send = [[x[:, :, heads[p][0]:heads[p][1]].transpose(1, 2) for x, heads in zip(tensors, ranges)]
+            for p in range(sp_size)]
+    # every source sends this rank the same heads of its s tokens: (B, h_r, s, D) per tensor
+    shapes = [(x.shape[0], heads[rank][1] - heads[rank][0], x.shape[1], x.shape[3])
+              for x, heads in zip(tensors, ranges)]
+    received = _exchange_uneven(send, [shapes] * sp_size, group)
+    # (B, h_r, s, D) from each source rank -cat by source-> (B, h_r, P·s, D)
+    return [torch.cat([pieces[t] for pieces in received], dim=2) for t in range(len(tensors))]
+
+
+def _head_to_seq_uneven(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup],
+                        ranges: Sequence[HeadRanges]) -> list[Tensor]:
+    sp_size, rank = group_size(group), group_rank(group)
+    # (B, h_r, P·s, D) -slice tokens of rank p-> (B, h_r, s, D) -transpose-> (B, s, h_r, D): piece p goes back to p
+    send = [[x.unflatten(2, (sp_size, -1))[:, :, p].transpose(1, 2) for x in tensors] for p in range(sp_size)]
+    recv_shapes = [[(x.shape[0], x.shape[2] // sp_size, heads[p][1] - heads[p][0], x.shape[3])
+                    for x, heads in zip(tensors, ranges)] for p in range(sp_size)]
+    received = _exchange_uneven(send, recv_shapes, group)
+    out = []
+    for t, heads in enumerate(ranges):
+        pieces = [pieces[t] for pieces in received]  # (B, s, h_p, D) from rank p
+        if all(heads[p][1] == heads[p + 1][0] for p in range(sp_size - 1)):
+            out.append(torch.cat(pieces, dim=2))  # disjoint blocks in head order -> (B, s, h, D)
+            continue
+        # overlapping blocks (kv heads sent to several ranks): the copies' values are summed, in the accumulation
+        # dtype (a gradient of a kv head read on two ranks is the sum of both)
+        acc = torch.promote_types(pieces[0].dtype, torch.float32)
+        total = torch.zeros((*pieces[0].shape[:2], heads[-1][1], pieces[0].shape[3]), dtype=acc,
+                            device=pieces[0].device)  # (B, s, h, D)
+        for (start, stop), piece in zip(heads, pieces):
+            total[:, :, start:stop] += piece
+        out.append(total.to(pieces[0].dtype))
+    return out
+
+
+def seq_to_head(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup],
+                ranges: Optional[Sequence[HeadRanges]] = None) -> list[Tensor]:
+    """``(B, s, h, D)`` each ``-> (B, h/P, P·s, D)``; one collective for all (they must share a dtype).
+
+    ``ranges``: per tensor, the heads each rank receives (an uneven :class:`HeadSplit`); rank ``r`` then gets
+    ``(B, h_r, P·s, D)``. ``None``: ``h/P`` heads each, the equal-split collective."""
+    if ranges is not None:
+        return _seq_to_head_uneven(tensors, group, ranges)
     sp_size = group_size(group)
     blocks = []
     for x in tensors:
@@ -63,8 +145,12 @@ def seq_to_head(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup]) -
     return out
 
 
-def head_to_seq(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup]) -> list[Tensor]:
-    """``(B, h/P, P·s, D)`` each ``-> (B, s, h, D)``: the inverse of :func:`seq_to_head`."""
+def head_to_seq(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup],
+                ranges: Optional[Sequence[HeadRanges]] = None) -> list[Tensor]:
+    """``(B, h/P, P·s, D)`` each ``-> (B, s, h, D)``: the inverse of :func:`seq_to_head` (with ``ranges``, rank
+    ``r`` sends ``(B, h_r, P·s, D)``; heads that several ranks hold come back as the sum of their copies)."""
+    if ranges is not None:
+        return _head_to_seq_uneven(tensors, group, ranges)
     sp_size = group_size(group)
     blocks = []
     for x in tensors:
@@ -83,31 +169,37 @@ def head_to_seq(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup]) -
 
 class _SeqToHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group: Optional[dist.ProcessGroup], *tensors: Tensor) -> tuple[Tensor, ...]:
-        ctx.group = group
-        return tuple(seq_to_head(tensors, group))
+    def forward(ctx, group: Optional[dist.ProcessGroup], ranges: Optional[Sequence[HeadRanges]],
+                *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.group, ctx.ranges = group, ranges
+        return tuple(seq_to_head(tensors, group, ranges))
 
     @staticmethod
     def backward(ctx, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
-        return (None, *head_to_seq([g.contiguous() for g in grads], ctx.group))
+        return (None, None, *head_to_seq([g.contiguous() for g in grads], ctx.group, ctx.ranges))
 
 
 class _HeadToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group: Optional[dist.ProcessGroup], *tensors: Tensor) -> tuple[Tensor, ...]:
-        ctx.group = group
-        return tuple(head_to_seq(tensors, group))
+    def forward(ctx, group: Optional[dist.ProcessGroup], ranges: Optional[Sequence[HeadRanges]],
+                *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.group, ctx.ranges = group, ranges
+        return tuple(head_to_seq(tensors, group, ranges))
 
     @staticmethod
     def backward(ctx, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
-        return (None, *seq_to_head([g.contiguous() for g in grads], ctx.group))
+        return (None, None, *seq_to_head([g.contiguous() for g in grads], ctx.group, ctx.ranges))
 
 
-def all_to_all_seq_to_head(*tensors: Tensor, group: Optional[dist.ProcessGroup] = None) -> tuple[Tensor, ...]:
-    """Differentiable :func:`seq_to_head`; its backward is :func:`head_to_seq` of the gradients."""
-    return _SeqToHead.apply(group, *tensors)
+def all_to_all_seq_to_head(*tensors: Tensor, group: Optional[dist.ProcessGroup] = None,
+                           ranges: Optional[Sequence[HeadRanges]] = None) -> tuple[Tensor, ...]:
+    """Differentiable :func:`seq_to_head`; its backward is :func:`head_to_seq` of the gradients (with ``ranges``,
+    the gradients of a head sent to several ranks summed)."""
+    return _SeqToHead.apply(group, ranges, *tensors)
 
 
-def all_to_all_head_to_seq(*tensors: Tensor, group: Optional[dist.ProcessGroup] = None) -> tuple[Tensor, ...]:
-    """Differentiable :func:`head_to_seq`; its backward is :func:`seq_to_head` of the gradients."""
-    return _HeadToSeq.apply(group, *tensors)
+def all_to_all_head_to_seq(*tensors: Tensor, group: Optional[dist.ProcessGroup] = None,
+                           ranges: Optional[Sequence[HeadRanges]] = None) -> tuple[Tensor, ...]:
+    """Differentiable :func:`head_to_seq`; its backward is :func:`seq_to_head` of the gradients. With overlapping
+    ``ranges`` this is not the inverse but the adjoint of :func:`seq_to_head` (copies summed)."""
+    return _HeadToSeq.apply(group, ranges, *tensors)

@@ -1,7 +1,8 @@
 """What the FPDT chunk loop and the Ulysses × ring hybrid share (docs/design.md §4).
 
-- the head geometry a group of ranks can split (:func:`check_heads`) and the GQA kv-head replication that lets more
-  ranks than kv heads share a layer (:func:`replicate_kv_heads`, :func:`sum_kv_replicas`);
+- the head geometry a group of ranks can split evenly (:func:`check_heads`; the ring needs it, FPDT also runs the
+  uneven :class:`~lightning_fpdt.sequence.heads.HeadSplit`) and the even split's GQA kv-head replication that lets
+  more ranks than kv heads share a layer (:func:`replicate_kv_heads`, :func:`sum_kv_replicas`);
 - the online-softmax merge of block results (:func:`merge_partial`);
 - what a checkpointed layer's first forward keeps for its recompute (:class:`FirstPass`);
 - the validation of an attention call (:func:`check_call`) and of a model's call into it (:func:`check_exact_call`):
@@ -16,11 +17,13 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_fpdt.sequence.heads import HeadSplit
 from lightning_fpdt.sequence.kernels import accumulation_dtype, check_backend_name
 
 
 def check_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
-    """Validate the head geometry for ``sp_size`` ranks; returns how often each kv head is replicated (GQA).
+    """Validate an *even* head split over ``sp_size`` ranks (the ring hybrid's Ulysses level needs one); returns how
+    often each kv head is replicated (GQA). FPDT alone also splits heads unevenly (:class:`HeadSplit`).
 
     ``Hkv % P == 0``: kv heads are scattered like query heads (factor 1). ``P % Hkv == 0``: each kv head is
     replicated ``P / Hkv`` times before the all-to-all so every rank receives the one its query heads read.
@@ -87,9 +90,9 @@ def merge_partial(
     return out, new_lse
 
 
-def check_call(query: Tensor, key: Tensor, value: Tensor, *, causal: bool, backend: str, sp_size: int) -> int:
-    """Validate a sequence-parallel attention call over ``sp_size`` ranks (ValueErrors name the fix); returns the kv
-    replication of :func:`check_heads`."""
+def check_call(query: Tensor, key: Tensor, value: Tensor, *, causal: bool, backend: str, sp_size: int) -> HeadSplit:
+    """Validate a sequence-parallel attention call over ``sp_size`` ranks (ValueErrors name the fix); returns how the
+    heads split over them (:class:`HeadSplit`: even or not; the ring asks :func:`check_heads` for an even one)."""
     if not causal:
         raise ValueError(
             "FPDT attention is causal only (its chunk schedule skips future chunks); for bidirectional attention "
@@ -105,7 +108,7 @@ def check_call(query: Tensor, key: Tensor, value: Tensor, *, causal: bool, backe
             f"query {tuple(query.shape)} and key {tuple(key.shape)} must agree in batch, local length and head dim"
         )
     check_backend_name(backend)
-    return check_heads(query.shape[2], key.shape[2], sp_size)
+    return HeadSplit(num_heads=query.shape[2], num_kv_heads=key.shape[2], sp_size=sp_size)
 
 
 def softmax_scale(query: Tensor, scale: Optional[float]) -> float:

@@ -5,6 +5,11 @@ all-to-all'd into the contiguous global range ``[i·C, (i+1)·C)`` for ``H/P`` h
 ``j <= i`` block by block and merged with the log-sum-exp, then all-to-all'd back. Only the chunks of one step are
 materialised at full precision at once; the rest sits in a :class:`ChunkStash`. ``u = 1`` is Ulysses.
 
+Heads (:class:`~lightning_fpdt.sequence.heads.HeadSplit`): rank ``r`` attends for ``h_r`` query heads (``H/P``, or
+``⌈H/P⌉``/``⌊H/P⌋`` when ``P`` does not divide ``H``) and the ``hk_r`` kv heads they read; "``H/P``" below is ``h_r``.
+The stash keeps the ``hk_r`` kv heads as received; a block whose q heads do not group evenly over them expands them
+to one per q head for the kernel call only, and sums the kernel's kv gradients back (:func:`_expand_kv`).
+
 Packed documents (:class:`~lightning_fpdt.sequence.documents.DocumentBoundaries`): each block is skipped, computed
 whole, or cut into per-document segments (:func:`_block_forward`, :func:`_block_backward`); the loops are unchanged.
 
@@ -32,6 +37,7 @@ from lightning_fpdt.sequence.blocks import (
     sum_kv_replicas,
 )
 from lightning_fpdt.sequence.documents import BlockPlan, DocumentBoundaries, Segment
+from lightning_fpdt.sequence.heads import HeadSplit
 from lightning_fpdt.offload.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.kernels import BlockKernel, VarlenFlashKernel, accumulation_dtype, make_kernel
 from lightning_fpdt.sequence.layout import SequenceLayout
@@ -45,7 +51,8 @@ class FPDTPlan:
     layout: SequenceLayout
     kernel: BlockKernel
     scale: float
-    kv_repeat: int  # replication of each kv head before the all-to-all (GQA with P > Hkv)
+    heads: HeadSplit  # which q and kv heads each rank attends for (even: equal all-to-all; else unequal blocks)
+    kv_index: Optional[Tensor] = None  # (h_r,) this rank's kv head per q head, when the kernels' grouping is not it
     documents: Optional[DocumentBoundaries] = None  # packed documents: per-document causal masking
     varlen: Optional[VarlenFlashKernel] = None  # packed documents on CUDA: a block's segments in one call
 
@@ -84,6 +91,26 @@ def _q_chunks_reading(plan: FPDTPlan, kv_chunk: int, chunk_len: int) -> list[int
     return [i for i in range(kv_chunk, plan.layout.num_chunks) if _block_plans(plan, i, kv_chunk, chunk_len) != []]
 
 
+def _expand_kv(plan: FPDTPlan, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """An uneven split's kv heads for one kernel call: ``(B, hk_r, C, D) -index_select-> (B, h_r, C, D)``, local q
+    head ``i`` reading kv head ``kv_index[i]``; unchanged when the kernels group the q heads over the kv heads
+    themselves (every even split, and the uneven ranks whose heads happen to group evenly)."""
+    if plan.kv_index is None:
+        return k, v
+    return k.index_select(1, plan.kv_index), v.index_select(1, plan.kv_index)
+
+
+def _reduce_kv_grads(plan: FPDTPlan, dk: Tensor, dv: Tensor, kv_heads: int) -> tuple[Tensor, Tensor]:
+    """The backward of :func:`_expand_kv`: ``(B, h_r, C, D) -index_add-> (B, hk_r, C, D)``, each kv head's gradient
+    the sum over the q heads that read it, in the accumulation dtype."""
+    if plan.kv_index is None:
+        return dk, dv
+    acc = accumulation_dtype(dk.dtype)
+    shape = (dk.shape[0], kv_heads, *dk.shape[2:])
+    return tuple(torch.zeros(shape, dtype=acc, device=g.device).index_add_(1, plan.kv_index, g.to(acc))
+                 for g in (dk, dv))
+
+
 def _block_forward(
     plan: FPDTPlan, q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
     out: Optional[Tensor], lse: Optional[Tensor],
@@ -93,6 +120,7 @@ def _block_forward(
     One kernel call, or (packed documents) one per document segment merged into its q rows; rows a block gives no
     key keep ``lse = -inf``, ``out = 0`` until a later block does (every row has its own diagonal block).
     """
+    k, v = _expand_kv(plan, k, v)
     causal = q_chunk == kv_chunk
     block_plans = _block_plans(plan, q_chunk, kv_chunk, q.shape[2])
     if block_plans is None:
@@ -119,7 +147,19 @@ def _block_forward(
 def _block_backward(
     plan: FPDTPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of block ``(q_chunk, kv_chunk)`` given the final ``out, lse`` (never a skipped block).
+    """``(dq, dk, dv)`` of block ``(q_chunk, kv_chunk)`` given the final ``out, lse`` (never a skipped block); the
+    kv gradients for the rank's ``hk_r`` kv heads (:func:`_expand_kv`)."""
+    kv_heads = k.shape[1]
+    k, v = _expand_kv(plan, k, v)
+    dq, dk, dv = _block_backward_heads(plan, dout, q, k, v, out, lse, q_chunk, kv_chunk)
+    return (dq, *_reduce_kv_grads(plan, dk, dv, kv_heads))
+
+
+def _block_backward_heads(
+    plan: FPDTPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int,
+    kv_chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_block_backward` for kv heads the kernels group the q heads over.
 
     Packed documents: each segment's gradients go to its q rows and key rows (fp32 sums; a key row can serve
     several segments only within one document, never across).
@@ -216,9 +256,12 @@ def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: FPDTPlan, stash: ChunkSt
             stash.prefetch(("k", kv_chunks[0]))  # overlaps the all-to-all below
             stash.prefetch(("v", kv_chunks[0]))
         q_i, k_i, v_i = _chunk(plan, q, i), _chunk(plan, k, i), _chunk(plan, v, i)  # (B, c, H|Hkv, D)
-        k_i, v_i = replicate_kv_heads(k_i, v_i, plan.kv_repeat)  # (B, c, Hkv, D) -> (B, c, P, D) when P > Hkv
-        # (B, c, H, D) -reshape-> (B, c, P, H/P, D) -all_to_all-> (P, B, H/P, c, D) -> (B, H/P, C, D); k, v alike
-        q_heads, k_heads, v_heads = seq_to_head([q_i, k_i, v_i], plan.group)
+        # even split: (B, c, Hkv, D) -> (B, c, P, D) when P > Hkv; uneven: the all-to-all sends each rank its kv heads
+        k_i, v_i = replicate_kv_heads(k_i, v_i, plan.heads.kv_repeat)
+        # even: (B, c, H, D) -reshape-> (B, c, P, H/P, D) -all_to_all-> (P, B, H/P, c, D) -> (B, H/P, C, D); k, v alike
+        # uneven: (B, c, H, D) -slice heads of rank p-> (B, h_p, c, D) -all_to_all(splits)-> P x (B, h_r, c, D)
+        #   -cat by source-> (B, h_r, C, D); k, v with the kv heads of rank p (a kv head may go to several ranks)
+        q_heads, k_heads, v_heads = seq_to_head([q_i, k_i, v_i], plan.group, plan.heads.ranges("q", "kv", "kv"))
         stash.put(("k", i), k_heads)
         stash.put(("v", i), v_heads)
         out_acc = lse_acc = None
@@ -236,8 +279,8 @@ def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: FPDTPlan, stash: ChunkSt
         if save_for_backward:
             stash.put(("q", i), q_heads)
             stash.put(("lse", i), lse_acc)
-        # (B, H/P, C, D) -all_to_all-> (B, c, H, D)
-        (out_i,) = head_to_seq([out_heads], plan.group)
+        # (B, H/P, C, D) -all_to_all-> (B, c, H, D) (uneven: (B, h_r, C, D) -all_to_all(splits)-> (B, c, H, D))
+        (out_i,) = head_to_seq([out_heads], plan.group, plan.heads.ranges("q"))
         _chunk(plan, out_local, i).copy_(out_i)
     if not save_for_backward:
         stash.clear()
@@ -268,7 +311,8 @@ def fpdt_backward(
     def stash_dout(i: int) -> None:
         # (B, c, H, D) -all_to_all-> (B, H/P, C, D) for dout and out in one collective, once per chunk, when the
         # first kv step reaches it (so only a chunk or two of them is on the device at a time when the stash offloads)
-        dout_heads, out_heads = seq_to_head([_chunk(plan, dout, i), _chunk(plan, out, i)], plan.group)
+        dout_heads, out_heads = seq_to_head([_chunk(plan, dout, i), _chunk(plan, out, i)], plan.group,
+                                            plan.heads.ranges("q", "q"))
         stash.put(("dout", i), dout_heads)
         stash.put(("out", i), out_heads)
 
@@ -306,11 +350,13 @@ def fpdt_backward(
         dq_j = dq_store.get(("dq", j))
         dq_store.release(("dq", j))
         dq_store.free(("dq", j))
-        # (B, H/P, C, D) -all_to_all-> (B, c, H, D): one collective for dq, dk, dv, in the inputs' dtype
+        # (B, H/P, C, D) -all_to_all-> (B, c, H, D): one collective for dq, dk, dv, in the inputs' dtype; a kv head
+        # that several ranks read gets the sum of their gradients (even split: sum_kv_replicas; uneven: head_to_seq)
         dq_i, dk_i, dv_i = head_to_seq(
-            [dq_j.to(q_meta.dtype), dk_acc.to(kv_meta.dtype), dv_acc.to(kv_meta.dtype)], plan.group
+            [dq_j.to(q_meta.dtype), dk_acc.to(kv_meta.dtype), dv_acc.to(kv_meta.dtype)], plan.group,
+            plan.heads.ranges("q", "kv", "kv"),
         )
-        dk_i, dv_i = sum_kv_replicas(dk_i, dv_i, plan.kv_repeat)
+        dk_i, dv_i = sum_kv_replicas(dk_i, dv_i, plan.heads.kv_repeat)
         _chunk(plan, dq_local, j).copy_(dq_i)
         _chunk(plan, dk_local, j).copy_(dk_i)
         _chunk(plan, dv_local, j).copy_(dv_i)
@@ -331,6 +377,10 @@ class _FPDTAttentionFunction(torch.autograd.Function):
     | stash ("lse", i) | (B, H/P, C) fp32 | heads | yes: with out it makes the blockwise backward exact |
     | stash ("dout"/"out", i) | (B, H/P, C, D) | heads | backward only: all-to-all'd once, read by every kv step |
     | partial dQ ("dq", i) | (B, H/P, C, D) fp32 | heads | backward only: device or host by the memory budget |
+
+    ``H/P`` and ``Hkv/P`` are this rank's query and kv heads after the all-to-all, ``h_r`` and ``hk_r`` of the plan's
+    :class:`HeadSplit` (unequal over the ranks when ``P`` does not divide the heads); the stashed kv chunks hold the
+    ``hk_r`` kv heads as received, never expanded to one per query head.
 
     Nothing is recomputed in backward: the block backward runs on the stashed chunks (with packed documents, on the
     same per-document segments as the forward; the plan holds the boundaries).
@@ -372,7 +422,7 @@ def make_plan(
     """Validate the call (ValueErrors name the fix) and fix what the loops need. ``layout``: the batch's layout
     (the strategy builds it once per batch); ``None`` builds it from the group and ``num_chunks``."""
     sp_size = group_size(group)
-    kv_repeat = check_call(query, key, value, causal=causal, backend=backend, sp_size=sp_size)
+    heads = check_call(query, key, value, causal=causal, backend=backend, sp_size=sp_size)
     if layout is None:
         layout = SequenceLayout(sp_size, group_rank(group), num_chunks)
     elif (layout.sp_size, layout.sp_rank, layout.ring_size) != (sp_size, group_rank(group), 1):
@@ -398,10 +448,16 @@ def make_plan(
         layout=layout,
         kernel=make_kernel(backend, query.device, query.dtype),
         scale=softmax_scale(query, scale),
-        kv_repeat=kv_repeat,
+        heads=heads,
+        kv_index=_local_kv_index(heads, group_rank(group), query.device),
         documents=documents,
         varlen=varlen_kernel_for(backend, query.device, query.dtype) if documents is not None else None,
     )
+
+
+def _local_kv_index(heads: HeadSplit, rank: int, device: torch.device) -> Optional[Tensor]:
+    index = heads.local_kv_index(rank)
+    return None if index is None else torch.tensor(index, dtype=torch.long, device=device)
 
 
 def varlen_kernel_for(backend: str, device: torch.device, dtype: torch.dtype) -> Optional[VarlenFlashKernel]:

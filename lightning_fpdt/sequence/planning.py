@@ -2,7 +2,8 @@
 
 Bytes the FPDT attention holds (per rank; ``B`` batch, ``S`` global length, ``P`` sequence-parallel size, ``u``
 chunks, ``C = S/u`` global tokens per chunk, ``h = H/P`` query heads and ``hk = max(Hkv, P)/P`` kv heads per rank
-after the all-to-all):
+after the all-to-all; when ``P`` does not divide the heads, those of the busiest rank, ``h = ⌈H/P⌉`` and the kv heads
+they read (:func:`rank_heads`), and ``H``, ``max(Hkv, P)`` below are ``P·h``, ``P·hk``):
 
 - between forward and backward, per layer (the stash): q ``B·(S/P)·H·D·b``, k and v ``2·B·(S/P)·max(Hkv, P)·D·b``,
   lse ``B·(S/P)·H·4`` (the output is not stashed: the layer keeps it, and the backward rebuilds its chunks);
@@ -28,6 +29,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from lightning_fpdt.sequence.heads import HeadSplit
+
 MAX_CHUNK_TOKENS = 65536
 STASH_FRACTION = 4  # offload when the stash of all layers exceeds free / 4
 WORKING_SET_FRACTION = 16  # one chunk's working set stays under free / 16
@@ -44,6 +47,14 @@ class AttentionGeometry:
     dtype_bytes: int = 2
 
 
+def rank_heads(geometry: AttentionGeometry, ulysses_size: int) -> tuple[int, int]:
+    """``(h, hk)``: query and kv heads of the busiest of ``ulysses_size`` ranks after the all-to-all
+    (:class:`HeadSplit`: ``H/U`` and ``max(Hkv, U)/U`` for an even split, ``⌈H/U⌉`` and the kv heads they read
+    otherwise)."""
+    split = HeadSplit(num_heads=geometry.num_heads, num_kv_heads=geometry.num_kv_heads, sp_size=ulysses_size)
+    return split.max_heads, split.max_kv_heads
+
+
 def stash_bytes(
     geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, ring_size: int = 1
 ) -> int:
@@ -51,9 +62,10 @@ def stash_bytes(
     backward, on one rank."""
     g = geometry
     local = batch_size * seq_len // sp_size
-    kv_heads = max(g.num_kv_heads, sp_size // ring_size)  # replicated up to the Ulysses size when it exceeds Hkv
-    q_like = g.num_heads if ring_size == 1 else 2 * g.num_heads  # q (FPDT rebuilds out in backward); the ring keeps out
-    return local * (q_like + 2 * kv_heads) * g.head_dim * g.dtype_bytes + local * g.num_heads * 4
+    ulysses = sp_size // ring_size
+    heads, kv_heads = (n * ulysses for n in rank_heads(g, ulysses))  # H and max(Hkv, U) for an even split
+    q_like = heads if ring_size == 1 else 2 * heads  # q (FPDT rebuilds out in backward); the ring keeps out
+    return local * (q_like + 2 * kv_heads) * g.head_dim * g.dtype_bytes + local * heads * 4
 
 
 def working_set_bytes(
@@ -63,8 +75,7 @@ def working_set_bytes(
     g = geometry
     ulysses = sp_size // ring_size
     chunk = batch_size * math.ceil(seq_len / (num_chunks * ring_size))
-    heads = g.num_heads / ulysses
-    kv_heads = max(g.num_kv_heads, ulysses) / ulysses
+    heads, kv_heads = rank_heads(g, ulysses)
     return int(chunk * (heads + 4 * kv_heads) * g.head_dim * g.dtype_bytes + chunk * heads * (2 * g.head_dim + 2) * 4)
 
 
@@ -88,7 +99,8 @@ def choose_chunks(geometry: AttentionGeometry, *, batch_size: int, seq_len: int,
 
 
 def choose_offload_dq(geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, free_bytes: int) -> bool:
-    partial_dq = 4 * batch_size * seq_len // sp_size * geometry.num_heads * geometry.head_dim
+    heads = rank_heads(geometry, sp_size)[0] * sp_size  # H for an even split
+    partial_dq = 4 * batch_size * seq_len // sp_size * heads * geometry.head_dim
     return partial_dq > free_bytes / (2 * STASH_FRACTION)
 
 

@@ -326,7 +326,7 @@ def make_ring_plan(
         )
     layout.check_divisible(query.shape[1] * sp_size)
     # the Ulysses level is FPDT's own validation (causal, shapes, backend, GQA replication over U ranks)
-    kv_repeat = check_call(query, key, value, causal=causal, backend=backend, sp_size=ulysses_size)
+    kv_repeat = check_call(query, key, value, causal=causal, backend=backend, sp_size=ulysses_size).kv_repeat
     return RingPlan(ulysses_group=ulysses_group, ring_group=ring_group, layout=layout,
                     kernel=make_kernel(backend, query.device, query.dtype), scale=softmax_scale(query, scale),
                     kv_repeat=kv_repeat)

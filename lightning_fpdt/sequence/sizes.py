@@ -1,11 +1,13 @@
 """The sizes of a sequence-parallel run: data-parallel, sequence-parallel and ring ranks, and head groups.
 
 Pure arithmetic on the head counts and the world, with no process group and no Lightning: the strategy resolves its
-mesh with it, and the planner plans the same sizes. ``sequence_parallel_size="auto"`` takes the largest size within
-one node that the heads allow (the all-to-all wants NVLink); an explicit size beyond the heads turns on the Ulysses ×
-ring hybrid (``ring_size="auto"``: the smallest ring whose Ulysses size the heads allow); head groups (``G``) split
-each group's ``H/G`` query and ``Hkv/G`` kv heads over the ranks (docs/design.md §5, docs/ring.md,
-docs/head_chunks.md).
+mesh with it, and the planner plans the same sizes. Ulysses (FPDT) splits the heads over up to ``H`` ranks, evenly or
+not (:class:`~lightning_fpdt.sequence.heads.HeadSplit`: ``⌈H/P⌉`` or ``⌊H/P⌋`` query heads a rank), so
+``sequence_parallel_size="auto"`` takes every GPU of a node up to ``H`` (the all-to-all wants NVLink); an explicit
+size beyond ``H`` turns on the Ulysses × ring hybrid (``ring_size="auto"``: the smallest ring whose Ulysses size
+splits the heads evenly, which the ring's Ulysses level needs), and an explicit ``ring_size`` keeps the ring at any
+size. Head groups (``G``) split each group's ``H/G`` query and ``Hkv/G`` kv heads over the ranks (docs/design.md §5,
+docs/ring.md, docs/head_chunks.md).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from lightning_fpdt.sequence.blocks import check_heads, heads_allow
+from lightning_fpdt.sequence.heads import HeadSplit
 from lightning_fpdt.sequence.options import check_auto_or_positive_int, check_positive_int
 from lightning_fpdt.sequence.ring_rules import check_ring
 
@@ -27,9 +30,9 @@ def resolve_sizes(
     ring_size: Union[str, int] = "auto",
 ) -> tuple[int, int]:
     """``(dp, sp)`` from the options; ``"auto"`` sequence parallelism is the largest size within one node that the
-    heads allow (the all-to-all wants NVLink) with ``ring_size`` ring ranks (``"auto"``: without a ring, so "auto"
-    never turns the ring on by itself), ``"auto"`` data parallelism takes the rest. An explicit size is checked
-    against the heads by :func:`resolve_ring_size`."""
+    heads allow (the all-to-all wants NVLink; up to ``H`` ranks, the split uneven where it must) with ``ring_size``
+    ring ranks (``"auto"``: without a ring, so "auto" never turns the ring on by itself), ``"auto"`` data
+    parallelism takes the rest. An explicit size is checked against the heads by :func:`resolve_ring_size`."""
     check_auto_or_positive_int("data_parallel_size", data_parallel_size)
     check_auto_or_positive_int("sequence_parallel_size", sequence_parallel_size)
     if sequence_parallel_size == "auto":
@@ -50,7 +53,8 @@ def resolve_sizes(
                     f"explicitly (a ring may span hosts) or another ring_size"
                 )
             sequence_parallel_size = next(
-                (p for p in candidates if heads is None or heads_allow(*heads, p // ring)), candidates[-1]
+                (p for p in candidates if heads is None or ulysses_allows(*heads, p // ring, ring_size=ring)),
+                candidates[-1]
             )
     if data_parallel_size == "auto":
         if world_size % sequence_parallel_size:
@@ -87,25 +91,34 @@ def resolve_sequence_sizes(
     dp, sp = resolve_sizes(world_size=world_size, devices_per_node=devices_per_node,
                            data_parallel_size=data_parallel_size, sequence_parallel_size=sequence_parallel_size,
                            heads=heads, ring_size=ring_size)
-    ring = resolve_ring_size(sequence_parallel_size=sp, ring_size=ring_size, heads=heads)
+    ring = resolve_ring_size(sequence_parallel_size=sp, ring_size=ring_size, heads=heads,
+                             devices_per_node=devices_per_node)
     check_ring(ring, head_chunks=head_chunks)
     return dp, sp, ring
 
 
 def resolve_ring_size(
-    *, sequence_parallel_size: int, ring_size: Union[str, int], heads: Optional[tuple[int, int]] = None
+    *, sequence_parallel_size: int, ring_size: Union[str, int], heads: Optional[tuple[int, int]] = None,
+    devices_per_node: Optional[int] = None,
 ) -> int:
     """``R``: ring ranks of the 2-D sequence mesh (``P = U·R``, docs/ring.md).
 
-    ``"auto"``: ``1`` (plain Ulysses/FPDT) when the heads allow ``P`` Ulysses ranks, else the smallest ``R`` whose
-    ``U = P/R`` they allow (``H % U == 0`` and ``Hkv``, ``U`` dividing one another, as :func:`check_heads` says).
-    An int is checked: it must divide ``P`` and leave a ``U`` the heads allow.
+    ``"auto"``: ``1`` (plain Ulysses/FPDT, the heads split unevenly where ``P`` does not divide them) when
+    ``P <= H``, else the smallest ``R`` whose ``U = P/R`` splits the heads evenly (``H % U == 0`` and ``Hkv``, ``U``
+    dividing one another, as :func:`check_heads` says: the ring's Ulysses level is even). A group larger than
+    ``devices_per_node`` (it spans hosts) prefers a ring with even Ulysses groups where one exists, as before uneven
+    splits existed: then only the ring's point-to-point traffic crosses hosts. An int is checked: it must divide ``P``
+    and leave a ``U`` the heads allow (any ``U <= H`` for ``R = 1``, an even one for ``R > 1``).
     """
     P = sequence_parallel_size
     if ring_size == "auto":
         if heads is None:
             return 1
-        ring = next((r for r in range(1, P + 1) if P % r == 0 and heads_allow(*heads, P // r)), None)
+        divisors = [r for r in range(1, P + 1) if P % r == 0]
+        even = [r for r in divisors if heads_allow(*heads, P // r)]
+        if devices_per_node is not None and P > devices_per_node and even:
+            return even[0]
+        ring = next((r for r in divisors if ulysses_allows(*heads, P // r, ring_size=r)), None)
         if ring is None:  # only when num_heads % num_kv_heads != 0: let check_heads say so
             check_heads(*heads, 1)
         return ring
@@ -117,9 +130,12 @@ def resolve_ring_size(
         )
     if heads is not None:
         try:
-            check_heads(*heads, P // ring_size)
+            if ring_size == 1:
+                HeadSplit(num_heads=heads[0], num_kv_heads=heads[1], sp_size=P)
+            else:
+                check_heads(*heads, P // ring_size)
         except ValueError as error:
-            allowed = [r for r in range(1, P + 1) if P % r == 0 and heads_allow(*heads, P // r)]
+            allowed = [r for r in range(1, P + 1) if P % r == 0 and ulysses_allows(*heads, P // r, ring_size=r)]
             raise ValueError(
                 f"sequence_parallel_size ({P}) / ring_size ({ring_size}) = {P // ring_size} Ulysses ranks: {error}; "
                 f"ring sizes the heads allow: {allowed} (or ring_size='auto')"
@@ -127,15 +143,25 @@ def resolve_ring_size(
     return ring_size
 
 
+def ulysses_allows(num_heads: int, num_kv_heads: int, ulysses_size: int, *, ring_size: int = 1) -> bool:
+    """Whether the heads split over ``ulysses_size`` ranks: any split of ``H >= U`` heads without a ring
+    (:class:`HeadSplit`), an even one (:func:`heads_allow`) under a ring of ``ring_size > 1``."""
+    if ring_size > 1:
+        return heads_allow(num_heads, num_kv_heads, ulysses_size)
+    return num_heads % num_kv_heads == 0 and num_heads >= ulysses_size
+
+
 def valid_head_chunks(num_heads: int, num_kv_heads: int, sp_size: int) -> list[int]:
-    """The head group counts ``G`` the heads allow on ``sp_size`` ranks (each group's heads split like a layer's)."""
+    """The head group counts ``G`` the heads allow on ``sp_size`` ranks (each group's heads split like a layer's,
+    unevenly where ``P`` does not divide them: ``G`` divides ``Hkv`` and leaves ``H/G >= P``)."""
     return [groups for groups in range(1, num_kv_heads + 1)
-            if num_kv_heads % groups == 0 and heads_allow(num_heads // groups, num_kv_heads // groups, sp_size)]
+            if num_kv_heads % groups == 0 and ulysses_allows(num_heads // groups, num_kv_heads // groups, sp_size)]
 
 
 def check_head_groups(num_heads: int, num_kv_heads: int, head_chunks: int, sp_size: int) -> int:
-    """Validate ``head_chunks`` for the head geometry on ``sp_size`` ranks; returns the kv replication of each group
-    (see :func:`check_heads`, which applies per group: ``Hkv/G`` kv heads against ``P`` ranks)."""
+    """Validate ``head_chunks`` for the head geometry on ``sp_size`` ranks; returns the even split's kv replication
+    of each group (1 for an uneven split: :class:`HeadSplit` applies per group, ``H/G`` query and ``Hkv/G`` kv heads
+    against ``P`` ranks)."""
     check_positive_int("head_chunks", head_chunks)
     check_heads(num_heads, num_kv_heads, 1)  # H a multiple of Hkv
     valid = valid_head_chunks(num_heads, num_kv_heads, sp_size)
@@ -146,16 +172,10 @@ def check_head_groups(num_heads: int, num_kv_heads: int, head_chunks: int, sp_si
             f"head_chunks in {valid}"
         )
     heads, kv_heads = num_heads // head_chunks, num_kv_heads // head_chunks
-    if heads % sp_size:
+    if heads < sp_size:
         raise ValueError(
-            f"num_heads ({num_heads}) / head_chunks ({head_chunks}) = {heads} query heads per group is not divisible "
-            f"by sequence_parallel_size ({sp_size}): Ulysses scatters each group's heads over the ranks; use "
+            f"num_heads ({num_heads}) / head_chunks ({head_chunks}) = {heads} query heads per group is fewer than "
+            f"sequence_parallel_size ({sp_size}): Ulysses gives every rank at least one head of each group; use "
             f"head_chunks in {valid} (or a smaller sequence_parallel_size)"
         )
-    try:
-        return check_heads(heads, kv_heads, sp_size)
-    except ValueError as error:
-        raise ValueError(
-            f"with head_chunks ({head_chunks}) each group has {heads} query and {kv_heads} kv heads: {error}; use "
-            f"head_chunks in {valid}"
-        ) from None
+    return HeadSplit(num_heads=heads, num_kv_heads=kv_heads, sp_size=sp_size).kv_repeat

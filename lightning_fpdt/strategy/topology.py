@@ -15,6 +15,7 @@ from typing import Literal, Optional, Union
 
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lightning_fpdt.sequence.heads import HeadSplit
 from lightning_fpdt.sequence.options import FPDTOptions
 from lightning_fpdt.sequence.sizes import resolve_sequence_sizes
 
@@ -92,4 +93,10 @@ def resolve_topology(
     if ring > 1:
         axes.update(ring=ring, ulysses=sp // ring)
     rank_zero_info(f"fpdt: mesh {axes}, heads {heads}")
+    if heads is not None and ring == 1:
+        split = HeadSplit(num_heads=heads[0], num_kv_heads=heads[1], sp_size=sp)
+        if not split.even:
+            counts = [stop - start for start, stop in split.q_ranges]
+            rank_zero_info(f"fpdt: the heads split unevenly over {sp} ranks: {counts} query heads a rank, each with "
+                           f"the kv heads they read (the busiest rank's {split.max_heads} set the attention's pace)")
     return dp, sp, ring

@@ -83,6 +83,16 @@ def _build_model(kind: str, seed: int) -> nn.Module:
         return LlamaForCausalLM(LlamaConfig.from_name("tiny", vocab_size=VOCAB, num_heads=8, num_kv_heads=4))
     if kind == "llama-mha":
         return LlamaForCausalLM(LlamaConfig.from_name("tiny", vocab_size=VOCAB, num_heads=4, num_kv_heads=4))
+    if kind == "llama-6q2kv":  # 6 query / 2 kv heads: an uneven head split on 4 ranks (2, 2, 1, 1 query heads)
+        return LlamaForCausalLM(LlamaConfig.from_name("tiny", vocab_size=VOCAB, num_heads=6, num_kv_heads=2,
+                                                      head_dim=8))
+    if kind == "hf-qwen2-6q2kv":  # a Qwen2-shaped Hugging Face model with 6 query / 2 kv heads (uneven on 4 ranks)
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        config = Qwen2Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
+                             attn_implementation="sdpa")
+        return Qwen2ForCausalLM(config)
     if kind == "llama-2heads":  # fewer heads than 4 ranks: the Ulysses x ring hybrid
         return LlamaForCausalLM(LlamaConfig.from_name("tiny", vocab_size=VOCAB, num_heads=2, num_kv_heads=1))
     if kind in ("hf", "hf-2heads"):

@@ -569,8 +569,8 @@ def test_geometry_from_a_hugging_face_config_file(tmp_path):
         (dict(seq_len=0), r"seq_len \(0\) must be a positive int"),
         (dict(num_gpus=6, gpus_per_node=4), r"gpus_per_node \(4\) must divide num_gpus \(6\)"),
         (dict(sequence_parallel_size=3), r"sequence_parallel_size \(3\) does not divide the world size 4"),
-        (dict(num_gpus=3, gpus_per_node=3, sequence_parallel_size=3, ring_size=1),
-         "not divisible by sequence_parallel_size"),
+        (dict(num_gpus=6, gpus_per_node=6, sequence_parallel_size=6, ring_size=2),
+         "not divisible by sequence_parallel_size"),  # the ring's Ulysses level splits the heads evenly
         (dict(num_gpus=8, gpus_per_node=8, sequence_parallel_size=8, ring_size=3),
          r"ring_size \(3\) does not divide sequence_parallel_size \(8\)"),
         (dict(num_gpus=4, sequence_parallel_size=4, ring_size=2, chunks=2),
@@ -625,8 +625,12 @@ def test_cli_exit_codes(capsys):
     assert main(["--seq-len", "131072", "--callbacks", "none"]) == 1
     recommendation = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("recommendation"))
     assert "tiled_loss=True" in recommendation and "cpu_offload_params=True" in recommendation
-    assert main(["--seq-len", "131072", "--gpus", "3", "--sp", "3", "--ring-size", "1"]) == 2
+    # a ring whose Ulysses level does not split the heads evenly (3 of llama3-8b's 32)
+    assert main(["--seq-len", "131072", "--gpus", "6", "--sp", "6", "--ring-size", "2"]) == 2
     assert "sequence_parallel_size" in capsys.readouterr().err
+    # without a ring the 32 heads split unevenly over 3 GPUs (11, 11, 10): planned, not refused
+    assert main(["--seq-len", "131072", "--gpus", "3", "--sp", "3", "--ring-size", "1"]) in (0, 1)
+    assert "sp=3" in capsys.readouterr().out
 
 
 def test_ring_plan_by_hand():

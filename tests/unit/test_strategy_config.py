@@ -27,23 +27,36 @@ def test_mesh_size_messages():
 
 
 def test_heads_limit_sequence_parallel_size():
-    """An explicit size the heads cannot split without a ring is refused; "auto" takes the largest in-node size
-    they allow (never turning the ring on by itself)."""
-    with pytest.raises(ValueError, match=r"num_heads \(12\) is not divisible by sequence_parallel_size \(8\)"):
-        resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size=1, sequence_parallel_size=8, heads=(12, 4),
+    """An explicit size beyond the query heads is refused without a ring; one that does not divide them splits them
+    unevenly; "auto" takes the largest in-node size up to the heads (never turning the ring on by itself)."""
+    with pytest.raises(ValueError, match=r"num_heads \(4\) < sequence_parallel_size \(8\).*ring_size"):
+        resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size=1, sequence_parallel_size=8, heads=(4, 4),
                       ring_size=1)
+    assert resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size=1, sequence_parallel_size=8,
+                         heads=(12, 4), ring_size=1) == (1, 8)  # 2 q heads on the first 4 ranks, 1 on the others
     dp, sp = resolve_sizes(world_size=16, devices_per_node=8, data_parallel_size="auto",
                            sequence_parallel_size="auto", heads=(12, 4))
-    assert (dp, sp) == (4, 4)  # 8 does not divide 12 heads; 4 does, inside one node of 8
+    assert (dp, sp) == (2, 8)  # 8 does not divide 12 heads: the uneven split takes the whole node of 8
+    dp, sp = resolve_sizes(world_size=16, devices_per_node=8, data_parallel_size="auto",
+                           sequence_parallel_size="auto", heads=(6, 6))
+    assert (dp, sp) == (4, 4)  # at most 6 ranks for 6 heads: the largest in-node size up to them
     assert resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size="auto",
                          sequence_parallel_size="auto", heads=(32, 8)) == (1, 8)
 
 
 def test_ring_size_auto_and_explicit():
-    """ring_size "auto" is 1 when the heads allow P Ulysses ranks, else the smallest R whose U = P/R they allow; an
-    explicit R must divide P and leave a U the heads allow, and the message prints every factor."""
+    """ring_size "auto" is 1 when P <= H (the heads split over P, unevenly if need be), else the smallest R whose
+    U = P/R splits them evenly; an explicit R must divide P and leave a U the heads allow (an even one for R > 1),
+    and the message prints every factor."""
     assert resolve_ring_size(sequence_parallel_size=8, ring_size="auto", heads=(32, 8)) == 1
-    assert resolve_ring_size(sequence_parallel_size=8, ring_size="auto", heads=(12, 4)) == 2  # U = 4
+    assert resolve_ring_size(sequence_parallel_size=8, ring_size="auto", heads=(12, 4)) == 1  # uneven: 2 or 1 heads
+    assert resolve_ring_size(sequence_parallel_size=8, ring_size=2, heads=(12, 4)) == 2  # the ring stays reachable
+    # a group spanning hosts prefers a ring whose Ulysses groups split the heads evenly (only the ring leaves a host)
+    assert resolve_ring_size(sequence_parallel_size=16, ring_size="auto", heads=(24, 8), devices_per_node=8) == 2
+    assert resolve_ring_size(sequence_parallel_size=16, ring_size="auto", heads=(24, 8), devices_per_node=16) == 1
+    with pytest.raises(ValueError, match=r"sequence_parallel_size \(8\) / ring_size \(4\) = 2 Ulysses ranks: "
+                                         r"num_kv_heads \(3\).*ring sizes the heads allow: \[1, 8\]"):
+        resolve_ring_size(sequence_parallel_size=8, ring_size=4, heads=(12, 3))  # the ring's Ulysses level is even
     assert resolve_ring_size(sequence_parallel_size=4, ring_size="auto", heads=(2, 1)) == 2  # U = 2, kv replicated
     assert resolve_ring_size(sequence_parallel_size=8, ring_size="auto", heads=(6, 6)) == 4  # U = 2 (6 % 8, 6 % 4)
     assert resolve_ring_size(sequence_parallel_size=4, ring_size="auto", heads=(1, 1)) == 4  # U = 1: a pure ring

@@ -6,6 +6,7 @@ across the whole sequence, half of which sits on the other process.
 
     python examples/fabric_loop.py                                  # Fabric starts the 2 processes
     torchrun --nproc_per_node 2 examples/fabric_loop.py             # or torchrun does
+    python examples/fabric_loop.py --accelerator cuda --precision bf16-mixed   # on 2 GPUs (NCCL)
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--checkpoint", default="checkpoints/fabric-copy")
+    parser.add_argument("--accelerator", default="cpu", help="cpu (gloo) or cuda (NCCL)")
+    parser.add_argument("--precision", default="32-true", help="e.g. bf16-mixed on GPUs")
     args = parser.parse_args()
 
     strategy = FPDTFabricStrategy(sequence_parallel_size=2, chunks=2)
-    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
+    fabric = Fabric(strategy=strategy, accelerator=args.accelerator, devices=2, precision=args.precision)
     fabric.launch()
     fabric.seed_everything(0)
 

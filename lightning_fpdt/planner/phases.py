@@ -105,7 +105,9 @@ def gathered_states(s: StepSizes) -> list[Component]:
     # the root unit's own backward: first the embedding's, its gradient beside the gathered root; then its
     # post-backward frees the gathered parameters and, once copied into the reduce-scatter input, the unsharded
     # gradients (the trace at that reduce-scatter: its input and output and the lm_head gradient, counted above)
-    trained_root = max(trained_rest - head * head_trains, 0)
+    # which of the root's and the head's parameters train is not known from a count: the root's reduce-scatter is
+    # taken as large as the count allows (the head's term above assumes it trains whenever any of them does)
+    trained_root = min(trained_rest, rest - head)
     embedding_backward = gathered_root + V * h * s.b * (not s.g.tie_word_embeddings and head_trains)
     reduce_scatter = trained_root * d["reduce"] + trained_root * d["reduce"] // s.W
     parts.append(Component("root unit's backward",

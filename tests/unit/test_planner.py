@@ -884,6 +884,9 @@ def test_only_trainable_parameters_have_gradients_and_optimizer_states():
     frozen_embedding = small_plan(trainable_parameters=total - 32000 * 1024)
     assert frozen_embedding.component("block gradients (MLP backward)").gpu_bytes == 91_238_400
     assert frozen_embedding.component("root gradients (loss)").gpu_bytes == (65_537_024 - 32000 * 1024)
+    # a count does not say whether the embedding or the head (its own unit) is the frozen one: the root's fp32
+    # reduce-scatter is taken as if the embedding trained, 4 B · 32,769,024 · (1 + 1/4), as with every parameter
+    assert frozen_embedding.component("root unit's backward").gpu_bytes == 163_845_120
     assert lora.options.describe().endswith(" trainable_parameters=32,768")
     with pytest.raises(ValueError, match="trainable_parameters must be a count of parameters >= 0"):
         small_plan(trainable_parameters=-1)

@@ -119,10 +119,10 @@ def _loss_and_grads(model, ids):
     return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
 
 
-def _tiled_loss_and_grads(hidden, weight, targets):
+def _tiled_loss_and_grads(hidden, weight, targets, weight_trains=True):
     from lightning_fpdt.memory.tiled_loss import tiled_cross_entropy
 
-    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_(weight_trains)
     mean, num_valid = tiled_cross_entropy(h, w, targets, num_tiles=3)
     mean.backward()
     return mean.detach(), num_valid, h.grad, w.grad
@@ -168,3 +168,18 @@ def test_a_loss_tile_that_cannot_compile_runs_in_place(fused, monkeypatch):
     ops.FUSED_OPS.enabled, ops.FUSED_OPS.failed = False, None
     for a, b in zip(got, _tiled_loss_and_grads(hidden, weight, targets)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fused_loss_tiles_with_a_frozen_head(fused):
+    """A frozen output head (adapters, a frozen lm_head): the fused tile gives the hidden gradient of the in-place
+    tile and leaves the head without a gradient."""
+    gen = torch.Generator().manual_seed(7)
+    hidden, weight = torch.randn(1, 29, 16, generator=gen), torch.randn(60, 16, generator=gen) / 4
+    targets = torch.randint(0, 60, (1, 29), generator=gen)
+    targets[0, :4] = -100
+    got = _tiled_loss_and_grads(hidden, weight, targets, weight_trains=False)
+    ops.FUSED_OPS.enabled = False
+    want = _tiled_loss_and_grads(hidden, weight, targets, weight_trains=False)
+    assert got[3] is None and want[3] is None
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)  # fp32, the same formulas in another order
+    torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-6)

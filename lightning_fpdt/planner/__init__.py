@@ -33,6 +33,7 @@ from lightning_fpdt.planner.geometry import (
 from lightning_fpdt.planner.host import available_host_memory, check_host_memory
 from lightning_fpdt.planner.options import PlanOptions
 from lightning_fpdt.planner.plan import plan_memory
+from lightning_fpdt.planner.request import Machine, PlanRequest
 from lightning_fpdt.planner.search import SEARCHED, fastest_fitting, seconds_per_million_tokens, step_seconds
 
 __all__ = [
@@ -42,8 +43,10 @@ __all__ = [
     "PRECISIONS",
     "SEARCHED",
     "Component",
+    "Machine",
     "MemoryPlan",
     "PlanOptions",
+    "PlanRequest",
     "attention_backward_bytes",
     "attention_geometry",
     "attention_host_bytes",

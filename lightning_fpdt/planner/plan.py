@@ -4,101 +4,31 @@ when it does not fit (the formulas: :mod:`lightning_fpdt.planner.components`).""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional
 
-from lightning_fpdt.memory.block_schedule import check_checkpoint_blocks, check_keep_inputs
-from lightning_fpdt.planner.components import GIB, MemoryPlan
+from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.planner.features import FEATURES
-from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
-from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, geometry_name, resolve_geometry
+from lightning_fpdt.planner.geometry import geometry_name
 from lightning_fpdt.planner.host import gib
 from lightning_fpdt.planner.options import resolve_options
 from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES
+from lightning_fpdt.planner.request import FEATURE_FIELDS, PlanRequest
 from lightning_fpdt.planner.search import SEARCHED, Run, changes_between, fastest_fitting
 from lightning_fpdt.sequence.options import FPDTOptions
 
 AUTO_NEUTRAL = {name: value for feature in FEATURES for name, value in feature.neutral.items()}
 """What these options are before the search resolves their ``"auto"`` (and when nothing fits): each feature's."""
 
-Switch = Union[Literal["auto"], bool]
 
-
-def plan_memory(
-    *,
-    geometry: Any,
-    seq_len: int,
-    batch_size: int = 1,
-    num_gpus: int,
-    gpus_per_node: Optional[int] = None,
-    sequence_parallel_size: Union[Literal["auto"], int] = "auto",
-    ring_size: Union[Literal["auto"], int] = "auto",
-    chunks: Union[Literal["auto"], int] = "auto",
-    offload: Switch = "auto",
-    offload_dq: Switch = "auto",
-    activation_offload: bool,
-    tiled_mlp: bool,
-    tiled_loss: bool,
-    activation_checkpointing: Optional[bool] = None,
-    precision: str = "bf16-mixed",
-    optimizer: str = "adamw",
-    cpu_offload_params: bool = False,
-    gpu_memory_gib: float = 80.0,
-    host_memory_gib: Optional[float] = None,
-    recompute_attention: Switch = False,
-    head_chunks: Union[Literal["auto"], int] = 1,
-    reload_input: Switch = False,
-    prefetch: Union[Literal["auto"], int] = 1,
-    keep_inputs: Union[Literal["auto", "all"], int] = "all",
-    checkpoint_blocks: Union[Literal["auto", "all"], int] = "all",
-    host_baseline_gib: Optional[float] = None,
-    disk_memory_gib: Optional[float] = None,
-    disk_gbps: float = DISK_GBPS,
-    disk_inputs: Union[Literal["auto"], int] = "auto",
-    accumulate_grad_batches: int = 1,
-    sync_every_batch: Switch = "auto",
-    trainable_parameters: Optional[int] = None,
-) -> MemoryPlan:
+def plan_memory(request: Optional[PlanRequest] = None, /, **keywords: Any) -> MemoryPlan:
     """Predict the memory of one training step under ``strategy="fpdt"``, per GPU and per host; resolve the
     ``"auto"`` options to the fastest configuration that fits both memories; recommend changes when none fits.
 
     Args:
-        geometry: a :class:`ModelGeometry`, a ``LlamaConfig`` or Hugging Face config, a named size (``"llama3-8b"``)
-            or the path of a Hugging Face ``config.json``.
-        seq_len: global tokens of one sequence ``S`` (padded here as the strategy pads it, to a multiple of ``P·u``).
-        batch_size: sequences per data-parallel group per step.
-        num_gpus: all GPUs ``W`` (FSDP2 shards the states over all of them).
-        gpus_per_node: GPUs of one host (``None``: all of them); host memory is needed per host.
-        sequence_parallel_size, ring_size, chunks, offload, offload_dq, head_chunks, cpu_offload_params: as
-            ``FPDTStrategy`` takes them. ``"auto"`` (``ring_size``: the smallest ring the heads need) is resolved by
-            the search (:mod:`lightning_fpdt.planner.search`), as the strategy resolves it on a GPU.
-        activation_offload, tiled_mlp, tiled_loss: whether the ``ActivationOffload``, ``TiledMLP``, ``TiledLoss``
-            callbacks are on.
-        activation_checkpointing: blocks checkpointed with their inputs on the GPU (``ActivationOffload(offload=
-            False)``); ``None``: only when ``activation_offload``.
-        recompute_attention, reload_input, prefetch: ``ActivationOffload``'s ``recompute_attention``,
-            ``reload_input`` and ``prefetch`` (blocks ahead whose inputs come back), or ``"auto"``.
-        keep_inputs: ``ActivationOffload(keep_inputs=...)``: ``"all"``, a count of block inputs kept (1 to the
-            model's layers; the others regenerated in the backward), or ``"auto"``.
-        checkpoint_blocks: ``ActivationOffload(checkpoint_blocks=...)``: ``"all"``, a count of blocks checkpointed
-            (0 to the model's layers; the first ones, the others plain), or ``"auto"`` (the fewest that fit).
-        precision: ``"bf16-mixed"``, ``"bf16-true"`` or ``"32-true"``.
-        optimizer: ``"adamw"``, ``"adam"`` (two moments) or ``"sgd"`` (none).
-        gpu_memory_gib: memory of one GPU in GiB (about 79 for an H100 80GB, 139 for an H200).
-        host_memory_gib: memory the processes of one host may hold (pinned and pageable); ``None``: not checked.
-        host_baseline_gib: resident memory of one process before the step's buffers; ``None``: the planner's
-            estimate (:data:`~lightning_fpdt.planner.phases.PROCESS_BASELINE_BYTES`).
-        disk_memory_gib: free space of the disk tier's directory on one host (``FPDTStrategy(offload_dir=...)``);
-            ``None``: no disk tier.
-        disk_gbps: the disk's read and write rate in GB/s, shared by the GPUs of a host.
-        disk_inputs: block inputs per GPU on disk; ``"auto"``: as many as the host's memory needs, when it needs
-            them and that is the fastest way to fit (:mod:`lightning_fpdt.planner.features.disk_tier`).
-        accumulate_grad_batches: ``Trainer(accumulate_grad_batches=...)``: batches per optimizer step.
-        sync_every_batch: with ``accumulate_grad_batches > 1``, ``FPDTStrategy(sync_every_batch=...)``: every batch
-            reduce-scatters its gradients into the shards (``True``), or only a window's last, every parameter's
-            unsharded gradient (reduce dtype) alive on every GPU through the window (``False``); ``"auto"``: the
-            faster that fits (:mod:`lightning_fpdt.planner.features.accumulation`).
-        trainable_parameters: the parameters that train (LoRA's adapters, a model with frozen parts): only they
-            have gradients and optimizer states, so the states take less and longer sequences fit; ``None``: all.
+        request: the run and the machine (:class:`~lightning_fpdt.planner.request.PlanRequest`), or, instead of it,
+            their fields as keywords (:meth:`PlanRequest.of <lightning_fpdt.planner.request.PlanRequest.of>`:
+            ``geometry``, ``seq_len``, ``num_gpus``, ``activation_offload``, ``tiled_mlp`` and ``tiled_loss`` are
+            required; docs/planner.md lists the others).
 
     Returns:
         A :class:`MemoryPlan`: components, ``peak_gpu_bytes = Σ persistent + max(transient phases)``, host bytes
@@ -106,66 +36,34 @@ def plan_memory(
         plan that fits) and ``recommendation`` (the changes in words). A model, not a measurement: see
         :mod:`lightning_fpdt.planner.components`.
     """
-    geometry = resolve_geometry(geometry)
-    model = geometry_name(geometry)
-    for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("num_gpus", num_gpus),
-                        ("accumulate_grad_batches", accumulate_grad_batches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} ({value!r}) must be a positive int")
-    gpus_per_node = num_gpus if gpus_per_node is None else gpus_per_node
-    if gpus_per_node < 1 or num_gpus % gpus_per_node:
-        raise ValueError(f"gpus_per_node ({gpus_per_node}) must divide num_gpus ({num_gpus})")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r} is not planned for; use one of {sorted(PRECISIONS)}")
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer {optimizer!r} is not planned for; use one of {sorted(OPTIMIZER_STATES)}")
-    for name, value in (("recompute_attention", recompute_attention), ("reload_input", reload_input),
-                        ("sync_every_batch", sync_every_batch)):
-        if value not in ("auto", True, False):
-            raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
-    if prefetch != "auto" and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
-        raise ValueError(f"prefetch must be 'auto' or >= 0 blocks, got {prefetch!r}")
-    if disk_memory_gib is not None and (disk_memory_gib < 0 or disk_gbps <= 0):
-        raise ValueError(f"disk_memory_gib ({disk_memory_gib}) must be >= 0 and disk_gbps ({disk_gbps}) positive")
-    if disk_inputs != "auto":
-        if isinstance(disk_inputs, bool) or not isinstance(disk_inputs, int) or not 0 <= disk_inputs <= geometry.num_layers:
-            raise ValueError(f"disk_inputs must be 'auto' or a number of block inputs from 0 to the "
-                             f"{geometry.num_layers} layers, got {disk_inputs!r}")
-        if disk_inputs and (disk_memory_gib is None or not activation_offload):
-            raise ValueError(f"disk_inputs={disk_inputs} puts block inputs on disk: it needs activation_offload=True "
-                             f"and a disk (disk_memory_gib)")
-    check_keep_inputs(keep_inputs, geometry.num_layers)
-    check_checkpoint_blocks(checkpoint_blocks, geometry.num_layers)
-    if checkpoint_blocks == geometry.num_layers:
-        checkpoint_blocks = "all"
-    if checkpoint_blocks not in ("all", "auto") and not (activation_offload or activation_checkpointing):
-        raise ValueError(f"checkpoint_blocks={checkpoint_blocks!r} chooses which blocks ActivationOffload checkpoints: "
-                         f"it needs activation_offload=True (or activation_checkpointing=True)")
-    if keep_inputs == geometry.num_layers:
-        keep_inputs = "all"
-    given = dict(chunks=chunks, offload=offload, offload_dq=offload_dq, head_chunks=head_chunks,
-                 recompute_attention=recompute_attention, reload_input=reload_input, prefetch=prefetch,
-                 disk_inputs=disk_inputs, keep_inputs=keep_inputs, sync_every_batch=sync_every_batch,
-                 checkpoint_blocks=checkpoint_blocks)
+    if request is None:
+        request = PlanRequest.of(**keywords)
+    elif keywords:
+        raise TypeError(f"plan_memory takes a PlanRequest or keywords, not both (got {sorted(keywords)} too)")
+    geometry, machine, features = request.geometry, request.machine, request.features
+    # the options the search may resolve, as given: the callbacks' from their features, the strategy's from the request
+    given = {name: getattr(features if name in FEATURE_FIELDS else request, name)
+             for name in (*AUTO_NEUTRAL, "chunks", "offload", "offload_dq")}
     free = {name for name, value in given.items() if value == "auto"}
-    attention_options = FPDTOptions(chunks=chunks, offload=offload, offload_dq=offload_dq,
-                                    head_chunks=1 if head_chunks == "auto" else head_chunks, ring_size=ring_size)
-    if gpu_memory_gib <= 0 or (host_memory_gib is not None and host_memory_gib <= 0):
-        raise ValueError(f"gpu_memory_gib ({gpu_memory_gib}) and host_memory_gib ({host_memory_gib}) must be positive")
-    gpu_bytes = int(gpu_memory_gib * GIB)
-    run = Run(geometry, model, seq_len=seq_len, batch_size=batch_size, num_gpus=num_gpus, gpus_per_node=gpus_per_node,
-              gpu_memory_bytes=gpu_bytes, host_memory_bytes=None if host_memory_gib is None else int(host_memory_gib * GIB),
-              host_baseline_bytes=PROCESS_BASELINE_BYTES if host_baseline_gib is None else int(host_baseline_gib * GIB),
-              disk_memory_bytes=None if disk_memory_gib is None else int(disk_memory_gib * GIB),
-              disk_bytes_per_second=disk_gbps * 1e9)
+    head_chunks = request.head_chunks
+    attention_options = FPDTOptions(chunks=request.chunks, offload=request.offload, offload_dq=request.offload_dq,
+                                    head_chunks=1 if head_chunks == "auto" else head_chunks,
+                                    ring_size=request.ring_size)
+    run = Run(geometry, geometry_name(geometry), seq_len=request.seq_len, batch_size=request.batch_size,
+              num_gpus=machine.num_gpus, gpus_per_node=machine.gpus_per_node,
+              gpu_memory_bytes=machine.gpu_memory_bytes, host_memory_bytes=machine.host_memory_bytes,
+              host_baseline_bytes=PROCESS_BASELINE_BYTES if machine.host_baseline_bytes is None else
+              machine.host_baseline_bytes,
+              disk_memory_bytes=machine.disk_memory_bytes, disk_bytes_per_second=machine.disk_gbps * 1e9)
     neutral = {name: AUTO_NEUTRAL[name] if given[name] == "auto" else given[name] for name in AUTO_NEUTRAL}
     base = resolve_options(
-        geometry, attention_options, seq_len=seq_len, batch_size=batch_size, num_gpus=num_gpus,
-        gpus_per_node=gpus_per_node, sequence_parallel_size=sequence_parallel_size,
-        activation_offload=activation_offload, activation_checkpointing=activation_checkpointing,
-        tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, precision=precision, optimizer=optimizer,
-        cpu_offload_params=cpu_offload_params, gpu_memory_bytes=gpu_bytes, accumulate_grad_batches=accumulate_grad_batches,
-        trainable_parameters=trainable_parameters,
+        geometry, attention_options, seq_len=request.seq_len, batch_size=request.batch_size,
+        num_gpus=machine.num_gpus, gpus_per_node=machine.gpus_per_node,
+        sequence_parallel_size=request.sequence_parallel_size, activation_offload=features.activation_offload,
+        activation_checkpointing=features.activation_checkpointing, tiled_mlp=features.tiled_mlp,
+        tiled_loss=features.tiled_loss, precision=request.precision, optimizer=request.optimizer,
+        cpu_offload_params=request.cpu_offload_params, gpu_memory_bytes=machine.gpu_memory_bytes,
+        accumulate_grad_batches=request.accumulate_grad_batches, trainable_parameters=request.trainable_parameters,
         **{name: value for name, value in neutral.items() if name != "head_chunks"},
     )
     base = dataclasses.replace(base, head_chunks=neutral["head_chunks"])

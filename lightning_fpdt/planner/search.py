@@ -105,10 +105,12 @@ def candidates(run: Run, base: PlanOptions, free: Iterable[str]) -> list[PlanOpt
     s = run.sizes(base)
     owners = {field: feature for feature in FEATURES for field in feature.fields}
     axes = [(field, owners[field].choices(field, s)) for field in SEARCHED if field in set(free)]
+    given = {field.name: getattr(base, field.name) for field in dataclasses.fields(base)}  # values, not copies
+    names = [field for field, _ in axes]
     seen: set[PlanOptions] = set()
     found = []
     for values in itertools.product(*(choices for _, choices in axes)):
-        changes: Optional[dict[str, Any]] = {**dataclasses.asdict(base), **dict(zip((f for f, _ in axes), values))}
+        changes: Optional[dict[str, Any]] = {**given, **dict(zip(names, values))}
         for feature in FEATURES:
             changes = feature.normalise(changes)
             if changes is None:

@@ -26,6 +26,7 @@ with the ring yet) and there are no partial dQ sums to offload.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -51,7 +52,12 @@ def rank_heads(geometry: AttentionGeometry, ulysses_size: int) -> tuple[int, int
     """``(h, hk)``: query and kv heads of the busiest of ``ulysses_size`` ranks after the all-to-all
     (:class:`HeadSplit`: ``H/U`` and ``max(Hkv, U)/U`` for an even split, ``⌈H/U⌉`` and the kv heads they read
     otherwise)."""
-    split = HeadSplit(num_heads=geometry.num_heads, num_kv_heads=geometry.num_kv_heads, sp_size=ulysses_size)
+    return _busiest_rank_heads(geometry.num_heads, geometry.num_kv_heads, ulysses_size)
+
+
+@functools.lru_cache(maxsize=1024)
+def _busiest_rank_heads(num_heads: int, num_kv_heads: int, ulysses_size: int) -> tuple[int, int]:
+    split = HeadSplit(num_heads=num_heads, num_kv_heads=num_kv_heads, sp_size=ulysses_size)
     return split.max_heads, split.max_kv_heads
 
 

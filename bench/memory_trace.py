@@ -418,7 +418,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cap_bytes(device: torch.device) -> Optional[int]:
     """The GPU memory this process may use under ``--gpu-memory-gib``."""
-    from lightning_fpdt.strategy.budget import usable_total_bytes
+    from lightning_fpdt.planner.machine import usable_total_bytes
 
     return usable_total_bytes(device) if device.type == "cuda" else None
 

@@ -47,11 +47,10 @@ from bench.peers.ballast import (GIB, ON_OFF_AUTO, count_option, host_check, lay
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner import PRECISIONS, MemoryPlan, parameter_counts, plan_memory
 from lightning_fpdt.planner.arguments import arguments
-from lightning_fpdt.planner.components import expandable_segments, plannable_gpu_bytes
+from lightning_fpdt.planner.machine import machine_limits
 from lightning_fpdt.planner.phases import plan_sizes
 from lightning_fpdt.planner.search import step_seconds
 from lightning_fpdt.offload.host_memory import HostAllocator
-from lightning_fpdt.strategy.budget import host_reserve_bytes
 
 PINNED_PIECE = 2**30
 """The page-locked ballast is held in buffers of this many bytes at most."""
@@ -130,16 +129,15 @@ def plan_fpdt(args: argparse.Namespace, geometry: ModelGeometry, *, num_gpus: in
     """``(full depth's plan, the layers run's plan)``; ``ValueError`` naming the planner's answer when the full depth
     fits nothing on this machine."""
     auto = getattr(args, "auto_options", False)
-    # the GPU a plan may fill, as the strategy plans it: the usable memory less the context and fragmentation
-    gpu_gib = plannable_gpu_bytes(gpu_memory_bytes or 80 * GIB, expandable_segments=expandable_segments()) / GIB
+    # the machine as the strategy plans against it: the GPU less the context and fragmentation, the host's available
+    # memory less the reserve it keeps, the disk's free space
+    machine = machine_limits(num_gpus=num_gpus, gpus_per_node=gpus_per_node, usable_gpu_bytes=gpu_memory_bytes,
+                             available_host_bytes=available_host, disk_free=disk_free, disk_gbps=args.disk_gbps)
     common = dict(seq_len=args.seq_len, num_gpus=num_gpus, gpus_per_node=gpus_per_node, activation_offload=True,
                   tiled_mlp=True, tiled_loss=True, precision=args.precision, cpu_offload_params=args.cpu_offload_params)
     full = plan_memory(
-        geometry=geometry, **common, gpu_memory_gib=gpu_gib,
-        # what the strategy lets a plan fill: the host's available memory less the reserve it keeps
-        host_memory_gib=None if available_host is None else max(1, available_host - host_reserve_bytes()) / GIB,
-        disk_memory_gib=None if disk_free is None else disk_free / GIB,
-        disk_gbps=args.disk_gbps,
+        geometry=geometry, **common, gpu_memory_gib=machine.gpu_memory_gib, host_memory_gib=machine.host_memory_gib,
+        disk_memory_gib=machine.disk_memory_gib, disk_gbps=machine.disk_gbps,
         chunks="auto" if auto else args.chunks, offload="auto" if auto else ON_OFF_AUTO[args.offload],
         offload_dq="auto" if auto else ON_OFF_AUTO[args.offload_dq],
         head_chunks="auto" if auto else args.head_chunks,
@@ -153,7 +151,8 @@ def plan_fpdt(args: argparse.Namespace, geometry: ModelGeometry, *, num_gpus: in
                                f"{full.recommendation}", LIMITS.get(full.binding_limit, "gpu"))
     o = full.options
     run = plan_memory(
-        geometry=dataclasses.replace(geometry, num_layers=layers_run(args)), **common, gpu_memory_gib=gpu_gib,
+        geometry=dataclasses.replace(geometry, num_layers=layers_run(args)), **common,
+        gpu_memory_gib=machine.gpu_memory_gib,
         chunks=o.chunks, offload=o.offload, offload_dq=o.offload_dq, head_chunks=o.head_chunks,
         recompute_attention=o.recompute_attention, reload_input=o.reload_input, prefetch=o.prefetch,
         keep_inputs="all", checkpoint_blocks=checkpointed_run_blocks(o.checkpoint_blocks, geometry.num_layers,
@@ -199,7 +198,8 @@ def full_depth_ballast(args: argparse.Namespace, geometry: ModelGeometry, *, wor
     if available_host is not None:
         check = host_check(args, num_gpus=world_size, gpus_per_node=gpus_per_node, resolved={},
                            gpu_memory_bytes=gpu_memory_bytes,
-                           available_bytes=max(0, available_host - host_reserve_bytes()))
+                           available_bytes=machine_limits(num_gpus=world_size, gpus_per_node=gpus_per_node,
+                                                          available_host_bytes=available_host).host_memory_bytes)
         if not check["fits"]:
             raise FullDepthRefused(
                 f"alst at full depth ({geometry.num_layers} layers), {args.seq_len:,} tokens: its host memory is "

@@ -24,7 +24,7 @@ from lightning_fpdt.flops import peak_flops
 from lightning_fpdt.offload.host_memory import peak_resident_bytes
 from bench.peers.hf_llama import named_geometry
 from lightning_fpdt.planner import available_host_memory
-from lightning_fpdt.strategy.budget import usable_total_bytes
+from lightning_fpdt.planner.machine import usable_total_bytes
 
 _RUN_COUNTER = itertools.count()  # names each run's keys in the store; every rank calls run() in the same order
 

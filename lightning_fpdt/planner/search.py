@@ -26,12 +26,16 @@ from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.planner.cost import base_seconds
 from lightning_fpdt.planner.features import FEATURES
-from lightning_fpdt.planner.options import PlanOptions
+from lightning_fpdt.planner.options import MemoryFeatures, PlanOptions
 from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES, build_plan, plan_sizes, run_sizes
 from lightning_fpdt.planner.sizes import StepSizes
 
 SEARCHED = tuple(field for feature in FEATURES for field in feature.fields)
 """Every option the search can change, feature by feature."""
+CALLBACK_CHOICES = tuple(name for feature in FEATURES for name in feature.neutral
+                         if name in MemoryFeatures.__dataclass_fields__)
+"""The options the memory callbacks declare (:class:`MemoryFeatures`) that may be ``"auto"``: a plan's values of them
+are what the callbacks' ``apply_memory_choice`` takes."""
 CHANGE_PENALTY = 0.1
 """Step time charged, as a share of the step, for each option a recommendation changes from what the user gave."""
 MAX_PLANS = 16000

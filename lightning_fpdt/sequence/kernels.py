@@ -14,12 +14,14 @@ square (the diagonal blocks of the chunk schedule).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional, get_args
 
 import torch
 from torch import Tensor
 
-BACKENDS = ("auto", "math", "flash", "cudnn")
+AttentionBackend = Literal["auto", "math", "flash", "cudnn"]
+"""The block attention kernels: ``"auto"`` picks cuDNN, else flash, else the math kernel."""
+BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

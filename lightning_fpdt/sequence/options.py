@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Optional, Union
 
-from lightning_fpdt.sequence.kernels import check_backend_name
+from lightning_fpdt.sequence.kernels import AttentionBackend, check_backend_name
 from lightning_fpdt.sequence.ring_rules import RING_RULES, check_ring
 from lightning_fpdt.sequence.planning import (
     MAX_CHUNK_TOKENS,
@@ -69,7 +69,7 @@ class FPDTOptions:
     the memory features by the strategy's search (``lightning_fpdt.planner.search``), 1 where nothing plans."""
     ring_size: Union[Auto, int] = "auto"
     """Ring ranks ``R`` of a Ulysses × ring sequence mesh; ``"auto"``: 1 unless the heads need a ring."""
-    attention_backend: str = "auto"
+    attention_backend: AttentionBackend = "auto"
     """Block kernel: ``"auto"``, ``"cudnn"``, ``"flash"`` or ``"math"``."""
 
     def __post_init__(self) -> None:

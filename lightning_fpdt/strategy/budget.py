@@ -5,66 +5,89 @@ neither, before any pinned buffer exists (pinned-memory exhaustion takes the mac
 
 from __future__ import annotations
 
-import shutil
+import os
 import sys
 import warnings
-from typing import Any, Literal, Optional, Union
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional, Protocol, Union, runtime_checkable
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_fpdt.integrations import supports_head_groups
 from lightning_fpdt.memory.surgery import find_model
+from lightning_fpdt.offload.disk import DiskTier, SpillDirectory, check_free_space, stale_directories
+from lightning_fpdt.offload.host_memory import HostAllocator, HostMemoryGuard
+from lightning_fpdt.offload.host_stash import StashFactory
 from lightning_fpdt.planner import plan_memory, resolve_geometry
 from lightning_fpdt.planner.arguments import python_arguments
-from lightning_fpdt.planner.components import MemoryPlan, expandable_segments, plannable_gpu_bytes
+from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.planner.host import gib
+from lightning_fpdt.planner.machine import disk_free_bytes, host_reserve_bytes, machine_limits, usable_free_bytes
 from lightning_fpdt.planner.options import MemoryFeatures
-from lightning_fpdt.offload.disk import DiskTier, SpillDirectory, check_free_space, stale_directories
-from lightning_fpdt.offload.host_memory import HostAllocator, HostMemoryGuard, available_host_memory, resident_bytes
-from lightning_fpdt.offload.host_stash import StashFactory
-from lightning_fpdt.sequence.options import ResolvedOptions
+from lightning_fpdt.planner.request import PlanRequest
+from lightning_fpdt.planner.search import CALLBACK_CHOICES
+from lightning_fpdt.sequence.attention import FPDTAttention
+from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
+from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.sequence.ring_rules import ring_refusal
 
-HOST_RESERVE_FRACTION = 0.03
-"""Share of the host's memory no plan may take (at least :data:`HOST_RESERVE_MIN_BYTES`): the kernel, page cache, other
-processes' growth."""
-HOST_RESERVE_MIN_BYTES = 2 * 2**30
-RUNTIME_GROWTH_BYTES = 7 * 2**28
-"""Host memory a process takes in its first step beyond what it holds at setup: the kernels cuDNN, cuBLAS and NCCL
-load when first called, autograd's and the optimizer's own (0.9 to 1.5 GiB traced on an H100 for a Hugging Face
-Llama, states on the GPU or the host)."""
+Switch = Union[Literal["auto"], bool]
 
 
-def usable_total_bytes(device: torch.device) -> int:
-    """The GPU memory this process may use: the card's, times ``torch.cuda.set_per_process_memory_fraction``."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    return int(total * torch.cuda.get_per_process_memory_fraction(device))
+@runtime_checkable
+class DeclaresMemory(Protocol):
+    """A memory callback as the planner reads it: the features it asks of a run (``ActivationOffload``,
+    ``TiledMLP``, ``TiledLoss``)."""
+
+    fpdt_memory_features: MemoryFeatures
 
 
-def plannable_bytes(device: torch.device) -> int:
-    """The GPU memory a plan may fill: the usable memory less the CUDA context and the allocator's fragmentation."""
-    return plannable_gpu_bytes(usable_total_bytes(device), expandable_segments=expandable_segments())
+@runtime_checkable
+class TakesMemoryChoice(Protocol):
+    """A memory callback whose ``"auto"`` options take the plan's choice for the length that runs."""
+
+    def apply_memory_choice(self, **choice: Any) -> None: ...
 
 
-def usable_free_bytes(device: torch.device) -> int:
-    """Free GPU memory for planning: what the card has free, and no more than the process's cap leaves."""
-    free = torch.cuda.mem_get_info(device)[0]
-    return max(0, min(free, usable_total_bytes(device) - torch.cuda.memory_reserved(device)))
+@runtime_checkable
+class HoldsStashes(Protocol):
+    """A memory callback with a host buffer pool: the guard, the disk tier and the trims reach it."""
+
+    stashes: StashFactory
 
 
-def host_reserve_bytes() -> int:
-    """What a plan leaves free on the host: :data:`HOST_RESERVE_FRACTION` of its memory, at least 2 GiB."""
-    total = None
-    try:
-        with open("/proc/meminfo") as f:
-            total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
-    except (OSError, StopIteration):
-        pass
-    return max(HOST_RESERVE_MIN_BYTES, int(HOST_RESERVE_FRACTION * total) if total else 0)
+@dataclass(frozen=True, kw_only=True)
+class RunFacts:
+    """What a run's memory is planned from, as the strategy set it up: the model, the mesh, the options and the
+    callbacks. The strategy builds it once its mesh exists (``FPDTStrategy.setup``, ``FPDTFabricStrategy.setup_module``)
+    and binds the budget to it (:meth:`MemoryBudget.bind`)."""
+
+    model: Optional[torch.nn.Module]
+    """The module whose network (:func:`find_model`) trains: its config is planned, its parameters counted
+    (``None``: no model yet, nothing planned)."""
+    device: torch.device
+    world_size: int
+    local_processes: int
+    """Processes of this host (GPUs per host)."""
+    sequence_parallel_size: int
+    ring_size: int
+    precision: str
+    cpu_offload_params: bool = False
+    sync_every_batch: Switch = "auto"
+    callbacks: Sequence[Any] = ()
+    """The memory callbacks of the run (the Trainer's callbacks, or Fabric's ``memory_callbacks``)."""
+    accumulate_grad_batches: int = 1
+    agree: Callable[[bool], bool] = bool
+    """Whether every rank says yes (collective), for refusals every rank takes together."""
+
+    @property
+    def network(self) -> Optional[torch.nn.Module]:
+        return None if self.model is None else find_model(self.model)
 
 
-def host_state_bytes(optimizers: list[Any], model: torch.nn.Module) -> int:
+def host_state_bytes(optimizers: Sequence[Any], model: torch.nn.Module) -> int:
     """Bytes of optimizer states and gradients already in host memory (resident now, counted by the plan too)."""
     seen: set[int] = set()
     total = 0
@@ -84,6 +107,22 @@ def host_state_bytes(optimizers: list[Any], model: torch.nn.Module) -> int:
     for parameter in model.parameters():
         count(parameter.grad)
     return total
+
+
+def checked_offload_dir(offload_dir: Any) -> Optional[str]:
+    """The disk tier's directory as a string (``None``: no disk tier); ``ValueError`` for anything but a path."""
+    if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
+        raise ValueError(f"offload_dir must be a directory path (str or os.PathLike) or None, got "
+                         f"{type(offload_dir).__name__} {offload_dir!r}")
+    return None if offload_dir is None else os.fspath(offload_dir)
+
+
+def attached_trainer(module: Any) -> Any:
+    """The Trainer ``module`` is attached to, or ``None`` (no module, or one not attached yet)."""
+    try:
+        return None if module is None else module.trainer
+    except RuntimeError:  # a LightningModule not attached to a Trainer
+        return None
 
 
 def known_length(trainer: Any) -> Optional[tuple[int, int]]:
@@ -107,45 +146,12 @@ def register_host_states(model: torch.nn.Module, *, pin: bool) -> HostAllocator:
     return allocator
 
 
-def plan_for(strategy: Any, seq_len: int, batch_size: int) -> Optional[MemoryPlan]:
-    """The plan of a ``seq_len`` run of the fpdt ``strategy``: its sizes, its explicit options, the callbacks'
-    features, the ``"auto"`` options resolved by the search for this GPU's and this host's memory. ``None`` where
-    nothing can be planned (no CUDA, no readable model config)."""
-    device = strategy.root_device
-    network = find_model(strategy.model)
-    config = getattr(network, "config", None)
-    if device.type != "cuda" or config is None:
-        return None
-    try:
-        geometry = resolve_geometry(config)
-    except ValueError:
-        return None  # a config the planner cannot read: nothing to check against
-    options = strategy.options
-    head_chunks = strategy.memory.head_chunks_for_planning(strategy)
-    available = available_host_memory()
-    rss = resident_bytes() or 0
-    local = strategy.num_processes
-    host_limit = None
-    if available is not None:
-        # the processes of this host hold their resident memory already, outside what the host has available
-        host_limit = available + local * rss - host_reserve_bytes()
-    already = strategy.pinned_host_bytes + host_state_bytes(strategy.optimizers, strategy.model)
-    trainer = strategy.lightning_module.trainer
-    features = MemoryFeatures.declared(trainer.callbacks)
-    disk = strategy.memory.disk_free_bytes()
-    return plan_memory(
-        geometry=geometry, seq_len=seq_len, batch_size=batch_size, chunks=options.chunks, offload=options.offload,
-        offload_dq=options.offload_dq, num_gpus=strategy.world_size, gpus_per_node=local,
-        sequence_parallel_size=strategy.sequence_parallel_size, ring_size=strategy.ring_size,
-        precision=strategy.precision_plugin.precision, cpu_offload_params=strategy.cpu_offload_params,
-        head_chunks=head_chunks, gpu_memory_gib=plannable_bytes(device) / 2**30,
-        host_memory_gib=None if host_limit is None else max(host_limit, 1) / 2**30,
-        host_baseline_gib=(max(0, rss - already) + RUNTIME_GROWTH_BYTES) / 2**30,
-        disk_memory_gib=None if disk is None else disk / 2**30,
-        accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
-        sync_every_batch=strategy.sync_every_batch, trainable_parameters=trainable_parameters(network),
-        **features.plan_kwargs(),
-    )
+def plan_for(memory: "MemoryBudget", seq_len: int, batch_size: int) -> Optional[MemoryPlan]:
+    """The plan of a ``seq_len`` run: its sizes, its explicit options, the callbacks' features, the ``"auto"`` options
+    resolved by the search for this GPU's and this host's memory (:func:`machine_limits`). ``None`` where nothing can
+    be planned (no CUDA, no readable model config)."""
+    request = memory.request(seq_len, batch_size)
+    return None if request is None else plan_memory(request)
 
 
 def trainable_parameters(model: torch.nn.Module) -> Optional[int]:
@@ -190,78 +196,109 @@ def choice_message(plan: MemoryPlan) -> str:
     )
 
 
-def head_groups_possible(strategy: Any) -> bool:
-    """Whether ``head_chunks="auto"`` may choose head groups for the strategy's model."""
-    return supports_head_groups(find_model(strategy.model)) and ring_refusal(strategy.ring_size, head_chunks=2) is None
+def head_groups_possible(network: torch.nn.Module, ring_size: Any) -> bool:
+    """Whether ``head_chunks="auto"`` may choose head groups for ``network``'s attention under this ring."""
+    return supports_head_groups(network) and ring_refusal(ring_size, head_chunks=2) is None
 
 
 class MemoryBudget:
-    """The memory side of one fpdt strategy: the plan of each sequence length it trains (the ``"auto"`` options
-    resolved, the callbacks told their part), the guard every host buffer pool asks before it grows, and the
-    page-locked host-resident states.
+    """The memory side of one fpdt run: the plan of each sequence length it trains (the ``"auto"`` options resolved,
+    the callbacks told their part), what ``"auto"`` runs where nothing plans, the guard every host buffer pool asks
+    before it grows, the page-locked host-resident states and the disk tier.
+
+    Made with the strategy's options; bound to the run's facts once its mesh exists (:meth:`bind`), given the
+    attention once it is installed (:meth:`attach`). It reads nothing of the strategy.
 
     Args:
+        options: the attention's options (``FPDTStrategy(chunks=..., offload=..., head_chunks=...)``).
         check: refuse a length whose plan fits neither memory (else warn and run it).
         offload_dir: the disk tier's directory (``FPDTStrategy(offload_dir=...)``); ``None``: no disk tier.
     """
 
-    def __init__(self, *, check: bool, offload_dir: Optional[str] = None) -> None:
+    def __init__(self, *, options: Optional[FPDTOptions] = None, check: bool = True,
+                 offload_dir: Optional[str] = None) -> None:
+        self.options = options if options is not None else FPDTOptions()
         self.check = check
         self.offload_dir = offload_dir
+        self.facts: Optional[RunFacts] = None
+        self.attention: Optional[FPDTAttention] = None
+        self.attention_geometry: Optional[AttentionGeometry] = None
+        self.optimizers: Sequence[Any] = ()
         self.disk: Optional[SpillDirectory] = None
         """This process's spill files once set up (:meth:`open_disk`)."""
         self._tiered: list[StashFactory] = []  # the factories given a disk tier
         self.plans: dict[tuple[int, int], Optional[MemoryPlan]] = {}  # (seq_len, batch) -> the plan it runs on
         self.plan: Optional[MemoryPlan] = None
         """The plan of the last length planned; ``None`` where nothing plans (no GPU, no config the planner reads)."""
+        self.free_bytes: Optional[int] = None
+        """Free GPU memory at the first batch, what ``"auto"`` runs with where nothing plans (read once)."""
         self.guard = HostMemoryGuard(reserve_bytes=host_reserve_bytes(), describe=self.advice)
         self._states: Optional[HostAllocator] = None  # page-locks FSDP2's host-resident shards
 
     # ---- setup --------------------------------------------------------------------------------------------------
-    def head_chunks_at_setup(self, strategy: Any, trainer: Any) -> int:
+    def bind(self, facts: RunFacts) -> None:
+        """The run's facts, once its mesh exists (again at a later fit's setup)."""
+        self.facts = facts
+
+    def attach(self, *, attention: FPDTAttention, geometry: Optional[AttentionGeometry] = None,
+               optimizers: Optional[Sequence[Any]] = None) -> None:
+        """The installed attention (its head groups and its host buffer pool), the attention's geometry once the
+        model is set up, the optimizers once made (their host-resident states are counted as held)."""
+        self.attention = attention
+        if geometry is not None:
+            self.attention_geometry = geometry
+        if optimizers is not None:
+            self.optimizers = optimizers
+
+    def head_chunks_at_setup(self, known: Optional[tuple[int, int]]) -> int:
         """``head_chunks`` for the attention about to be installed: the option, or for ``"auto"`` the search's
-        choice for the length known at setup (1 when none is known, or the model's attention cannot be grouped)."""
-        if strategy.options.head_chunks != "auto":
-            return strategy.options.head_chunks
-        known = known_length(trainer)
-        if known is None or not head_groups_possible(strategy):
+        choice for the length ``known`` at setup (1 when none is known, or the model's attention cannot be
+        grouped)."""
+        if self.options.head_chunks != "auto":
+            return self.options.head_chunks
+        if known is None or not self._head_groups_possible():
             return 1
-        plan = plan_for(strategy, *known)
+        plan = plan_for(self, *known)
         return 1 if plan is None else plan.options.head_chunks
 
-    def head_chunks_for_planning(self, strategy: Any) -> Union[Literal["auto"], int]:
+    def _head_groups_possible(self) -> bool:
+        facts = self.facts
+        return facts is not None and facts.network is not None and head_groups_possible(facts.network,
+                                                                                         facts.ring_size)
+
+    def head_chunks_for_planning(self) -> Union[Literal["auto"], int]:
         """Head groups as the planner may take them: those installed once the attention is, before that the option
         (``"auto"`` only where the model's attention can be grouped)."""
-        context = getattr(strategy, "_context", None)
-        if context is not None:
-            return context.attention.head_chunks
-        if strategy.options.head_chunks == "auto" and not head_groups_possible(strategy):
+        if self.attention is not None:
+            return self.attention.head_chunks
+        if self.options.head_chunks == "auto" and not self._head_groups_possible():
             return 1
-        return strategy.options.head_chunks
+        return self.options.head_chunks
 
-    def guard_host_memory(self, strategy: Any) -> None:
+    def guard_host_memory(self) -> None:
         """Once the model is sharded: page-lock its host-resident shards exactly (with ``cpu_offload_params``), and
         make every host buffer pool of the run ask the guard before it grows."""
-        if strategy.cpu_offload_params and self._states is None:
-            self._states = register_host_states(strategy.model, pin=strategy.root_device.type == "cuda")
-        for factory in self.factories(strategy):
+        facts = self.facts
+        if facts is not None and facts.cpu_offload_params and self._states is None:
+            self._states = register_host_states(facts.model, pin=facts.device.type == "cuda")
+        for factory in self.factories():
             factory.guard = self.guard
 
-    @staticmethod
-    def factories(strategy: Any) -> list[StashFactory]:
-        """The host buffer pools of the run: the attention's and the memory callbacks'."""
-        context = getattr(strategy, "_context", None)
-        found = [] if context is None else [context.attention.stashes]
-        trainer = getattr(strategy.lightning_module, "_trainer", None)
-        callbacks = trainer.callbacks if trainer is not None else []
-        return found + [c.stashes for c in callbacks if isinstance(getattr(c, "stashes", None), StashFactory)]
+    def _callbacks(self) -> Sequence[Any]:
+        return () if self.facts is None else self.facts.callbacks
 
-    def pinned_bytes(self, strategy: Any) -> int:
+    def factories(self) -> list[StashFactory]:
+        """The host buffer pools of the run: the attention's and the memory callbacks'."""
+        found = [] if self.attention is None else [self.attention.stashes]
+        return found + [c.stashes for c in self._callbacks()
+                        if isinstance(c, HoldsStashes) and isinstance(c.stashes, StashFactory)]
+
+    def pinned_bytes(self) -> int:
         """Host memory the process holds page-locked: the pools' buffers of a CUDA run, the disk tier's staging
         buffers and the states."""
         states = self._states.allocated_bytes if self._states is not None and self._states.pin else 0
         staging = self.disk.staging.allocated_bytes if self.disk is not None and self.disk.staging.allocator.pin else 0
-        return states + staging + sum(factory.pinned_bytes for factory in self.factories(strategy))
+        return states + staging + sum(factory.pinned_bytes for factory in self.factories())
 
     # ---- the disk tier ------------------------------------------------------------------------------------------
     def open_disk(self, *, rank: int, local_rank: int, pin_memory: bool, planned: bool = True) -> None:
@@ -295,9 +332,9 @@ class MemoryBudget:
         files; ``None`` without a disk tier."""
         if self.disk is None or self.disk.closed:
             return None
-        return shutil.disk_usage(self.disk.root).free + self.disk.bytes_on_disk
+        return disk_free_bytes(self.disk.root, self.disk.bytes_on_disk)
 
-    def configure_disk(self, strategy: Any, plan: Optional[MemoryPlan]) -> None:
+    def configure_disk(self, plan: Optional[MemoryPlan]) -> None:
         """Give the host buffer pools their host budgets for ``plan``: the block inputs' pool what the plan keeps in
         host memory for them (the rest spills, the last of the forward first); the attention's pool, when it
         offloads, its planned bytes and the host's room the plan leaves (it spills only beyond the plan). Refuses,
@@ -321,17 +358,14 @@ class MemoryBudget:
         spare = 0
         if plan.host_memory_bytes is not None:
             spare = max(0, plan.host_memory_bytes - plan.host_resident_bytes_per_node) // plan.gpus_per_node
-        context = getattr(strategy, "_context", None)
         budgets = []
-        if context is not None and plan.options.offload:
-            budgets.append((context.attention.stashes, plan.component("attention stash").host_bytes + spare))
+        if self.attention is not None and plan.options.offload:
+            budgets.append((self.attention.stashes, plan.component("attention stash").host_bytes + spare))
         if plan.options.activation_offload:
             inputs = plan.component("checkpointed block inputs").host_bytes
-            trainer = getattr(strategy.lightning_module, "_trainer", None)
-            for callback in trainer.callbacks if trainer is not None else []:
-                features = getattr(callback, "fpdt_memory_features", None)
-                if features is not None and features.activation_offload and isinstance(
-                        getattr(callback, "stashes", None), StashFactory):
+            for callback in self._callbacks():
+                if isinstance(callback, DeclaresMemory) and callback.fpdt_memory_features.activation_offload and \
+                        isinstance(callback, HoldsStashes) and isinstance(callback.stashes, StashFactory):
                     budgets.append((callback.stashes, inputs))
         for factory, host_budget in budgets:
             if factory.disk is None:
@@ -341,48 +375,74 @@ class MemoryBudget:
                 factory.disk.files, factory.disk.host_budget_bytes = self.disk, host_budget
 
     # ---- per sequence length ------------------------------------------------------------------------------------
-    def plan_length(self, strategy: Any, seq_len: int, batch_size: int, *, collective: bool) -> None:
+    def request(self, seq_len: int, batch_size: int) -> Optional[PlanRequest]:
+        """What the planner is asked for a ``seq_len`` batch of this run on this machine; ``None`` where nothing can
+        be planned (not bound, no CUDA, no model config the planner reads)."""
+        facts = self.facts
+        if facts is None or facts.device.type != "cuda" or facts.model is None:
+            return None
+        network = facts.network
+        config = getattr(network, "config", None)
+        if config is None:
+            return None
+        try:
+            geometry = resolve_geometry(config)
+        except ValueError:
+            return None  # a config the planner cannot read: nothing to check against
+        options = self.options
+        held = self.pinned_bytes() + host_state_bytes(self.optimizers, facts.model)
+        machine = machine_limits(num_gpus=facts.world_size, gpus_per_node=facts.local_processes,
+                                 device=facts.device, local_processes=facts.local_processes, held_host_bytes=held,
+                                 disk_free=self.disk_free_bytes())
+        return PlanRequest(
+            geometry=geometry, seq_len=seq_len, batch_size=batch_size, machine=machine,
+            features=MemoryFeatures.declared(facts.callbacks), chunks=options.chunks, offload=options.offload,
+            offload_dq=options.offload_dq, sequence_parallel_size=facts.sequence_parallel_size,
+            ring_size=facts.ring_size, precision=facts.precision, cpu_offload_params=facts.cpu_offload_params,
+            head_chunks=self.head_chunks_for_planning(), accumulate_grad_batches=facts.accumulate_grad_batches,
+            sync_every_batch=facts.sync_every_batch, trainable_parameters=trainable_parameters(network),
+        )
+
+    def plan_length(self, seq_len: int, batch_size: int, *, collective: bool) -> None:
         """Plan ``seq_len``: free the buffers of other lengths, resolve the ``"auto"`` options (:func:`plan_for`),
         refuse a plan that fits neither memory (every rank together when ``collective``), hand the memory callbacks
         their part and log the choice."""
-        for factory in self.factories(strategy):
+        for factory in self.factories():
             factory.trim()  # the buffers of another length: freed, not kept beside this length's
-        plan = plan_for(strategy, seq_len, batch_size)
+        plan = plan_for(self, seq_len, batch_size)
         error = refusal(plan, self.offload_dir) if self.check else None
-        if collective and not strategy.reduce_boolean_decision(error is None, all=True):
+        if collective and self.facts is not None and not self.facts.agree(error is None):
             raise error or ValueError("fpdt: another rank refused the run: it does not fit its memory (see its log)")
         if error is not None:
             raise error
         self.plans[(seq_len, batch_size)] = plan
-        self.configure_disk(strategy, plan)
+        self.configure_disk(plan)
         if plan is None:
             return
         if not plan.fits:
             rank_zero_warn(f"fpdt: S = {seq_len:,} does not fit as planned (check_memory=False runs it anyway): "
                            f"{refusal(plan, self.offload_dir)}")
-        self._run_on(strategy, plan)
+        self._run_on(plan)
         rank_zero_info(choice_message(plan))
 
-    def _run_on(self, strategy: Any, plan: MemoryPlan) -> None:
+    def _run_on(self, plan: MemoryPlan) -> None:
         """Make ``plan`` the one the next steps run on: the memory callbacks take its choice."""
         self.plan = plan
-        o = plan.options
-        for callback in strategy.lightning_module.trainer.callbacks:
-            if hasattr(callback, "apply_memory_choice"):
-                callback.apply_memory_choice(recompute_attention=o.recompute_attention, reload_input=o.reload_input,
-                                             prefetch=o.prefetch, keep_inputs=o.keep_inputs,
-                                             checkpoint_blocks=o.checkpoint_blocks)
+        choice = {name: getattr(plan.options, name) for name in CALLBACK_CHOICES}
+        for callback in self._callbacks():
+            if isinstance(callback, TakesMemoryChoice):
+                callback.apply_memory_choice(**choice)
 
-    def return_to(self, strategy: Any, seq_len: int, batch_size: int) -> None:
+    def return_to(self, seq_len: int, batch_size: int) -> None:
         """A batch of a length planned before: where another length's plan ran since (an evaluation at other lengths,
         a curriculum going back), free that length's buffers and run on this length's plan again."""
         plan = self.plans[(seq_len, batch_size)]
         if plan is None or plan is self.plan:
             return
-        for factory in self.factories(strategy):
+        for factory in self.factories():
             factory.trim()
-        self.configure_disk(strategy, plan)
-        self._run_on(strategy, plan)
+        self.configure_disk(plan)
+        self._run_on(plan)
 
     def planned(self, seq_len: int, batch_size: int) -> bool:
         return (seq_len, batch_size) in self.plans
@@ -391,13 +451,31 @@ class MemoryBudget:
         """The plan this length runs on, or ``None`` where nothing planned it."""
         return self.plans.get((seq_len, batch_size))
 
-    def resolved(self, seq_len: int, batch_size: int) -> Optional[ResolvedOptions]:
-        """The attention options the plan of this length chose, or ``None`` where nothing planned it."""
+    def resolved(self, seq_len: int, batch_size: int) -> ResolvedOptions:
+        """Chunks and offload for global sequences of ``seq_len`` tokens: the plan's (the search's choice for
+        ``"auto"``), or where nothing plans, the options with ``"auto"`` sized from the free GPU memory at the first
+        batch (:meth:`FPDTOptions.resolve`)."""
         plan = self.plan_of(seq_len, batch_size)
-        if plan is None:
-            return None
-        o = plan.options
-        return ResolvedOptions(chunks=o.chunks, offload=o.offload, offload_dq=o.offload_dq)
+        if plan is not None:
+            o = plan.options
+            return ResolvedOptions(chunks=o.chunks, offload=o.offload, offload_dq=o.offload_dq)
+        facts = self.facts
+        if self.free_bytes is None and facts is not None and facts.device.type == "cuda":
+            self.free_bytes = usable_free_bytes(facts.device)
+        sized = self.free_bytes is not None and self.attention_geometry is not None
+        fixed_ring = self.options.ring_size if isinstance(self.options.ring_size, int) else 1
+        return self.options.resolve(
+            self.attention_geometry if sized else None, batch_size=batch_size, seq_len=seq_len,
+            sp_size=facts.sequence_parallel_size if sized else 1,
+            ring_size=facts.ring_size if facts is not None else fixed_ring, free_bytes=self.free_bytes)
+
+    def syncs_every_batch(self, option: Switch, seq_len: Optional[int], batch_size: int) -> bool:
+        """Whether the batches of an accumulation window reduce-scatter their gradients: ``option``, or for
+        ``"auto"`` the choice of the plan of the batch's length (``False`` where nothing planned it)."""
+        if option != "auto":
+            return option
+        plan = None if seq_len is None else self.plan_of(seq_len, batch_size)
+        return plan is not None and plan.options.sync_every_batch
 
     def advice(self) -> str:
         """What the error of a host that ran short says: the plan the run was accepted on and how to need less."""

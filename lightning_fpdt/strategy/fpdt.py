@@ -32,6 +32,7 @@ from lightning_fpdt.memory.surgery import find_model
 from lightning_fpdt.models.ops import FUSED_OPS
 from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.offload.host_memory import HostMemoryError
+from lightning_fpdt.sequence.kernels import AttentionBackend
 from lightning_fpdt.sequence.layout import SequenceLayout
 from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry
@@ -73,8 +74,7 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
         chunks: FPDT chunks per rank ``u``; ``1`` is plain Ulysses.
         offload: keep the attention's q/k/v/out/lse chunks in pinned host memory between forward and backward.
         offload_dq: keep the backward's partial dQ sums (fp32, twice q's size) in host memory too.
-            ``"auto"`` (these three, ``head_chunks`` and ``ActivationOffload``'s ``recompute_attention``,
-            ``reload_input``, ``prefetch``): on a GPU, for a model whose config the planner reads, the fastest
+            ``"auto"`` (these three, ``head_chunks`` and the memory callbacks' ``"auto"`` options): on a GPU, for a model whose config the planner reads, the fastest
             configuration that fits the GPU and the host memory, chosen per sequence length by the planner's search
             (docs/planner.md) and logged with its predicted peaks; elsewhere at most 65,536 global tokens per chunk
             and nothing offloaded.
@@ -153,7 +153,7 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
         offload: Union[Literal["auto"], bool] = "auto",
         offload_dq: Union[Literal["auto"], bool] = "auto",
         ring_size: Union[Literal["auto"], int] = "auto",
-        attention_backend: str = "auto",
+        attention_backend: AttentionBackend = "auto",
         head_chunks: Union[Literal["auto"], int] = "auto",
         layer_classes: Optional[list[str]] = None,
         cpu_offload_params: bool = False,
@@ -205,12 +205,8 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
         self._geometry: Optional[AttentionGeometry] = None
         self._vocabulary: Optional[tokens.Vocabulary] = None  # read once at setup; every batch's ids are checked
         self._checkpoint_size: Optional[storage.CheckpointSize] = None  # counted at setup, named when a save fails
-        self._free_bytes: Optional[int] = None  # free GPU memory at the first batch, what "auto" plans with
-        if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
-            raise ValueError(f"offload_dir must be a directory path (str or os.PathLike) or None, got "
-                             f"{type(offload_dir).__name__} {offload_dir!r}")
-        self.offload_dir: Optional[str] = None if offload_dir is None else os.fspath(offload_dir)
-        self.memory = budget.MemoryBudget(check=check_memory, offload_dir=self.offload_dir)
+        self.offload_dir = budget.checked_offload_dir(offload_dir)
+        self.memory = budget.MemoryBudget(options=self.options, check=check_memory, offload_dir=self.offload_dir)
         """The plans of the lengths trained, the host memory guard, the page-locked states (``strategy/budget.py``)."""
         self._notices = BatchNotices()  # a new length's options, a length's padding: each said once
         self._targetless_warned = False
@@ -275,9 +271,10 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
         loops = (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop)
         for loop in loops:
             loop.inference_mode = False
+        self.memory.bind(self._run_facts(trainer))
         if self._context is None:
-            self._context = sequence_parallel_context(self.device_mesh, self.options,
-                                                      head_chunks=self.memory.head_chunks_at_setup(self, trainer))
+            head_chunks = self.memory.head_chunks_at_setup(budget.known_length(trainer))
+            self._context = sequence_parallel_context(self.device_mesh, self.options, head_chunks=head_chunks)
         FUSED_OPS.enabled = self.fused_ops  # the process's model ops (before any forward)
         Strategy.setup(self, trainer)
         if trainer.state.fn == TrainerFn.FITTING:  # a folder that cannot take a checkpoint fails now, not hours in
@@ -311,7 +308,8 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
             rank=self.global_rank, data=trainer.datamodule)
         if not self.cpu_offload_params:
             super().model_to_device()
-        self.memory.guard_host_memory(self)
+        self.memory.attach(attention=self._context.attention, geometry=self._geometry)
+        self.memory.guard_host_memory()
         on_gpu = self.root_device.type == "cuda"
         self.memory.open_disk(rank=self.global_rank, local_rank=self.local_rank, pin_memory=on_gpu, planned=on_gpu)
         self.barrier()
@@ -325,6 +323,7 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
                                                   threads=host_threads(self.num_processes), replaces=self._in_backward)
         elif self.root_device.type == "cuda" and self.fused_ops is not False:
             fuse_optimizers(self.optimizers, "cuda")  # one pass per tensor instead of foreach's eight
+        self.memory.attach(attention=self._context.attention, optimizers=self.optimizers)
 
     @property
     def memory_plan(self) -> Optional[MemoryPlan]:
@@ -335,7 +334,7 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
     @property
     def pinned_host_bytes(self) -> int:
         """Host memory this process holds page-locked: the attention's and the callbacks' buffers, the states."""
-        return self.memory.pinned_bytes(self)
+        return self.memory.pinned_bytes()
 
     def _parallelize_config(self, trainer: "pl.Trainer") -> ParallelizeConfig:
         """The callbacks' declared transforms in their slots (docs/design.md §6), the precision and the context."""
@@ -344,28 +343,24 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
                                  mp_policy=self.precision_plugin.mixed_precision_policy(),
                                  cpu_offload_params=self.cpu_offload_params, **declared_transforms(trainer.callbacks))
 
-    # ---- data -----------------------------------------------------------------------------------------------------
-    def _free_memory(self) -> Optional[int]:
-        if self.parallel_devices is None or self.root_device.type != "cuda":
-            return None
-        if self._free_bytes is None:
-            self._free_bytes = budget.usable_free_bytes(self.root_device)
-        return self._free_bytes
+    def _run_facts(self, trainer: Optional["pl.Trainer"]) -> budget.RunFacts:
+        """What the memory budget plans this run from (``strategy/budget.py``)."""
+        return budget.RunFacts(
+            model=self.model, device=self.root_device if self.parallel_devices else torch.device("cpu"),
+            world_size=self.world_size, local_processes=self.num_processes,
+            sequence_parallel_size=self.sequence_parallel_size if self._device_mesh is not None else 1,
+            ring_size=self.ring_size if self._device_mesh is not None else 1,
+            precision=self.precision_plugin.precision, cpu_offload_params=self.cpu_offload_params,
+            sync_every_batch=self.sync_every_batch, callbacks=getattr(trainer, "callbacks", ()),
+            accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
+            agree=lambda yes: self.reduce_boolean_decision(yes, all=True))
 
+    # ---- data -----------------------------------------------------------------------------------------------------
     def resolved_options(self, seq_len: int, batch_size: int = 1) -> ResolvedOptions:
         """Chunks and offload for global sequences of ``seq_len`` tokens: the plan's (the search's choice for
         ``"auto"``), or where nothing plans the options, ``"auto"`` sized from the free GPU memory at the first batch
-        (:meth:`FPDTOptions.resolve`)."""
-        planned = self.memory.resolved(seq_len, batch_size)
-        if planned is not None:
-            return planned
-        free = self._free_memory()
-        planned = free is not None and self._geometry is not None
-        fixed_ring = self.options.ring_size if isinstance(self.options.ring_size, int) else 1
-        ring = self.ring_size if self._device_mesh is not None else fixed_ring
-        return self.options.resolve(self._geometry if planned else None, batch_size=batch_size, seq_len=seq_len,
-                                    sp_size=self.sequence_parallel_size if planned else 1, ring_size=ring,
-                                    free_bytes=free)
+        (``MemoryBudget.resolved``)."""
+        return self.memory.resolved(seq_len, batch_size)
 
     def num_chunks_for(self, seq_len: int, batch_size: int = 1) -> int:
         """FPDT chunks for a global sequence of ``seq_len`` tokens (the option, or the plan for ``"auto"``)."""
@@ -386,7 +381,7 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
         if not self.memory.planned(seq_len, batch_size):
             self.check_memory_plan(seq_len, batch_size)  # before the forward pins host memory for this length
         else:
-            self.memory.return_to(self, seq_len, batch_size)
+            self.memory.return_to(seq_len, batch_size)
         options = self.resolved_options(seq_len, batch_size)
         self._log_new_length(seq_len, batch_size, options)
         layout = SequenceLayout(self.sequence_parallel_size, self.sequence_parallel_rank, options.chunks,
@@ -398,7 +393,8 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
         return sharded
 
     def _log_new_length(self, seq_len: int, batch_size: int, options: ResolvedOptions) -> None:
-        _log(self._notices.length(seq_len, options, self.options, self.sequence_parallel_size, self._free_bytes))
+        _log(self._notices.length(seq_len, options, self.options, self.sequence_parallel_size,
+                                  self.memory.free_bytes))
 
     def _log_padding(self, plan: BatchPlan) -> None:
         _log(self._notices.padding(plan))
@@ -475,11 +471,9 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
     def syncs_every_batch(self) -> bool:
         """Whether the batches of an accumulation window reduce-scatter their gradients: the option, or for
         ``"auto"`` the choice of the current sequence length's plan (``False`` where nothing planned it)."""
-        if self.sync_every_batch != "auto":
-            return self.sync_every_batch
-        plan = None if self.batch_plan is None else self.memory.plan_of(self.batch_plan.seq_len,
-                                                                        self.batch_plan.batch_size)
-        return plan is not None and plan.options.sync_every_batch
+        plan = self.batch_plan
+        return self.memory.syncs_every_batch(self.sync_every_batch, None if plan is None else plan.seq_len,
+                                             1 if plan is None else plan.batch_size)
 
     # ---- memory budget, failures, checkpoints ---------------------------------------------------------------------
     def check_memory_plan(self, seq_len: int, batch_size: int = 1, *, collective: bool = False) -> None:
@@ -487,7 +481,9 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
         fits the GPU and the host, hand the memory callbacks their part, log the choice; refuse, before any pinned
         buffer of this length exists, a run that fits neither (with ``check_memory``). At setup (``collective``)
         every rank refuses together, so none waits in a collective for a rank that raised."""
-        self.memory.plan_length(self, seq_len, batch_size, collective=collective)
+        if self.memory.facts is None:  # planned outside a fit's setup
+            self.memory.bind(self._run_facts(budget.attached_trainer(self.lightning_module)))
+        self.memory.plan_length(seq_len, batch_size, collective=collective)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import warnings
 from collections import namedtuple
-from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -93,11 +92,12 @@ def _tight_plan(**overrides):
     return plan_memory(**{**options, **overrides})
 
 
-def _fake_strategy(callback):
-    attention = FPDTAttention(offload=True)
-    trainer = SimpleNamespace(callbacks=[callback])
-    return SimpleNamespace(_context=SimpleNamespace(attention=attention),
-                           lightning_module=SimpleNamespace(_trainer=trainer))
+def _bound(memory, callback):
+    """``memory`` bound to a one-process run with ``callback`` and an offloading attention."""
+    memory.bind(budget.RunFacts(model=None, device=torch.device("cpu"), world_size=1, local_processes=1,
+                                sequence_parallel_size=1, ring_size=1, precision="32-true", callbacks=[callback]))
+    memory.attach(attention=FPDTAttention(offload=True))
+    return memory
 
 
 def test_plan_gives_the_pools_their_host_budgets(tmp_path):
@@ -107,22 +107,21 @@ def test_plan_gives_the_pools_their_host_budgets(tmp_path):
     plan = _tight_plan()
     assert plan.fits and plan.options.disk_inputs > 0
     callback = ActivationOffload()
-    strategy = _fake_strategy(callback)
-    memory = budget.MemoryBudget(check=True, offload_dir=str(tmp_path))
+    memory = _bound(budget.MemoryBudget(check=True, offload_dir=str(tmp_path)), callback)
     memory.open_disk(rank=0, local_rank=0, pin_memory=False)
-    memory.configure_disk(strategy, plan)
+    memory.configure_disk(plan)
     tier = callback.stashes.disk
     assert tier.files is memory.disk
     assert tier.host_budget_bytes == plan.component("checkpointed block inputs").host_bytes
-    attention = strategy._context.attention.stashes
+    attention = memory.attention.stashes
     assert plan.options.offload is False and attention.disk is None  # its chunks stay on the GPU
     offloaded = _tight_plan(offload=True, recompute_attention=True, host_memory_gib=70)
-    memory.configure_disk(strategy, offloaded)
+    memory.configure_disk(offloaded)
     spare = offloaded.host_memory_bytes - offloaded.host_resident_bytes_per_node
     assert attention.disk.host_budget_bytes == offloaded.component("attention stash").host_bytes + spare
     assert callback.stashes.disk is tier and tier.host_budget_bytes == \
         offloaded.component("checkpointed block inputs").host_bytes
-    memory.configure_disk(strategy, None)  # nothing planned: nothing spills
+    memory.configure_disk(None)  # nothing planned: nothing spills
     assert tier.host_budget_bytes == sys.maxsize
     memory.close()
 
@@ -139,7 +138,7 @@ def test_too_little_space_is_refused_with_the_bytes(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=rf"offload_dir '{tmp_path}' is too small: the plan's "
                                          rf"{plan.options.disk_inputs} block inputs per GPU x 1 GPUs of this host "
                                          rf"needs {needed:,} bytes .* which has 1,073,741,824 bytes \(1.00 GiB\) free"):
-        memory.configure_disk(_fake_strategy(ActivationOffload()), plan)
+        _bound(memory, ActivationOffload()).configure_disk(plan)
     monkeypatch.undo()
     memory.close()
 

@@ -72,8 +72,7 @@ def test_explicit_options_that_cannot_fit_name_the_change(monkeypatch):
                                          r"recompute_attention=True.*callbacks=\[ActivationOffload\("):
         strategy.check_memory_plan(1 << 20, 1)
     lenient = FPDTStrategy(check_memory=False)
-    monkeypatch.setattr(FPDTStrategy, "lightning_module", property(lambda self: None))
-    with pytest.raises(AttributeError):  # got past the refusal, to handing the callbacks their part
+    with pytest.warns(UserWarning, match="does not fit as planned"):
         lenient.check_memory_plan(1 << 20, 1)
     assert lenient.memory_plan is plan
 
@@ -189,7 +188,7 @@ def test_a_length_planned_before_runs_on_its_own_plan_again(monkeypatch):
     strategy = FPDTStrategy()
     for seq_len, expected in ((131072, 7), (32768, "all"), (131072, 7), (131072, 7), (32768, "all")):
         if strategy.memory.planned(seq_len, 1):
-            strategy.memory.return_to(strategy, seq_len, 1)
+            strategy.memory.return_to(seq_len, 1)
         else:
             strategy.check_memory_plan(seq_len, 1)
         assert callback.resolved("keep_inputs") == expected and strategy.memory_plan is plans[seq_len]

@@ -298,7 +298,7 @@ def test_planning_follows_the_per_process_memory_cap(monkeypatch):
     """An 80 GB card's budget run on a 139 GiB card: the planner sees the cap, not the card."""
     from types import SimpleNamespace
 
-    from lightning_fpdt.strategy.budget import usable_free_bytes, usable_total_bytes
+    from lightning_fpdt.planner.machine import usable_free_bytes, usable_total_bytes
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=139 * gib))

@@ -4,14 +4,17 @@ A separate class from the Trainer's :class:`~lightning_fpdt.strategy.FPDTStrateg
 have separate strategy interfaces (Lightning's own ``ModelParallelStrategy`` is two classes too); both take the same
 steps from the modules beside this one: the mesh (``topology.py``, ``mesh.py``), the model's transforms and FSDP2
 (``parallelize.py``), the batch sharding (``batch.py``), the loss reduction (the installed context) and the
-distributed checkpoint with checksums (``checkpoint.py``). What the Trainer adds around a step (the memory planner,
-the host memory guard, the disk tier, the rank watchdog, preemption, the non-finite loss check) is not part of a
-Fabric run; the options that drive it are refused here by name (:data:`TRAINER_ONLY_OPTIONS`).
+distributed checkpoint with checksums (``checkpoint.py``) and the memory budget (``budget.py``: the planner's
+choice of the ``"auto"`` options at each new length, the refusal of a length that fits neither memory, the host
+memory guard, the disk tier). What the Trainer adds around a step beyond that (the rank watchdog, preemption, the
+non-finite loss check, host-resident states) is not part of a Fabric run; the options that drive it are refused here
+by name (:data:`TRAINER_ONLY_OPTIONS`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
@@ -29,6 +32,8 @@ from typing_extensions import override
 from lightning_fpdt.flops import attention_heads
 from lightning_fpdt.integrations import SequenceParallelContext
 from lightning_fpdt.models.ops import FUSED_OPS
+from lightning_fpdt.planner.components import MemoryPlan
+from lightning_fpdt.sequence.kernels import AttentionBackend
 from lightning_fpdt.sequence.layout import SequenceLayout
 from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry
@@ -53,10 +58,8 @@ TRAINER_ONLY_OPTIONS = {
                              "step",
     "nonfinite_loss": "your loop holds the loss: check torch.isfinite(loss) there",
     "heartbeat_timeout": "the rank watchdog is part of the Trainer's run",
-    "check_memory": "the memory planner needs the Trainer's callbacks and data module",
     "preemption": "the Trainer saves and exits on SIGTERM; in your loop, save with fabric.save",
     "preemption_timeout": "the Trainer saves and exits on SIGTERM; in your loop, save with fabric.save",
-    "offload_dir": "the disk tier is placed by the memory planner, which runs under the Trainer only",
     "sync_every_batch": "under Fabric you choose: wrap the batches before a window's last in "
                         "fabric.no_backward_sync(model)",
     "predict_outputs": "trainer.predict only; under Fabric gather outputs yourself",
@@ -79,20 +82,24 @@ class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
         sequence_parallel_size: ranks that share one sequence; ``"auto"``: the devices of a node, capped by the heads
             (the mesh is built at the first ``fabric.setup``, where the model's heads are known).
         data_parallel_size: groups that see different samples; ``"auto"``: world size / sequence_parallel_size.
-        chunks: FPDT chunks per rank ``u``; ``1`` is plain Ulysses. ``"auto"``: sized from the free GPU memory at the
-            first batch (at most 65,536 global tokens per chunk without a GPU); the planner's search, which the Trainer
-            runs for ``"auto"``, does not run under Fabric.
+        chunks: FPDT chunks per rank ``u``; ``1`` is plain Ulysses. ``"auto"``: on a GPU, the planner's choice at
+            each new sequence length (the fastest that fits the GPU and the host, as under the Trainer); without one,
+            at most 65,536 global tokens per chunk.
         offload: keep the attention's q/k/v/out/lse chunks in host memory between forward and backward; ``"auto"``
             as ``chunks``.
         offload_dq: keep the backward's partial dQ sums in host memory too; ``"auto"`` as ``chunks``.
         ring_size: ring ranks ``R`` of a Ulysses × ring sequence mesh (docs/ring.md); ``"auto"``: as the Trainer's.
         attention_backend: block attention kernel: ``"auto"``, ``"cudnn"``, ``"flash"`` or ``"math"``.
-        head_chunks: head groups ``G`` (docs/head_chunks.md); ``"auto"`` is 1 under Fabric (the Trainer chooses it
-            with the planner).
+        head_chunks: head groups ``G`` (docs/head_chunks.md); ``"auto"`` is 1 under Fabric (the groups are installed
+            at ``fabric.setup``, before any length is known).
         layer_classes: class names of the transformer blocks (FSDP2 units); ``None``: the largest ``ModuleList``.
         memory_callbacks: ``ActivationOffload``, ``TiledMLP``, ``TiledLoss``: their transforms applied in
-            ``apply_fpdt``'s fixed order, before FSDP2; options left ``"auto"`` take what each does by itself (no
-            planner chooses them under Fabric). Pass them here, not to ``Fabric(callbacks=...)``.
+            ``apply_fpdt``'s fixed order, before FSDP2; options left ``"auto"`` take the planner's choice for each
+            length. Pass them here, not to ``Fabric(callbacks=...)``.
+        check_memory: refuse, at a new sequence length and before anything of it is allocated, a length whose plan
+            fits neither the GPU nor the host (``False``: warn and run it).
+        offload_dir: a local directory for the disk tier: block inputs beyond the host's memory go to files there,
+            as the plan says (docs/planner.md).
         pad_to_multiple: right-pad sequences to a multiple of sequence_parallel_size × chunks (labels -100);
             ``False`` raises instead.
         pad_token_id: the token id used for that padding.
@@ -114,7 +121,7 @@ class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
         offload: Union[Literal["auto"], bool] = "auto",
         offload_dq: Union[Literal["auto"], bool] = "auto",
         ring_size: Union[Literal["auto"], int] = "auto",
-        attention_backend: str = "auto",
+        attention_backend: AttentionBackend = "auto",
         head_chunks: Union[Literal["auto"], int] = "auto",
         layer_classes: Optional[list[str]] = None,
         memory_callbacks: Sequence[Any] = (),
@@ -124,6 +131,8 @@ class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         fused_ops: Union[Literal["auto"], bool] = "auto",
+        check_memory: bool = True,
+        offload_dir: Optional[Union[str, os.PathLike]] = None,
         **trainer_options: Any,
     ) -> None:
         if trainer_options:
@@ -147,12 +156,15 @@ class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
         if undeclared:
             raise ValueError(f"memory_callbacks takes the memory callbacks (ActivationOffload, TiledMLP, TiledLoss), "
                              f"got {undeclared}: pass other callbacks to Fabric(callbacks=...)")
+        self._memory_callbacks = list(memory_callbacks)
+        self.memory = budget.MemoryBudget(options=self.options, check=check_memory,
+                                          offload_dir=budget.checked_offload_dir(offload_dir))
+        """Each length's plan, the host memory guard, the disk tier (``strategy/budget.py``)."""
         self._pad_to_multiple = pad_to_multiple
         self._pad_token_id = pad_token_id
         self._context: Optional[SequenceParallelContext] = None
         self._geometry: Optional[AttentionGeometry] = None
         self._vocabulary: Optional[tokens.Vocabulary] = None
-        self._free_bytes: Optional[int] = None
         self._notices = BatchNotices()
         self.batch_plan: Optional[BatchPlan] = None
         """What the sharding of the last batch decided (its layout, documents, valid tokens)."""
@@ -209,9 +221,14 @@ class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
         model allocated shard by shard), the module on this rank's device."""
         if self._device_mesh is None:
             self._build_mesh(heads=attention_heads(module))
+        self.memory.bind(budget.RunFacts(
+            model=module, device=self.root_device, world_size=self.world_size, local_processes=self.num_processes,
+            sequence_parallel_size=self.sequence_parallel_size, ring_size=self.ring_size,
+            precision=self.precision.precision, callbacks=self._memory_callbacks,
+            agree=lambda yes: self.reduce_boolean_decision(yes, all=True)))
         if self._context is None:
             self._context = sequence_parallel_context(self.device_mesh, self.options,
-                                                      head_chunks=self.options.fixed_head_chunks)
+                                                      head_chunks=self.memory.head_chunks_at_setup(None))
         FUSED_OPS.enabled = self.fused_ops  # the process's model ops (before any forward)
         if not has_meta_parameters(module):
             module.to(self.root_device)  # FSDP2 shards what is on the mesh's device
@@ -225,6 +242,10 @@ class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
         self._geometry, self._vocabulary = parallelize_model(
             module, mesh, config=config, precision=self.precision.precision, pad_token_id=self._pad_token_id,
             device=self.root_device, rank=self.global_rank)
+        self.memory.attach(attention=self._context.attention, geometry=self._geometry)
+        self.memory.guard_host_memory()
+        on_gpu = self.root_device.type == "cuda"
+        self.memory.open_disk(rank=self.global_rank, local_rank=self.local_rank, pin_memory=on_gpu, planned=on_gpu)
         return module
 
     @override
@@ -244,22 +265,25 @@ class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [replaced.get(id(param), param) for param in group["params"]]
-        return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+        optimizers = [self.setup_optimizer(o) for o in optimizers]
+        self.memory.attach(attention=self._context.attention, optimizers=optimizers)
+        return module, optimizers, scheduler
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
         pass  # setup_module places it: allocated shard by shard when on the meta device
 
     # ---- data -----------------------------------------------------------------------------------------------------
+    @property
+    def memory_plan(self) -> Optional[MemoryPlan]:
+        """The plan the last sequence length runs on; ``None`` where nothing plans (no GPU, no model config the
+        planner reads)."""
+        return self.memory.plan
+
     def resolved_options(self, seq_len: int, batch_size: int = 1) -> ResolvedOptions:
-        """Chunks and offload for global sequences of ``seq_len`` tokens: the options, ``"auto"`` sized from the
-        free GPU memory at the first batch (:meth:`FPDTOptions.resolve`, what the Trainer runs where nothing plans)."""
-        if self._free_bytes is None and self.root_device.type == "cuda":
-            self._free_bytes = budget.usable_free_bytes(self.root_device)
-        planned = self._free_bytes is not None and self._geometry is not None
-        return self.options.resolve(self._geometry if planned else None, batch_size=batch_size, seq_len=seq_len,
-                                    sp_size=self.sequence_parallel_size if planned else 1, ring_size=self.ring_size,
-                                    free_bytes=self._free_bytes)
+        """Chunks and offload for global sequences of ``seq_len`` tokens: the plan's (the search's choice for
+        ``"auto"``), or where nothing plans, ``"auto"`` sized from the free GPU memory at the first batch."""
+        return self.memory.resolved(seq_len, batch_size)
 
     def shard_batch(self, batch: Any) -> dict[str, Any]:
         """This rank's share of a global batch ``{"input_ids": (B, S), "labels": ...}`` (on this rank's device), by
@@ -273,8 +297,13 @@ class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
         check_batch(batch)
         batch = move_data_to_device(batch, self.root_device)
         batch_size, seq_len = batch["input_ids"].shape
+        if not self.memory.planned(seq_len, batch_size):
+            self.memory.plan_length(seq_len, batch_size, collective=False)  # before the forward pins host memory
+        else:
+            self.memory.return_to(seq_len, batch_size)
         options = self.resolved_options(seq_len, batch_size)
-        _log(self._notices.length(seq_len, options, self.options, self.sequence_parallel_size, self._free_bytes))
+        _log(self._notices.length(seq_len, options, self.options, self.sequence_parallel_size,
+                                  self.memory.free_bytes))
         layout = SequenceLayout(self.sequence_parallel_size, self.sequence_parallel_rank, options.chunks,
                                 ring_size=self.ring_size)
         sharded, plan = begin_batch(batch, layout=layout, context=self._context, resolved=options,
@@ -328,6 +357,11 @@ class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
         checkpointing.check_checkpoint_complete(path)
         checkpointing.verify_checksums(path, self.global_rank, self.world_size)
         return super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+
+    @override
+    def teardown(self) -> None:
+        self.memory.close()  # the states' registration ends, the disk tier's files go
+        super().teardown()
 
     @classmethod
     @override

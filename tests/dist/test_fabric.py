@@ -229,3 +229,52 @@ def test_fabric_meta_model_and_auto_sizes(dist_pool):
     rank of the sequence group."""
     losses = dist_pool(2).run(meta_model_with_auto_sizes)
     assert losses[0] == losses[1], losses
+
+
+def planned_lengths(seed: int) -> list[str]:
+    """The memory planner under Fabric, its plans made as on a GPU (this host has none): each new length is planned
+    before its first forward, "auto" chunks and ActivationOffload's "auto" kept inputs take the plan's choice, the
+    loss equals one process's, and a length whose plan fits nothing is refused on every rank."""
+    from lightning_fpdt.planner import plan_memory
+    from lightning_fpdt.strategy import budget
+
+    def planned(memory, seq_len, batch_size, gpu_gib=80.0):
+        return plan_memory(geometry=memory.facts.network.config, seq_len=seq_len, batch_size=batch_size, num_gpus=2,
+                           chunks=2 if seq_len == 16 else 1, offload=False, offload_dq=False,
+                           activation_offload=True, tiled_mlp=False, tiled_loss=False, precision="32-true",
+                           keep_inputs=1, gpu_memory_gib=gpu_gib if seq_len < 64 else 1e-6)
+
+    real = budget.plan_for
+    budget.plan_for = planned
+    try:
+        callback = ActivationOffload()
+        fabric = _fabric(FPDTFabricStrategy(memory_callbacks=[callback]))
+        model = build_model("llama", SEED)
+        model, optimizer = fabric.setup(model, make_optimizer("sgd", model.parameters(), LR))
+        said = []
+        for seq_len in (16, 32):
+            dataset = TokenDataset(num_samples=2, seq_len=seq_len, seed=seed + seq_len)
+            batch = next(iter(fabric.setup_dataloaders(DataLoader(dataset, batch_size=2))))
+            plan = fabric.strategy.memory_plan
+            assert plan is not None and plan.seq_len == seq_len and plan.options.keep_inputs == 1
+            assert fabric.strategy.resolved_options(seq_len, 2).chunks == plan.options.chunks
+            assert callback.resolved("keep_inputs") == 1  # "auto" took the plan's choice
+            loss = model_loss("llama", model, batch)
+            reference = build_model("llama", SEED)
+            full = next(iter(DataLoader(dataset, batch_size=2)))
+            expected = model_loss("llama", reference, reference_batch("llama", full))
+            torch.testing.assert_close(loss.detach(), expected.detach(), **TOL)
+            said.append(plan.options.describe())
+        dataset = TokenDataset(num_samples=2, seq_len=64, seed=seed)
+        with pytest.raises(ValueError, match="does not fit the GPU memory"):
+            next(iter(fabric.setup_dataloaders(DataLoader(dataset, batch_size=2))))
+        return said
+    finally:
+        budget.plan_for = real
+
+
+def test_fabric_plans_each_length(dist_pool):
+    """Fabric(strategy="fpdt") plans each new length with the memory planner, as the Trainer does."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    said = dist_pool(2).run(planned_lengths, seed=seed)
+    assert said[0] == said[1] and "chunks=2" in said[0][0] and "chunks=1" in said[0][1], said

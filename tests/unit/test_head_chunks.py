@@ -276,9 +276,11 @@ def test_groups_lower_the_attention_peaks():
     """G = 4 vs G = 1, bf16 at the GPU test's geometry (live bytes on the CPU): the attention module's forward holds
     a quarter of G = 1's per-head buffers, and its forward peak and forward + backward peak each drop by at least
     the full-width q/k/v/out."""
-    seq_len, hidden, head_dim = 8192, 1024, 64
+    seq_len, hidden, head_dim = 2048, 1024, 64
     peaks = {head_chunks: _attention_peaks(head_chunks, seq_len)[:2] for head_chunks in (1, 4)}
-    # tests/gpu/test_head_chunks_cuda.py at 1/8 of its length (the same single RoPE tile), in MiB: q/k/v/out =
+    # tests/gpu/test_head_chunks_cuda.py at 1/32 of its length (the same single RoPE tile; every term below is per
+    # token, so the bounds hold at any length: the CPU's bf16 attention makes 2K tokens the affordable one). In MiB
+    # at 8K tokens (a quarter of each at the 2K run): q/k/v/out =
     # 8K × (16 + 2·8 + 16) × 64 × 2 B = 48. Forward: G = 1 peaks in RoPE of q on q, k, v, the rotated q (48), RoPE's
     # two fp32 tile buffers of q (64: q and its rotate-half) and its per-token tables (angles, cos, sin: 6): 118;
     # G = 4 on a quarter of the per-head ones (28), the same per-token tables (6) and the hidden-sized sum of the
@@ -297,9 +299,9 @@ def test_group_backward_keeps_two_hidden_sized_buffers():
     """G = 4, bf16: the group backward holds two hidden-sized buffers, the output and the running dx (the output
     projection is differentiated by hand, the projections' dx added into dx in place), and peaks below their sum
     with one group's RoPE backward."""
-    seq_len, hidden, head_dim, heads, kv_heads, groups = 8192, 1024, 64, 16, 8, 4
+    seq_len, hidden, head_dim, heads, kv_heads, groups = 2048, 1024, 64, 16, 8, 4
     _, peak, alive = _attention_peaks(groups, seq_len)
-    # In MiB at 8K tokens. The peak is in RoPE's backward of a group's dq (4 query heads, 2 kv heads), on
+    # In MiB at 8K tokens (a quarter of each at the 2K run: every term is per token). The peak is in RoPE's backward of a group's dq (4 query heads, 2 kv heads), on
     # - two hidden-sized buffers, 8K × 1024 × 2 B = 16 each: the module's output (the caller holds it) and the one
     #   running dx: 32. (Before: seven at the peak, in the group's dx sum: also the output projection redone to be
     #   differentiated, the three projections' dx products and autograd's two out-of-place sums of them: 124.5.)

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec "${PYTHON:-python3}" -m pytest -q "$@"
+exec "${PYTHON:-python3}" -m pytest -q --durations=20 "$@"

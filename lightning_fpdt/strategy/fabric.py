@@ -341,9 +341,12 @@ class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
     @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
-        """Lightning's save (one shard per rank and ``meta.pt``, or one file), then the distributed checkpoint's
-        checksums (``strategy/checkpoint.py``), which :meth:`load_checkpoint` verifies. Collective."""
+        """Lightning's save (one shard per rank and ``meta.pt``, or one file) with every rank's random states (the
+        loop draws after a resume what it would have drawn), then the distributed checkpoint's checksums
+        (``strategy/checkpoint.py``), which :meth:`load_checkpoint` verifies. Collective."""
         path = Path(self.broadcast(path))
+        state = dict(state)
+        checkpointing.gather_rng_states(state, self.world_size)
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
         if self._save_distributed_checkpoint:
             checkpointing.save_checksums(path, self.global_rank, self.world_size)
@@ -352,11 +355,17 @@ class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Refuse a folder whose save was interrupted or whose files changed since (named), then Lightning's load
-        into ``state``'s model and optimizers. Collective."""
+        into ``state``'s model and optimizers, and this rank's random states as they were at the save (a checkpoint
+        of another number of ranks: afresh, with a warning). Collective."""
         path = Path(self.broadcast(path))
         checkpointing.check_checkpoint_complete(path)
         checkpointing.verify_checksums(path, self.global_rank, self.world_size)
-        return super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+        remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+        if isinstance(remainder, dict):
+            states = checkpointing.restored_rng_state(remainder, self.world_size, self.global_rank)
+            if states is not None:
+                checkpointing.set_rng_states(states)
+        return remainder
 
     @override
     def teardown(self) -> None:

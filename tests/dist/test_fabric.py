@@ -151,8 +151,8 @@ def test_fabric_parity_ring(dist_pool):
 
 
 def save_and_load(folder: str) -> None:
-    """``fabric.save`` then ``fabric.load`` into a model of other weights restores the model and the optimizer
-    exactly; a shard changed after the save is refused by name."""
+    """``fabric.save`` then ``fabric.load`` into a model of other weights restores the model, the optimizer and the
+    random states exactly; a shard changed after the save is refused by name."""
     fabric = _fabric(FPDTFabricStrategy(sequence_parallel_size=2, data_parallel_size=1, chunks=2))
     dataset = TokenDataset(num_samples=2, seq_len=16, seed=3)
     model = build_model("llama", SEED)
@@ -163,13 +163,16 @@ def save_and_load(folder: str) -> None:
     optimizer.step()
     path = Path(folder) / "step-1"
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
+    drawn = torch.rand(4)  # what the loop draws after the save
+
 
     other = build_model("llama", SEED + 1)
     other_optimizer = make_optimizer("adamw", other.parameters(), 1e-2)
     other, other_optimizer = fabric.setup(other, other_optimizer)
     state = {"model": other, "optimizer": other_optimizer, "step": 0}
-    fabric.load(path, state)
-    assert state["step"] == 1
+    remainder = fabric.load(path, state)
+    assert state["step"] == 1 and remainder == {}  # the random states are the strategy's, not left to the loop
+    assert torch.equal(torch.rand(4), drawn), "random states not restored"
     for (name, saved), (_, loaded) in zip(model.module.named_parameters(), other.module.named_parameters()):
         assert torch.equal(_full(saved), _full(loaded)), f"{name} not restored"
     for saved, loaded in zip(optimizer.state.values(), other_optimizer.state.values()):

@@ -85,3 +85,25 @@ def test_a_run_of_several_data_parallel_groups_counts_every_groups_tokens():
     assert figures["tokens_per_s"] == pytest.approx(seq_len)  # 2 sequences in 2 s
     assert figures["tflops_per_gpu"] == pytest.approx(per_gpu / 1e12)
     assert figures["mfu"] == pytest.approx(per_gpu / 1e15)
+
+
+def train_data_parallel_fpdt() -> dict:
+    import warnings
+
+    from bench.peers import runner
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MFUMonitor: no peak FLOP/s for a CPU
+        return runner.run(cli.parse_args(["--system", "fpdt", "--model", "tiny", "--layers", "1", "--seq-len", "64",
+                                          "--steps", "2", "--accelerator", "cpu", "--precision", "32-true",
+                                          "--sequence-parallel-size", "1", "--out", "unused.jsonl"]))
+
+
+def test_an_fpdt_run_at_sequence_parallel_size_1_on_2_ranks_trains_2_sequences_a_step(dist_pool):
+    """--sequence-parallel-size 1 on 2 gloo ranks: 2 data-parallel groups, 2 x 64 tokens a step in the record."""
+    for record in dist_pool(2).run(train_data_parallel_fpdt):
+        assert record["status"] == "ok" and record["options"]["sequence_parallel_size"] == 1
+        assert (record["sequence_parallel_size"], record["data_parallel_size"]) == (1, 2)
+        assert record["tokens_per_step"] == 2 * 64
+        assert record["tflops_per_gpu"] == pytest.approx(
+            2 * 64 * record["flops_per_token"] / record["step_time_s"] / 2 / 1e12)

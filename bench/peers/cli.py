@@ -34,7 +34,8 @@ def _auto_or_int(value: str) -> Any:
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", choices=SYSTEMS, required=True)
     parser.add_argument("--model", default="llama3-8b", choices=GEOMETRY_NAMES,
-                        help="named geometry; qwen3-4b and mixtral-8x7b with --system fpdt-hf only")
+                        help="named geometry; the Hugging Face ones (qwen3-4b, mixtral-8x7b, qwen2.5-0.5b, "
+                             "qwen2.5-0.5b-16h) with --system fpdt-hf only")
     parser.add_argument("--layers", type=int, default=None, help="layers run (default: the full depth)")
     parser.add_argument("--seq-len", type=int, default=131072, help="global tokens of one sequence")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (the first is a warm-up)")

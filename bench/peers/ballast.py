@@ -33,6 +33,11 @@ def layers_run(args: argparse.Namespace) -> int:
     return args.layers if args.layers is not None else full_depth(args.model)
 
 
+def sequence_parallel_option(args: argparse.Namespace) -> Any:
+    """The fpdt systems' ``--sequence-parallel-size``: ``"auto"`` or the GPUs that share one sequence."""
+    return getattr(args, "sequence_parallel_size", "auto")
+
+
 def count_option(args: argparse.Namespace, name: str) -> Any:
     """``ActivationOffload``'s ``keep_inputs`` or ``checkpoint_blocks`` of ``--keep-inputs`` or
     ``--checkpoint-blocks``: ``"all"``, ``"auto"`` or a count; ``"auto"`` for ``"all"`` under ``--auto-options`` (a
@@ -50,7 +55,8 @@ def state_bytes_per_parameter(precision: str, optimizer: str = "adamw") -> int:
 
 
 def kept_bytes_per_layer(system: str, geometry: ModelGeometry, *, seq_len: int, num_gpus: int, precision: str,
-                         attention_offload: bool, recompute_attention: bool = False) -> int:
+                         attention_offload: bool, recompute_attention: bool = False,
+                         sequence_parallel_size: Any = "auto") -> int:
     """GPU bytes one block keeps from its forward to its backward (batch 1): what the ballast must also stand in for,
     for each block not run.
 
@@ -58,8 +64,9 @@ def kept_bytes_per_layer(system: str, geometry: ModelGeometry, *, seq_len: int, 
     its ``S/W`` tokens; ``alst``: nothing (its checkpointed inputs wait in host memory); ``fpdt``, ``fpdt-hf``:
     nothing when the attention offloads (ActivationOffload keeps the block inputs in host memory, the attention its
     chunks), else the layer's attention chunks (``planning.stash_bytes``) and its output kept for the recompute,
-    ``S/P·H·D·b``, as ``lightning_fpdt.planner`` counts them (``P`` = all GPUs, one node); nothing either when the
-    recompute runs the attention again (only the layer in backward holds chunks)."""
+    ``S/P·H·D·b``, as ``lightning_fpdt.planner`` counts them (``P``: ``sequence_parallel_size``, all GPUs of one node
+    when ``"auto"``); nothing either when the recompute runs the attention again (only the layer in backward holds
+    chunks)."""
     act = PRECISIONS[precision]["act"]
     if system == "modelparallel":
         return seq_len * geometry.hidden_size * act
@@ -70,8 +77,9 @@ def kept_bytes_per_layer(system: str, geometry: ModelGeometry, *, seq_len: int, 
     if attention_offload or recompute_attention:
         return 0
     attention = attention_geometry(geometry, act)
-    kept_out = seq_len // num_gpus * geometry.num_heads * geometry.head_dim * act
-    return stash_bytes(attention, batch_size=1, seq_len=seq_len, sp_size=num_gpus) + kept_out
+    sp = num_gpus if sequence_parallel_size == "auto" else sequence_parallel_size
+    kept_out = seq_len // sp * geometry.num_heads * geometry.head_dim * act
+    return stash_bytes(attention, batch_size=1, seq_len=seq_len, sp_size=sp) + kept_out
 
 
 def ballast_bytes(
@@ -110,7 +118,8 @@ def run_ballast(args: argparse.Namespace, geometry: ModelGeometry, world_size: i
         return 0, 0
     kept = kept_bytes_per_layer(args.system, geometry, seq_len=args.seq_len, num_gpus=world_size,
                                 precision=args.precision, attention_offload=args.offload == "on",
-                                recompute_attention=args.system in ("fpdt", "fpdt-hf") and args.recompute_attention)
+                                recompute_attention=args.system in ("fpdt", "fpdt-hf") and args.recompute_attention,
+                                sequence_parallel_size=sequence_parallel_option(args))
     common = dict(layers_run=layers_run(args), num_gpus=world_size, precision=args.precision,
                   cpu_offload_params=args.cpu_offload_params,
                   offloaded_gpu_bytes_per_parameter=offloaded_gpu_bytes_per_parameter(args, world_size))
@@ -131,9 +140,12 @@ def host_check(
     fpdt = args.system in ("fpdt", "fpdt-hf")
     alst = args.system == "alst"  # block inputs in host memory, tiled MLP and loss, Ulysses over every GPU
     offload = ON_OFF_AUTO[args.offload]
+    from bench.peers.hf_llama import named_geometry  # a Hugging Face geometry's name is not a planner size
+
     plan = plan_memory(
-        geometry=args.model, seq_len=args.seq_len, num_gpus=num_gpus, gpus_per_node=gpus_per_node,
-        sequence_parallel_size=resolved.get("sequence_parallel_size", "auto") if fpdt else num_gpus if alst else 1,
+        geometry=named_geometry(args.model), seq_len=args.seq_len, num_gpus=num_gpus, gpus_per_node=gpus_per_node,
+        sequence_parallel_size=resolved.get("sequence_parallel_size", sequence_parallel_option(args)) if fpdt
+        else num_gpus if alst else 1,
         chunks=resolved.get("chunks", args.chunks) if fpdt else 1,
         offload=resolved.get("offload", offload) if fpdt else False,
         offload_dq=resolved.get("offload_dq", "auto") if fpdt else False,

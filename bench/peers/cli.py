@@ -34,7 +34,8 @@ def _auto_or_int(value: str) -> Any:
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", choices=SYSTEMS, required=True)
     parser.add_argument("--model", default="llama3-8b", choices=GEOMETRY_NAMES,
-                        help="named geometry; qwen3-4b and mixtral-8x7b with --system fpdt-hf only")
+                        help="named geometry; the Hugging Face ones (qwen3-4b, mixtral-8x7b, qwen2.5-0.5b, "
+                             "qwen2.5-0.5b-16h) with --system fpdt-hf only")
     parser.add_argument("--layers", type=int, default=None, help="layers run (default: the full depth)")
     parser.add_argument("--seq-len", type=int, default=131072, help="global tokens of one sequence")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (the first is a warm-up)")
@@ -89,6 +90,10 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_system_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=_auto_or_int, default="auto", help="fpdt, fpdt-hf: FPDT chunks per rank")
+    parser.add_argument("--sequence-parallel-size", type=_auto_or_int, default="auto",
+                        help="fpdt, fpdt-hf: FPDTStrategy(sequence_parallel_size=N), N GPUs share one sequence of "
+                             "--seq-len tokens and the GPUs / N groups train a sequence each (a step trains "
+                             "GPUs / N sequences); auto: the strategy's choice")
     parser.add_argument("--head-chunks", type=int, default=1,
                         help="fpdt, fpdt-hf: FPDTStrategy(head_chunks=G), attention in G head groups (lower "
                              "attention peaks)")
@@ -189,6 +194,20 @@ def _warn_ignored(args: argparse.Namespace) -> None:
             warnings.warn(f"{option} {value} has no effect on --system {args.system} (only on {', '.join(systems)})")
 
 
+def _check_sequence_parallel(args: argparse.Namespace, world_size: int) -> None:
+    size = getattr(args, "sequence_parallel_size", "auto")
+    if size == "auto":
+        return
+    if args.system not in FPDT_SYSTEMS:
+        raise ValueError(f"--sequence-parallel-size {size} is FPDTStrategy's option: --system {args.system} fixes its "
+                         "own (ring and alst share one sequence over every GPU, modelparallel gives each GPU its own); "
+                         "drop it, or run --system fpdt or fpdt-hf")
+    if size < 1 or world_size % size:
+        raise ValueError(f"--sequence-parallel-size ({size}) must divide the GPU count ({world_size}): the GPUs form "
+                         f"GPUs / N data-parallel groups of N; pick one of "
+                         f"{[n for n in range(1, world_size + 1) if world_size % n == 0]} or auto")
+
+
 def _check_alst(args: argparse.Namespace, world_size: int) -> None:
     if args.accelerator != "cuda":
         raise ValueError("alst: DeepSpeed's recipe runs ZeRO-3 and its offloads on GPUs; run it with --accelerator "
@@ -218,6 +237,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--layers ({args.layers}) must be between 1 and the depth of {args.model} ({full})")
     if args.seq_len < 2 or args.steps < 1:
         raise ValueError(f"--seq-len ({args.seq_len}) must be at least 2 and --steps ({args.steps}) at least 1")
+    _check_sequence_parallel(args, world_size)
     if args.system == "ring":
         _check_ring(args, world_size)
     if args.system == "alst":

@@ -19,6 +19,19 @@ HF_GEOMETRIES: dict[str, tuple[str, dict[str, Any]]] = {
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, rope_theta=1e6, sliding_window=None,
         rms_norm_eps=1e-5)),
+    # Qwen2.5-0.5B: 14 query heads, which 4 GPUs split unevenly (4, 4, 3, 3 per rank); Qwen2 has q/k/v biases
+    "qwen2.5-0.5b": ("qwen2", dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        head_dim=64, vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        use_sliding_window=False)),
+    # the even-split reference of the same size at sequence-parallel size 4: 16 query heads of 56 (16 x 56 = 896: the
+    # same q and o projections and attention FLOPs; k and v are 2 x 56 = 112 wide instead of 128, 0.7 M parameters
+    # fewer of 494 M), 4 heads on each of 4 GPUs, so its step time beside qwen2.5-0.5b's at sp 4 prices the uneven
+    # head split
+    "qwen2.5-0.5b-16h": ("qwen2", dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=56, vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        use_sliding_window=False)),
 }
 """Named geometries of other Hugging Face families (``fpdt-hf`` only): ``name -> (model_type, config fields)``;
 the family's config class comes from ``lightning_fpdt.integrations.families``."""

@@ -200,6 +200,7 @@ def _summary(args: argparse.Namespace, result: dict[str, Any], records: dict[int
     return {
         **stamp("max_length", card=card, gpus=args.gpus, command=command),
         "system": args.system, "model": args.model, "layers": layers_run(args), "full_layers": full_depth(args.model),
+        "sequence_parallel_size": getattr(args, "sequence_parallel_size", "auto"),
         "gpu_memory_cap_bytes": next((r["gpu_memory_cap_bytes"] for r in records.values()
                                       if r.get("gpu_memory_cap_bytes")), None),
         "ballast": args.ballast, "max_seq_len": overall, "max_seq_len_gpu": gpu_max,

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from bench.host_readings import plan_fields
-from bench.peers.ballast import ON_OFF_AUTO, count_option, layers_run
+from bench.peers.ballast import ON_OFF_AUTO, count_option, layers_run, sequence_parallel_option
 from bench.peers.common import RandomTokens, append_step, prime_adam_states, reset_peaks, sdpa_backend, step_profiler
 from lightning_fpdt import ActivationOffload, FPDTStrategy, MFUMonitor, TiledLoss, TiledMLP
 from lightning_fpdt.models.llama import IGNORE_INDEX, LlamaForCausalLM, sdpa_attention
@@ -169,7 +169,9 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
             blocks = dict(recompute_attention=args.recompute_attention, reload_input=args.reload_input,
                           prefetch=args.prefetch, keep_inputs=count_option(args, "keep_inputs"),
                           checkpoint_blocks=count_option(args, "checkpoint_blocks"))
-        strategy = FPDTStrategy(**memory, attention_backend=args.attention_backend,
+        # --sequence-parallel-size: the GPUs of one sequence (the full depth's plan was made with it too)
+        strategy = FPDTStrategy(**memory, sequence_parallel_size=sequence_parallel_option(args),
+                                attention_backend=args.attention_backend,
                                 cpu_offload_params=args.cpu_offload_params, offload_dir=args.offload_dir,
                                 host_step_in_backward=not args.host_step_after_backward)
         offload = ActivationOffload(**blocks)

@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional, Union
 
 from lightning_fpdt.memory.block_schedule import check_checkpoint_blocks, check_keep_inputs
 from lightning_fpdt.planner.components import GIB, MemoryPlan
+from lightning_fpdt.planner.cost import inter_host_rate
 from lightning_fpdt.planner.features import FEATURES
 from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, geometry_name, resolve_geometry
@@ -57,6 +58,7 @@ def plan_memory(
     accumulate_grad_batches: int = 1,
     sync_every_batch: Switch = "auto",
     trainable_parameters: Optional[int] = None,
+    inter_host_gbps: Optional[float] = None,
 ) -> MemoryPlan:
     """Predict the memory of one training step under ``strategy="fpdt"``, per GPU and per host; resolve the
     ``"auto"`` options to the fastest configuration that fits both memories; recommend changes when none fits.
@@ -69,8 +71,9 @@ def plan_memory(
         num_gpus: all GPUs ``W`` (FSDP2 shards the states over all of them).
         gpus_per_node: GPUs of one host (``None``: all of them); host memory is needed per host.
         sequence_parallel_size, ring_size, chunks, offload, offload_dq, head_chunks, cpu_offload_params: as
-            ``FPDTStrategy`` takes them. ``"auto"`` (``ring_size``: the smallest ring the heads need) is resolved by
-            the search (:mod:`lightning_fpdt.planner.search`), as the strategy resolves it on a GPU.
+            ``FPDTStrategy`` takes them. ``"auto"`` (``ring_size``: the smallest ring the heads need; for a group
+            spanning hosts the fastest layout, ``inter_host_gbps``) is resolved by the search
+            (:mod:`lightning_fpdt.planner.search`), as the strategy resolves it on a GPU.
         activation_offload, tiled_mlp, tiled_loss: whether the ``ActivationOffload``, ``TiledMLP``, ``TiledLoss``
             callbacks are on.
         activation_checkpointing: blocks checkpointed with their inputs on the GPU (``ActivationOffload(offload=
@@ -99,6 +102,10 @@ def plan_memory(
             faster that fits (:mod:`lightning_fpdt.planner.features.accumulation`).
         trainable_parameters: the parameters that train (LoRA's adapters, a model with frozen parts): only they
             have gradients and optimizer states, so the states take less and longer sequences fit; ``None``: all.
+        inter_host_gbps: GB/s one GPU sends to GPUs of other hosts (``None``: :data:`~lightning_fpdt.planner.cost.
+            INTER_HOST_BYTES`, a 400 Gb/s InfiniBand link per GPU): the step-time estimate charges the traffic that
+            leaves a host at it, and a sequence-parallel group spanning hosts takes the layout (``ring_size``
+            ``"auto"``) that estimate ranks fastest among those that fit (:mod:`lightning_fpdt.planner.cost`).
 
     Returns:
         A :class:`MemoryPlan`: components, ``peak_gpu_bytes = Σ persistent + max(transient phases)``, host bytes
@@ -146,7 +153,7 @@ def plan_memory(
     given = dict(chunks=chunks, offload=offload, offload_dq=offload_dq, head_chunks=head_chunks,
                  recompute_attention=recompute_attention, reload_input=reload_input, prefetch=prefetch,
                  disk_inputs=disk_inputs, keep_inputs=keep_inputs, sync_every_batch=sync_every_batch,
-                 checkpoint_blocks=checkpoint_blocks)
+                 checkpoint_blocks=checkpoint_blocks, ring_size=ring_size)
     free = {name for name, value in given.items() if value == "auto"}
     attention_options = FPDTOptions(chunks=chunks, offload=offload, offload_dq=offload_dq,
                                     head_chunks=1 if head_chunks == "auto" else head_chunks, ring_size=ring_size)
@@ -157,7 +164,7 @@ def plan_memory(
               gpu_memory_bytes=gpu_bytes, host_memory_bytes=None if host_memory_gib is None else int(host_memory_gib * GIB),
               host_baseline_bytes=PROCESS_BASELINE_BYTES if host_baseline_gib is None else int(host_baseline_gib * GIB),
               disk_memory_bytes=None if disk_memory_gib is None else int(disk_memory_gib * GIB),
-              disk_bytes_per_second=disk_gbps * 1e9)
+              disk_bytes_per_second=disk_gbps * 1e9, inter_host_bytes_per_second=inter_host_rate(inter_host_gbps))
     neutral = {name: AUTO_NEUTRAL[name] if given[name] == "auto" else given[name] for name in AUTO_NEUTRAL}
     base = resolve_options(
         geometry, attention_options, seq_len=seq_len, batch_size=batch_size, num_gpus=num_gpus,

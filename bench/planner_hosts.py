@@ -2,7 +2,7 @@
 GPUs, the layout (``ring_size="auto"``) chosen by the step-time estimate: ``python3 -m bench.planner_hosts``.
 
 A prediction of ``lightning_fpdt.planner.plan_memory``, every memory option "auto" (with and without
-``cpu_offload_params``, the longer kept; at equal length the faster), not a measurement: docs/multi_node.md prints its
+``cpu_offload_params``, the longer kept), not a measurement: docs/multi_node.md prints its
 table. Lengths tried: powers of two and 1.5 times them, by bisection (fitting is monotone in the length).
 """
 
@@ -36,8 +36,7 @@ def lengths(smallest: int, largest: int) -> list[int]:
 
 def plan_at(model: Any, seq_len: int, *, hosts: int, gpus_per_node: int, gpu_gib: float, host_gib: float,
             inter_host_gbps: Optional[float]) -> Optional[MemoryPlan]:
-    """The fastest plan that fits with the states on the GPU or on the host, every option "auto", or ``None``."""
-    fitting = []
+    """The fastest plan that fits with the states on the GPU, else on the host, every option "auto", or ``None``."""
     for offload_params in (False, True):
         plan = plan_memory(
             geometry=model, seq_len=seq_len, num_gpus=hosts * gpus_per_node, gpus_per_node=gpus_per_node,
@@ -49,8 +48,8 @@ def plan_at(model: Any, seq_len: int, *, hosts: int, gpus_per_node: int, gpu_gib
             inter_host_gbps=inter_host_gbps,
         )
         if plan.fits:
-            fitting.append(plan)
-    return min(fitting, key=seconds, default=None)
+            return plan
+    return None
 
 
 def seconds(plan: MemoryPlan) -> float:

@@ -30,7 +30,8 @@ def describe_layout(plan: MemoryPlan) -> str:
     P, R, G = o.sequence_parallel_size, o.ring_size, o.head_chunks
     U = P // R
     heads = heads_a_rank(g.num_heads // G, g.num_kv_heads // G, U)
-    per_rank = f"{heads} query heads a rank" + (f" in each of {G} head groups" if G > 1 else "")
+    per_rank = (f"{heads} query head{'' if heads == '1' else 's'} a rank"
+                + (f" in each of {G} head groups" if G > 1 else ""))
     return (f"layout: data parallel {o.data_parallel_size}, Ulysses {U}, ring {R}, {per_rank} "
             f"({_why(plan, heads)})")
 
@@ -44,8 +45,8 @@ def _why(plan: MemoryPlan, heads: str) -> str:
         where = "one host" if hosts == 1 else "each sequence inside one host"
         if R == 1:
             return f"{split}; {where}, so no ring"
-        return (f"{split}, {P} GPUs a sequence: the ring's {R} ranks take the rest, its K/V passes inside the host"
-                if P > g.num_heads else f"{split}; the ring's K/V passes stay inside the host")
+        more = f"{P} GPUs for {g.num_heads} query heads, so a ring of {R}; " if P > g.num_heads else ""
+        return f"{split}; {more}the ring's K/V passes stay inside the host"
     seconds = dict(plan.layouts)
     mine: Optional[float] = seconds.get(R)
     if mine is None:

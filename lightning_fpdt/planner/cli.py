@@ -12,12 +12,14 @@ from typing import Optional, Union
 
 from lightning_fpdt.models.llama import NAMED_CONFIGS
 from lightning_fpdt.planner.arguments import python_arguments, yaml_arguments
+from lightning_fpdt.planner.cost import INTER_HOST_BYTES
 from lightning_fpdt.planner.components import GIB, MemoryPlan, expandable_segments, plannable_gpu_bytes
 from lightning_fpdt.planner.features import FEATURES
 from lightning_fpdt.planner.features.base import auto_or_int
 from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, resolve_geometry
 from lightning_fpdt.planner.host import available_host_memory, gib
+from lightning_fpdt.planner.layout import describe_layout
 from lightning_fpdt.planner.plan import plan_memory
 from lightning_fpdt.planner.search import batch_tokens, seconds_per_million_tokens, step_estimate
 
@@ -78,6 +80,7 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"  -> predicted peak {gib(r.peak_gpu_bytes)} GiB per GPU, host {gib(r.host_resident_bytes_per_node)} "
                      f"GiB per host ({gib(r.host_bytes_per_node)} pinned)"
                      + (f", {gib(r.disk_bytes_per_node)} GiB per host on disk" if r.disk_bytes_per_node else ""))
+    lines.append(describe_layout(chosen))
     if chosen.fits:
         estimate = step_estimate(chosen)
         total = sum(seconds for _, seconds in estimate)
@@ -130,7 +133,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per host (default: all)")
     parser.add_argument("--sp", type=auto_or_int, default="auto", help="sequence_parallel_size")
     parser.add_argument("--ring-size", type=auto_or_int, default="auto",
-                        help="ring ranks R of the sequence mesh (sp = ulysses x R; auto: the smallest the heads need)")
+                        help="ring ranks R of the sequence mesh (sp = ulysses x R; auto: the smallest the heads need, "
+                             "or for an sp spanning hosts the fastest layout that fits)")
     parser.add_argument("--callbacks", type=_callbacks, default=_callbacks("all"),
                         help="all, none, or a comma list of mlp, loss, offload, checkpoint (checkpointing on the GPU)")
     parser.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS))
@@ -161,6 +165,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--disk-gbps", type=float, default=DISK_GBPS,
                         help=f"the disk's read and write rate in GB/s, shared by the GPUs of a host (default "
                              f"{DISK_GBPS}: a local NVMe measured with dd)")
+    parser.add_argument("--inter-host-gbps", type=float, default=None,
+                        help=f"GB/s one GPU sends to GPUs of other hosts (default {INTER_HOST_BYTES / 1e9:g}: what "
+                             f"NCCL reaches over a 400 Gb/s InfiniBand link per GPU); the step-time estimate charges "
+                             f"the traffic leaving a host at it, and --ring-size auto picks the fastest layout by it")
     args = parser.parse_args(argv)
     host = args.host_memory_gib
     if host == "auto":
@@ -178,7 +186,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 args.expandable_segments or expandable_segments())) / GIB,
             host_memory_gib=host, host_baseline_gib=args.host_baseline_gib, disk_memory_gib=args.disk_gib,
             disk_gbps=args.disk_gbps, accumulate_grad_batches=args.accumulate_grad_batches,
-            trainable_parameters=args.trainable_parameters,
+            trainable_parameters=args.trainable_parameters, inter_host_gbps=args.inter_host_gbps,
             **{flag.option: getattr(args, flag.option) for feature in FEATURES for flag in feature.flags},
         )
     except ValueError as error:

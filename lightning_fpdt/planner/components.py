@@ -80,6 +80,7 @@ from typing import Literal, Optional
 
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.memory.tiling import auto_loss_tiles, auto_mlp_tiles
+from lightning_fpdt.planner.cost import INTER_HOST_BYTES
 from lightning_fpdt.planner.options import PlanOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry, rank_heads, stash_bytes
 
@@ -159,6 +160,11 @@ class MemoryPlan:
     fit)."""
     disk_bytes_per_second: float = 0.0
     """The disk's read and write rate per host the plan was made with (its disk tier's time)."""
+    inter_host_bytes_per_second: float = INTER_HOST_BYTES
+    """The rate one GPU sends to other hosts at, the plan was made with (the network's time)."""
+    layouts: tuple[tuple[int, Optional[float]], ...] = field(default=(), compare=False)
+    """``(ring_size, seconds)`` of each layout the search compared for a group spanning hosts: the step-time estimate
+    of the fastest plan that fits with that ring (``None``: none fits); empty where the layout was not searched."""
     recommended: Optional["MemoryPlan"] = field(default=None, compare=False)
     """A plan that fits, found by the search in :data:`SEARCH_ORDER` (``None`` if this one fits or none was found)."""
     recommendation: str = ""

@@ -217,6 +217,7 @@ def resolve_options(
         world_size=num_gpus, devices_per_node=gpus_per_node, data_parallel_size="auto",
         sequence_parallel_size=sequence_parallel_size, ring_size=attention_options.ring_size,
         heads=(geometry.num_heads, geometry.num_kv_heads), head_chunks=head_chunks,
+        allow_ring=attention_options.allows_ring,
     )
     free = free_for_auto(geometry, precision=precision, cpu_offload_params=cpu_offload_params, num_gpus=num_gpus,
                          gpu_memory_bytes=gpu_memory_bytes)

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any, Optional
 
 from lightning_fpdt.planner.components import MemoryPlan
+from lightning_fpdt.planner.cost import inter_host_rate
 from lightning_fpdt.planner.features import FEATURES
 from lightning_fpdt.planner.geometry import geometry_name
 from lightning_fpdt.planner.host import gib
@@ -43,7 +44,7 @@ def plan_memory(request: Optional[PlanRequest] = None, /, **keywords: Any) -> Me
     geometry, machine, features = request.geometry, request.machine, request.features
     # the options the search may resolve, as given: the callbacks' from their features, the strategy's from the request
     given = {name: getattr(features if name in FEATURE_FIELDS else request, name)
-             for name in (*AUTO_NEUTRAL, "chunks", "offload", "offload_dq")}
+             for name in (*AUTO_NEUTRAL, "chunks", "offload", "offload_dq", "ring_size")}
     free = {name for name, value in given.items() if value == "auto"}
     head_chunks = request.head_chunks
     attention_options = FPDTOptions(chunks=request.chunks, offload=request.offload, offload_dq=request.offload_dq,
@@ -54,7 +55,8 @@ def plan_memory(request: Optional[PlanRequest] = None, /, **keywords: Any) -> Me
               gpu_memory_bytes=machine.gpu_memory_bytes, host_memory_bytes=machine.host_memory_bytes,
               host_baseline_bytes=PROCESS_BASELINE_BYTES if machine.host_baseline_bytes is None else
               machine.host_baseline_bytes,
-              disk_memory_bytes=machine.disk_memory_bytes, disk_bytes_per_second=machine.disk_gbps * 1e9)
+              disk_memory_bytes=machine.disk_memory_bytes, disk_bytes_per_second=machine.disk_gbps * 1e9,
+              inter_host_bytes_per_second=inter_host_rate(machine.inter_host_gbps))
     neutral = {name: AUTO_NEUTRAL[name] if given[name] == "auto" else given[name] for name in AUTO_NEUTRAL}
     base = resolve_options(
         geometry, attention_options, seq_len=request.seq_len, batch_size=request.batch_size,

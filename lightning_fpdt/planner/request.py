@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional, Union
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.memory.block_schedule import check_checkpoint_blocks, check_keep_inputs
 from lightning_fpdt.planner.components import GIB
+from lightning_fpdt.planner.cost import inter_host_rate
 from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, resolve_geometry
 from lightning_fpdt.planner.options import MemoryFeatures
@@ -41,6 +42,11 @@ class Machine:
     tier."""
     disk_gbps: float = DISK_GBPS
     """The disk's read and write rate in GB/s, shared by the GPUs of a host."""
+    inter_host_gbps: Optional[float] = None
+    """GB/s one GPU sends to GPUs of other hosts (``None``: :data:`~lightning_fpdt.planner.cost.INTER_HOST_BYTES`, a
+    400 Gb/s InfiniBand link per GPU): the step-time estimate charges the traffic that leaves a host at it, and a
+    sequence-parallel group spanning hosts takes the layout (``ring_size="auto"``) that estimate ranks fastest among
+    those that fit (:mod:`lightning_fpdt.planner.cost`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.num_gpus, bool) or not isinstance(self.num_gpus, int) or self.num_gpus < 1:
@@ -53,6 +59,7 @@ class Machine:
         if self.gpu_memory_gib <= 0 or (self.host_memory_gib is not None and self.host_memory_gib <= 0):
             raise ValueError(f"gpu_memory_gib ({self.gpu_memory_gib}) and host_memory_gib ({self.host_memory_gib}) "
                              f"must be positive")
+        inter_host_rate(self.inter_host_gbps)  # a ValueError naming the fix for a rate that is not one
         if self.disk_memory_gib is not None and (self.disk_memory_gib < 0 or self.disk_gbps <= 0):
             raise ValueError(f"disk_memory_gib ({self.disk_memory_gib}) must be >= 0 and disk_gbps "
                              f"({self.disk_gbps}) positive")

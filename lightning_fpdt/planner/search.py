@@ -7,6 +7,10 @@ and what they cost in step time. The search ranks every combination of the free 
 Options a user gave explicitly stay fixed when ``"auto"`` is resolved; for a recommendation they are free too, each
 change of one costing :data:`CHANGE_PENALTY` of the step, so that the fewest changes that fit come first.
 
+The ring size changes which values the other options may take (a ring runs without FPDT chunks), so where the search
+may choose it (a sequence-parallel group spanning hosts) each ring size is searched on its own, and the fastest of the
+layouts that fit is taken; the plan keeps each layout's estimate (``MemoryPlan.layouts``) to say why.
+
 An option whose value follows from how much memory a plan misses (the disk tier's ``disk_inputs``) is not tried value
 by value: a plan that does not fit is handed to each feature (``relieve``), and the changed options it returns join
 the queue at their cost. Since they cost at least what the plan they relieve costs, the plans still come in the order
@@ -24,11 +28,12 @@ from typing import Any, Optional
 
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner.components import MemoryPlan
-from lightning_fpdt.planner.cost import base_seconds
+from lightning_fpdt.planner.cost import INTER_HOST_BYTES, base_seconds
 from lightning_fpdt.planner.features import FEATURES
 from lightning_fpdt.planner.options import MemoryFeatures, PlanOptions
 from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES, build_plan, plan_sizes, run_sizes
 from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.sequence.ring_rules import RING_RULES
 
 SEARCHED = tuple(field for feature in FEATURES for field in feature.fields)
 """Every option the search can change, feature by feature."""
@@ -60,18 +65,22 @@ class Run:
     """Free space of the disk tier's directory per host; ``None``: no disk tier."""
     disk_bytes_per_second: float = 0.0
     """The disk's read and write rate per host."""
+    inter_host_bytes_per_second: float = INTER_HOST_BYTES
+    """The rate one GPU sends to GPUs of other hosts at."""
 
     def sizes(self, options: PlanOptions) -> StepSizes:
         return run_sizes(self.geometry, options, seq_len=self.seq_len, batch_size=self.batch_size,
                          num_gpus=self.num_gpus, gpus_per_node=self.gpus_per_node,
-                         disk_bytes_per_second=self.disk_bytes_per_second)
+                         disk_bytes_per_second=self.disk_bytes_per_second,
+                         inter_host_bytes_per_second=self.inter_host_bytes_per_second)
 
     def plan(self, options: PlanOptions) -> MemoryPlan:
         return build_plan(self.geometry, self.model, seq_len=self.seq_len, batch_size=self.batch_size,
                           num_gpus=self.num_gpus, gpus_per_node=self.gpus_per_node, options=options,
                           gpu_memory_bytes=self.gpu_memory_bytes, host_memory_bytes=self.host_memory_bytes,
                           host_baseline_bytes=self.host_baseline_bytes, disk_memory_bytes=self.disk_memory_bytes,
-                          disk_bytes_per_second=self.disk_bytes_per_second)
+                          disk_bytes_per_second=self.disk_bytes_per_second,
+                          inter_host_bytes_per_second=self.inter_host_bytes_per_second)
 
 
 def step_seconds(s: StepSizes) -> float:
@@ -87,7 +96,7 @@ def step_estimate(plan: MemoryPlan) -> list[tuple[str, float]]:
     parts = [("the layers' dense and attention work", base_seconds(s))]
     for feature in FEATURES:
         seconds = feature.extra_seconds(s)
-        if seconds > 0:
+        if seconds:  # the network's is below 0 where it outruns NVLink
             parts.append((feature.describe_cost(s), seconds))
     return parts
 
@@ -131,16 +140,62 @@ def candidates(run: Run, base: PlanOptions, free: Iterable[str]) -> list[PlanOpt
     return found
 
 
+def layout_bases(run: Run, base: PlanOptions, free: Iterable[str]) -> list[PlanOptions]:
+    """``base`` once for each ring size the search may try (``ring_size`` free: the layout feature's choices), with
+    the values a ring takes of the options it does not compose with (FPDT chunks, dQ offload, head groups) where those
+    are free; a ring they are given otherwise for is left out. Just ``base`` where the ring is not free."""
+    if "ring_size" not in free:
+        return [base]
+    owner = next(feature for feature in FEATURES if "ring_size" in feature.fields)
+    bases = []
+    for ring in owner.choices("ring_size", run.sizes(base)):
+        changes: dict[str, Any] = {"ring_size": ring}
+        if ring > 1:
+            for option in ("chunks", "offload_dq", "head_chunks"):
+                with_ring = RING_RULES[option].with_ring
+                if getattr(base, option) != with_ring:
+                    changes[option] = with_ring if option in free else None
+        if None in changes.values():
+            continue  # an option given that the ring does not compose with
+        try:
+            bases.append(dataclasses.replace(base, **changes))
+        except ValueError:
+            continue
+    return bases or [base]
+
+
 def fastest_fitting(run: Run, base: PlanOptions, free: Iterable[str],
                     explicit: Optional[Mapping[str, Any]] = None) -> Optional[MemoryPlan]:
     """The plan of the fastest combination of the ``free`` options that fits the run's GPU and host memory, or
-    ``None``. ``explicit``: options the user gave, each change of which costs :data:`CHANGE_PENALTY`."""
+    ``None``. ``explicit``: options the user gave, each change of which costs :data:`CHANGE_PENALTY`. Where the ring
+    size is free and has several values (:func:`layout_bases`), each layout's fastest plan that fits is found, and
+    the fastest of them is returned with every layout's estimate in ``layouts``."""
     explicit = explicit or {}
     free = set(free)
+    bases = layout_bases(run, base, free)
+    if len(bases) == 1:
+        return _fastest_fitting(run, bases[0], free - {"ring_size"}, explicit)
+    found = [(options.ring_size, _fastest_fitting(run, options, free - {"ring_size"}, explicit)) for options in bases]
+    fitting = [plan for _, plan in found if plan is not None]
+    if not fitting:
+        return None
+    ranked = {id(plan): _ranked(run, plan.options, explicit) for plan in fitting}
+    fastest = min(fitting, key=lambda plan: ranked[id(plan)])
+    layouts = tuple((ring, None if plan is None else step_seconds(run.sizes(plan.options))) for ring, plan in found)
+    return dataclasses.replace(fastest, layouts=layouts)
+
+
+def _ranked(run: Run, options: PlanOptions, explicit: Mapping[str, Any]) -> float:
+    """The step-time estimate of ``options``, with :data:`CHANGE_PENALTY` for each option changed from ``explicit``."""
+    changed = sum(getattr(options, name) != value for name, value in explicit.items())
+    return step_seconds(run.sizes(options)) * (1 + CHANGE_PENALTY * changed)
+
+
+def _fastest_fitting(run: Run, base: PlanOptions, free: set[str], explicit: Mapping[str, Any]) -> Optional[MemoryPlan]:
+    """:func:`fastest_fitting` of one layout."""
 
     def ranked(options: PlanOptions) -> float:
-        changed = sum(getattr(options, name) != value for name, value in explicit.items())
-        return step_seconds(run.sizes(options)) * (1 + CHANGE_PENALTY * changed)
+        return _ranked(run, options, explicit)
 
     # (cost, order of arrival, options): equal costs keep the order of the candidates
     queue = [(ranked(options), order, options) for order, options in enumerate(candidates(run, base, free))]

@@ -12,6 +12,7 @@ from functools import cached_property
 
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.memory.block_schedule import largest_segment
+from lightning_fpdt.planner.cost import INTER_HOST_BYTES
 from lightning_fpdt.planner.geometry import PRECISIONS, attention_geometry, parameter_counts, total_parameters
 from lightning_fpdt.planner.options import PlanOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry, rank_heads
@@ -36,6 +37,13 @@ class StepSizes:
     hosts: int = 1
     """Hosts the GPUs are spread over: collectives over all of them (the gradients' reduce-scatter) leave the host
     when there are several."""
+    inter_host_rate: float = INTER_HOST_BYTES
+    """Bytes per second one GPU sends to GPUs of other hosts (``plan_memory(inter_host_gbps=...)``)."""
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs of one host: a sequence-parallel group larger than that spans hosts."""
+        return self.num_gpus // self.hosts
 
     @property
     def dtypes(self) -> dict[str, int]:

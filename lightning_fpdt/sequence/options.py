@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple, Optional, Union
 
 from lightning_fpdt.sequence.kernels import AttentionBackend, check_backend_name
-from lightning_fpdt.sequence.ring_rules import RING_RULES, check_ring
+from lightning_fpdt.sequence.ring_rules import RING_RULES, check_ring, ring_refusal
 from lightning_fpdt.sequence.planning import (
     MAX_CHUNK_TOKENS,
     AttentionGeometry,
@@ -86,6 +86,12 @@ class FPDTOptions:
         """Options the ring does not compose with yet are refused (:data:`~lightning_fpdt.sequence.ring_rules.
         RING_RULES`), not silently ignored."""
         check_ring(ring_size, chunks=self.chunks, offload_dq=self.offload_dq)
+
+    @property
+    def allows_ring(self) -> bool:
+        """Whether the options given compose with a ring: where they do not, ``ring_size="auto"`` stays without one
+        when the heads allow that."""
+        return ring_refusal(2, chunks=self.chunks, offload_dq=self.offload_dq) is None
 
     @property
     def fixed_head_chunks(self) -> int:

@@ -5,9 +5,9 @@ mesh with it, and the planner plans the same sizes. Ulysses (FPDT) splits the he
 not (:class:`~lightning_fpdt.sequence.heads.HeadSplit`: ``⌈H/P⌉`` or ``⌊H/P⌋`` query heads a rank), so
 ``sequence_parallel_size="auto"`` takes every GPU of a node up to ``H`` (the all-to-all wants NVLink); an explicit
 size beyond ``H`` turns on the Ulysses × ring hybrid (``ring_size="auto"``: the smallest ring whose Ulysses size
-splits the heads evenly, which the ring's Ulysses level needs), and an explicit ``ring_size`` keeps the ring at any
-size. Head groups (``G``) split each group's ``H/G`` query and ``Hkv/G`` kv heads over the ranks (docs/design.md §5,
-docs/ring.md, docs/head_chunks.md).
+splits the heads evenly, which the ring's Ulysses level needs; for a group spanning hosts the smallest whose Ulysses
+groups stay inside a host), and an explicit ``ring_size`` keeps the ring at any size. Head groups (``G``) split each
+group's ``H/G`` query and ``Hkv/G`` kv heads over the ranks (docs/design.md §5, docs/ring.md, docs/head_chunks.md).
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ def resolve_sequence_sizes(
     ring_size: Union[str, int],
     heads: Optional[tuple[int, int]],
     head_chunks: int = 1,
+    allow_ring: bool = True,
 ) -> tuple[int, int, int]:
     """``(dp, sp, R)`` as the strategy runs them, and as the planner plans them: with ``head_chunks`` G > 1 each head
     group's ``H/G`` query and ``Hkv/G`` kv heads split over the ranks, so the sizes are resolved for one group's
@@ -92,36 +93,39 @@ def resolve_sequence_sizes(
                            data_parallel_size=data_parallel_size, sequence_parallel_size=sequence_parallel_size,
                            heads=heads, ring_size=ring_size)
     ring = resolve_ring_size(sequence_parallel_size=sp, ring_size=ring_size, heads=heads,
-                             devices_per_node=devices_per_node)
+                             devices_per_node=devices_per_node, allow_ring=allow_ring and head_chunks == 1)
     check_ring(ring, head_chunks=head_chunks)
     return dp, sp, ring
 
 
 def resolve_ring_size(
     *, sequence_parallel_size: int, ring_size: Union[str, int], heads: Optional[tuple[int, int]] = None,
-    devices_per_node: Optional[int] = None,
+    devices_per_node: Optional[int] = None, allow_ring: bool = True,
 ) -> int:
     """``R``: ring ranks of the 2-D sequence mesh (``P = U·R``, docs/ring.md).
 
     ``"auto"``: ``1`` (plain Ulysses/FPDT, the heads split unevenly where ``P`` does not divide them) when
     ``P <= H``, else the smallest ``R`` whose ``U = P/R`` splits the heads evenly (``H % U == 0`` and ``Hkv``, ``U``
     dividing one another, as :func:`check_heads` says: the ring's Ulysses level is even). A group larger than
-    ``devices_per_node`` (it spans hosts) prefers a ring with even Ulysses groups where one exists, as before uneven
-    splits existed: then only the ring's point-to-point traffic crosses hosts. An int is checked: it must divide ``P``
-    and leave a ``U`` the heads allow (any ``U <= H`` for ``R = 1``, an even one for ``R > 1``).
+    ``devices_per_node`` (it spans hosts) takes :func:`spanning_ring_size`, the layout the planner's step-time
+    estimate picks for it at long sequences on a network slower than NVLink (the planner, which knows the length,
+    the memory and the network, compares every :func:`ring_sizes` by that estimate). ``allow_ring=False`` (options
+    that do not compose with a ring were given: FPDT chunks, head groups) keeps an ``"auto"`` ring off where the heads
+    allow that. An int is checked: it must divide ``P`` and leave a ``U`` the heads allow (any ``U <= H`` for
+    ``R = 1``, an even one for ``R > 1``).
     """
     P = sequence_parallel_size
     if ring_size == "auto":
         if heads is None:
             return 1
-        divisors = [r for r in range(1, P + 1) if P % r == 0]
-        even = [r for r in divisors if heads_allow(*heads, P // r)]
-        if devices_per_node is not None and P > devices_per_node and even:
-            return even[0]
-        ring = next((r for r in divisors if ulysses_allows(*heads, P // r, ring_size=r)), None)
-        if ring is None:  # only when num_heads % num_kv_heads != 0: let check_heads say so
+        allowed = ring_sizes(P, heads)
+        if not allowed:  # only when num_heads % num_kv_heads != 0: let check_heads say so
             check_heads(*heads, 1)
-        return ring
+        if not allow_ring and allowed[0] == 1:
+            return 1
+        if devices_per_node is not None and P > devices_per_node:
+            return spanning_ring_size(P, heads, devices_per_node)
+        return allowed[0]
     check_auto_or_positive_int("ring_size", ring_size)
     if P % ring_size:
         raise ValueError(
@@ -135,12 +139,32 @@ def resolve_ring_size(
             else:
                 check_heads(*heads, P // ring_size)
         except ValueError as error:
-            allowed = [r for r in range(1, P + 1) if P % r == 0 and ulysses_allows(*heads, P // r, ring_size=r)]
+            allowed = ring_sizes(P, heads)
             raise ValueError(
                 f"sequence_parallel_size ({P}) / ring_size ({ring_size}) = {P // ring_size} Ulysses ranks: {error}; "
                 f"ring sizes the heads allow: {allowed} (or ring_size='auto')"
             ) from error
     return ring_size
+
+
+def ring_sizes(sequence_parallel_size: int, heads: tuple[int, int]) -> list[int]:
+    """Every ``R`` a group of ``P`` ranks may run with these heads, smallest first: ``R`` divides ``P`` and the heads
+    split over ``U = P/R`` (any split without a ring, an even one with one): the layouts "auto" chooses among."""
+    P = sequence_parallel_size
+    return [r for r in range(1, P + 1) if P % r == 0 and ulysses_allows(*heads, P // r, ring_size=r)]
+
+
+def spanning_ring_size(sequence_parallel_size: int, heads: tuple[int, int], devices_per_node: int) -> int:
+    """``R`` of a group spanning hosts when nothing but the sizes is known (the strategy's mesh): the smallest ring
+    whose Ulysses groups stay inside a host (``U`` divides ``devices_per_node``) and split the heads evenly. Then the
+    all-to-alls run over NVLink and only the ring's K/V passes cross the network, where they hide behind the ring's
+    blocks at long sequences; a Ulysses group spanning hosts puts a share of every all-to-all on the network instead.
+    The planner's step-time estimate (``lightning_fpdt.planner.cost.network_seconds``) ranks the layouts so at long
+    sequences on a network slower than NVLink; at other lengths and networks ``lightning-fpdt plan`` may pick
+    another ring, which ``ring_size`` then fixes (docs/multi_node.md)."""
+    P = sequence_parallel_size
+    inside = [r for r in ring_sizes(P, heads) if devices_per_node % (P // r) == 0]
+    return inside[0] if inside else ring_sizes(P, heads)[0]
 
 
 def ulysses_allows(num_heads: int, num_kv_heads: int, ulysses_size: int, *, ring_size: int = 1) -> bool:

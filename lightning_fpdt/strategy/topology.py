@@ -79,7 +79,7 @@ def resolve_topology(
     dp, sp, ring = resolve_sequence_sizes(
         world_size=world_size, devices_per_node=devices_per_node, data_parallel_size=data_parallel_size,
         sequence_parallel_size=sequence_parallel_size, ring_size=options.ring_size, heads=heads,
-        head_chunks=head_chunks,
+        head_chunks=head_chunks, allow_ring=options.allows_ring,
     )
     if heads is not None and head_chunks > 1:
         rank_zero_info(f"fpdt: {heads[0]} query / {heads[1]} kv heads in {head_chunks} head groups")

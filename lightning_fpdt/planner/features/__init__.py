@@ -16,6 +16,7 @@ from lightning_fpdt.planner.features.disk_tier import DiskTier
 from lightning_fpdt.planner.features.head_groups import HeadGroups
 from lightning_fpdt.planner.features.host_states import HostStates
 from lightning_fpdt.planner.features.residency import Residency
+from lightning_fpdt.planner.features.sequence_layout import SequenceLayoutFeature
 from lightning_fpdt.planner.features.tiled_loss import TiledLossFeature
 from lightning_fpdt.planner.features.tiled_mlp import TiledMLPFeature
 
@@ -30,6 +31,7 @@ FEATURES: tuple[MemoryFeature, ...] = (
     HeadGroups(),
     TiledMLPFeature(),
     TiledLossFeature(),
+    SequenceLayoutFeature(),
 )
 """Every memory feature, in the order their terms are listed."""
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_fpdt.planner.components import Component
-from lightning_fpdt.planner.cost import GRADIENT_REDUCE_BYTES, HOST_STEP_BYTES, PAGEABLE_COPY_BYTES
+from lightning_fpdt.planner.cost import HOST_STEP_BYTES, PAGEABLE_COPY_BYTES, link_rate
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, switch
 from lightning_fpdt.planner.sizes import StepSizes
 
@@ -61,7 +61,7 @@ class GradientAccumulation(MemoryFeature):
         # per batch: the share of a window's batches that reduce-scatter only because of this option
         extra_share = (o.accumulate_grad_batches - 1) / o.accumulate_grad_batches
         sent = s.dtypes["reduce"] * s.trainable_parameters * (s.W - 1) / s.W
-        seconds = sent / GRADIENT_REDUCE_BYTES["hosts" if s.hosts > 1 else "host"]
+        seconds = sent / link_rate(s, crosses_hosts=s.hosts > 1)
         if o.cpu_offload_params:
             shard = s.dtypes["grad"] * s.trainable_parameters / s.W
             seconds += shard / PAGEABLE_COPY_BYTES + shard / HOST_STEP_BYTES  # copied out, added on the host

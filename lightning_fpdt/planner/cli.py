@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 from lightning_fpdt.models.llama import NAMED_CONFIGS
 from lightning_fpdt.planner.arguments import python_arguments, yaml_arguments
-from lightning_fpdt.planner.cost import INTER_HOST_BYTES
+from lightning_fpdt.planner.rates import INTER_HOST_BYTES
 from lightning_fpdt.planner.components import GIB, MemoryPlan, expandable_segments, plannable_gpu_bytes
 from lightning_fpdt.planner.features import FEATURES
 from lightning_fpdt.planner.features.base import auto_or_int

@@ -7,7 +7,7 @@ from typing import Optional
 
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner.components import Component, MemoryPlan, attention_backward_bytes
-from lightning_fpdt.planner.cost import INTER_HOST_BYTES
+from lightning_fpdt.planner.rates import INTER_HOST_BYTES
 from lightning_fpdt.planner.features import FEATURES
 from lightning_fpdt.planner.options import PlanOptions
 from lightning_fpdt.planner.sizes import StepSizes

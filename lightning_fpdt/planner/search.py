@@ -28,7 +28,8 @@ from typing import Any, Optional
 
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner.components import MemoryPlan
-from lightning_fpdt.planner.cost import INTER_HOST_BYTES, base_seconds
+from lightning_fpdt.planner.cost import base_seconds
+from lightning_fpdt.planner.rates import INTER_HOST_BYTES
 from lightning_fpdt.planner.features import FEATURES
 from lightning_fpdt.planner.options import MemoryFeatures, PlanOptions
 from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES, build_plan, plan_sizes, run_sizes

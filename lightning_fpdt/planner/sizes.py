@@ -12,7 +12,7 @@ from functools import cached_property
 
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.memory.block_schedule import largest_segment
-from lightning_fpdt.planner.cost import INTER_HOST_BYTES
+from lightning_fpdt.planner.rates import INTER_HOST_BYTES
 from lightning_fpdt.planner.geometry import PRECISIONS, attention_geometry, parameter_counts, total_parameters
 from lightning_fpdt.planner.options import PlanOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry, rank_heads

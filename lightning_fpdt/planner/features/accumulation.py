@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_fpdt.planner.components import Component
-from lightning_fpdt.planner.cost import HOST_STEP_BYTES, PAGEABLE_COPY_BYTES, link_rate
+from lightning_fpdt.planner.cost import link_rate
+from lightning_fpdt.planner.rates import HOST_STEP_BYTES, PAGEABLE_COPY_BYTES
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, switch
 from lightning_fpdt.planner.sizes import StepSizes
 

@@ -9,7 +9,8 @@ import math
 from typing import Any, Optional
 
 from lightning_fpdt.planner.components import Component, MemoryPlan
-from lightning_fpdt.planner.cost import COPY_BYTES, dense_forward_seconds
+from lightning_fpdt.planner.cost import dense_forward_seconds
+from lightning_fpdt.planner.rates import COPY_BYTES
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, all_or_count, auto_or_int, switch
 from lightning_fpdt.planner.features.tiled_mlp import mlp_backward_work
 from lightning_fpdt.planner.sizes import StepSizes

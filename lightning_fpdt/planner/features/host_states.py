@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_fpdt.planner.components import Component
-from lightning_fpdt.planner.cost import COPY_BYTES, HOST_STEP_BYTES, PAGEABLE_COPY_BYTES
+from lightning_fpdt.planner.rates import COPY_BYTES, HOST_STEP_BYTES, PAGEABLE_COPY_BYTES
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES
 from lightning_fpdt.planner.sizes import StepSizes

@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 from lightning_fpdt.memory.block_schedule import largest_segment
 from lightning_fpdt.planner.components import Component
-from lightning_fpdt.planner.cost import COPY_BYTES, attention_forward_seconds, dense_forward_seconds
+from lightning_fpdt.planner.cost import attention_forward_seconds, dense_forward_seconds
+from lightning_fpdt.planner.rates import COPY_BYTES
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, all_or_count
 from lightning_fpdt.planner.sizes import StepSizes
 

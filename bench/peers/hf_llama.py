@@ -32,6 +32,17 @@ HF_GEOMETRIES: dict[str, tuple[str, dict[str, Any]]] = {
         hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=2,
         head_dim=56, vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
         use_sliding_window=False)),
+    # SmolLM2-360M: 15 query heads (and 5 kv heads), which 2 GPUs split unevenly (8 and 7 per rank, each with the kv
+    # heads its query heads read)
+    "smollm2-360m": ("llama", dict(
+        hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5,
+        head_dim=64, vocab_size=49152, rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    # its even-split reference of the same size at sequence-parallel size 2: 12 query heads of 80 and 4 kv heads (12 x
+    # 80 = 960 and 4 x 80 = 5 x 64: the same projections and parameters), 6 heads a rank; the busiest rank of
+    # smollm2-360m attends over 8 x 64 = 512 dimensions, this model's over 6 x 80 = 480
+    "smollm2-360m-12h": ("llama", dict(
+        hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=12, num_key_value_heads=4,
+        head_dim=80, vocab_size=49152, rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=True)),
 }
 """Named geometries of other Hugging Face families (``fpdt-hf`` only): ``name -> (model_type, config fields)``;
 the family's config class comes from ``lightning_fpdt.integrations.families``."""

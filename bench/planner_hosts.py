@@ -3,7 +3,7 @@ GPUs, the layout (``ring_size="auto"``) chosen by the step-time estimate: ``pyth
 
 A prediction of ``lightning_fpdt.planner.plan_memory``, every memory option "auto" (with and without
 ``cpu_offload_params``, the longer kept), not a measurement: docs/multi_node.md prints its
-table. Lengths tried: powers of two and 1.5 times them, by bisection (fitting is monotone in the length).
+table. Lengths tried: powers of two and 1.5 times them (:func:`longest`).
 """
 
 from __future__ import annotations
@@ -58,17 +58,20 @@ def seconds(plan: MemoryPlan) -> float:
 
 
 def longest(model: Any, *, smallest: int, largest: int, **kwargs: Any) -> tuple[int, Optional[MemoryPlan]]:
-    """The longest of :func:`lengths` that fits, and its plan (``0, None``: not even the smallest)."""
-    tried = lengths(smallest, largest)
-    low, high, found = -1, len(tried) - 1, None
-    while low < high:
-        middle = (low + high + 1) // 2
-        plan = plan_at(model, tried[middle], **kwargs)
+    """The longest of :func:`lengths` that fits, and its plan (``0, None``: not even the smallest): up the powers of
+    two while they fit, then 1.5 times the last that fits (fitting is monotone in the length; a length that does not
+    fit is the slow one to plan, every layout's search running out, so at most two are tried)."""
+    found: tuple[int, Optional[MemoryPlan]] = (0, None)
+    for length in lengths(smallest, largest)[::2]:
+        plan = plan_at(model, length, **kwargs)
+        if plan is None:
+            break
+        found = (length, plan)
+    if found[1] is not None and found[0] * 3 // 2 <= largest:
+        plan = plan_at(model, found[0] * 3 // 2, **kwargs)
         if plan is not None:
-            low, found = middle, plan
-        else:
-            high = middle - 1
-    return (tried[low], found) if low >= 0 else (0, None)
+            found = (found[0] * 3 // 2, plan)
+    return found
 
 
 def row(name: str, hosts: int, args: argparse.Namespace) -> str:
@@ -83,10 +86,10 @@ def row(name: str, hosts: int, args: argparse.Namespace) -> str:
         return f"| {name} | {hosts} × {args.gpus_per_node} | nothing fits | | | `{command}` |"
     o, g = plan.options, plan.geometry
     ulysses = o.sequence_parallel_size // o.ring_size
-    layout = (f"{layout_name(o.sequence_parallel_size, o.ring_size)}, "
-              f"{heads_a_rank(g.num_heads // o.head_chunks, g.num_kv_heads // o.head_chunks, ulysses)} q heads a rank"
-              + (f" (G {o.head_chunks})" if o.head_chunks > 1 else "") + (", states on host" if o.cpu_offload_params
-                                                                          else ""))
+    heads = heads_a_rank(g.num_heads // o.head_chunks, g.num_kv_heads // o.head_chunks, ulysses)
+    layout = (f"{layout_name(o.sequence_parallel_size, o.ring_size)}, {heads} query head{'' if heads == '1' else 's'} "
+              f"a rank" + (f" in each of {o.head_chunks} head groups" if o.head_chunks > 1 else "")
+              + (", states on the host" if o.cpu_offload_params else ""))
     return (f"| {name} | {hosts} × {args.gpus_per_node} | {length / MIB:g}M | {layout} | {seconds(plan):,.0f} s | "
             f"`{command}` |")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -34,6 +35,7 @@ from lightning_fpdt.planner.features import FEATURES
 from lightning_fpdt.planner.options import MemoryFeatures, PlanOptions
 from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES, build_plan, plan_sizes, run_sizes
 from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.sequence.planning import MAX_CHUNK_TOKENS
 from lightning_fpdt.sequence.ring_rules import RING_RULES
 
 SEARCHED = tuple(field for feature in FEATURES for field in feature.fields)
@@ -144,13 +146,17 @@ def candidates(run: Run, base: PlanOptions, free: Iterable[str]) -> list[PlanOpt
 def layout_bases(run: Run, base: PlanOptions, free: Iterable[str]) -> list[PlanOptions]:
     """``base`` once for each ring size the search may try (``ring_size`` free: the layout feature's choices), with
     the values a ring takes of the options it does not compose with (FPDT chunks, dQ offload, head groups) where those
-    are free; a ring they are given otherwise for is left out. Just ``base`` where the ring is not free."""
+    are free (and without a ring, free chunks from where "auto" starts them); a ring they are given otherwise for is
+    left out. Just ``base`` where the ring is not free."""
     if "ring_size" not in free:
         return [base]
     owner = next(feature for feature in FEATURES if "ring_size" in feature.fields)
     bases = []
     for ring in owner.choices("ring_size", run.sizes(base)):
         changes: dict[str, Any] = {"ring_size": ring}
+        if ring == 1 and base.ring_size > 1 and "chunks" in free:
+            # the chunks "auto" starts from without a ring (a ring's base has 1): the search doubles them from there
+            changes["chunks"] = max(1, math.ceil(run.seq_len / MAX_CHUNK_TOKENS))
         if ring > 1:
             for option in ("chunks", "offload_dq", "head_chunks"):
                 with_ring = RING_RULES[option].with_ring

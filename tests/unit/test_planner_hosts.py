@@ -66,7 +66,7 @@ def test_ring_passes_hide_behind_the_blocks_unless_the_network_is_too_slow():
 def test_auto_takes_the_ring_on_a_slow_network_and_ulysses_on_a_fast_one():
     """ring_size "auto" on a group spanning hosts: every ring the heads allow is planned, the fastest that fits taken;
     at 10 GB/s ring 2 x Ulysses 8 (its passes hidden, the all-to-alls inside a host), at 1000 GB/s (faster than
-    NVLink) plain Ulysses 16; each layout's estimate is kept."""
+    NVLink) plain Ulysses 16, its chunks searched as without a ring; each layout's estimate is kept."""
     slow = spanning(ring_size="auto", chunks="auto", inter_host_gbps=10)
     assert slow.fits and slow.options.ring_size == 2
     assert [ring for ring, _ in slow.layouts] == [1, 2, 4, 8, 16]
@@ -74,6 +74,7 @@ def test_auto_takes_the_ring_on_a_slow_network_and_ulysses_on_a_fast_one():
     assert seconds[2] == pytest.approx(step_seconds(plan_sizes(slow))) and seconds[2] < seconds[1]
     fast = spanning(ring_size="auto", chunks="auto", inter_host_gbps=1000)
     assert fast.fits and fast.options.ring_size == 1 and dict(fast.layouts)[1] < dict(fast.layouts)[2]
+    assert fast.options.chunks >= 262144 // 65536  # its chunks searched from where "auto" starts, not the ring's 1
     assert spanning(ring_size="auto", chunks="auto").options.ring_size == 2  # the default network: the ring
 
 

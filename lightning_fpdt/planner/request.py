@@ -43,7 +43,7 @@ class Machine:
     disk_gbps: float = DISK_GBPS
     """The disk's read and write rate in GB/s, shared by the GPUs of a host."""
     inter_host_gbps: Optional[float] = None
-    """GB/s one GPU sends to GPUs of other hosts (``None``: :data:`~lightning_fpdt.planner.cost.INTER_HOST_BYTES`, a
+    """GB/s one GPU sends to GPUs of other hosts (``None``: :data:`~lightning_fpdt.planner.rates.INTER_HOST_BYTES`, a
     400 Gb/s InfiniBand link per GPU): the step-time estimate charges the traffic that leaves a host at it, and a
     sequence-parallel group spanning hosts takes the layout (``ring_size="auto"``) that estimate ranks fastest among
     those that fit (:mod:`lightning_fpdt.planner.cost`)."""

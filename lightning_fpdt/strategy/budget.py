@@ -444,6 +444,15 @@ class MemoryBudget:
         self.configure_disk(plan)
         self._run_on(plan)
 
+    def begin_length(self, seq_len: int, batch_size: int) -> ResolvedOptions:
+        """A batch of ``seq_len`` tokens about to run: plan the length when it is new (before its forward pins host
+        memory), else run on its plan again (:meth:`return_to`); the attention options it runs with."""
+        if not self.planned(seq_len, batch_size):
+            self.plan_length(seq_len, batch_size, collective=False)
+        else:
+            self.return_to(seq_len, batch_size)
+        return self.resolved(seq_len, batch_size)
+
     def planned(self, seq_len: int, batch_size: int) -> bool:
         return (seq_len, batch_size) in self.plans
 

@@ -297,11 +297,7 @@ class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
         check_batch(batch)
         batch = move_data_to_device(batch, self.root_device)
         batch_size, seq_len = batch["input_ids"].shape
-        if not self.memory.planned(seq_len, batch_size):
-            self.memory.plan_length(seq_len, batch_size, collective=False)  # before the forward pins host memory
-        else:
-            self.memory.return_to(seq_len, batch_size)
-        options = self.resolved_options(seq_len, batch_size)
+        options = self.memory.begin_length(seq_len, batch_size)  # planned before the forward pins host memory
         _log(self._notices.length(seq_len, options, self.options, self.sequence_parallel_size,
                                   self.memory.free_bytes))
         layout = SequenceLayout(self.sequence_parallel_size, self.sequence_parallel_rank, options.chunks,

@@ -74,10 +74,10 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
         chunks: FPDT chunks per rank ``u``; ``1`` is plain Ulysses.
         offload: keep the attention's q/k/v/out/lse chunks in pinned host memory between forward and backward.
         offload_dq: keep the backward's partial dQ sums (fp32, twice q's size) in host memory too.
-            ``"auto"`` (these three, ``head_chunks`` and the memory callbacks' ``"auto"`` options): on a GPU, for a model whose config the planner reads, the fastest
-            configuration that fits the GPU and the host memory, chosen per sequence length by the planner's search
-            (docs/planner.md) and logged with its predicted peaks; elsewhere at most 65,536 global tokens per chunk
-            and nothing offloaded.
+            ``"auto"`` (these three, ``head_chunks`` and the memory callbacks' ``"auto"`` options): on a GPU, for a
+            model whose config the planner reads, the fastest configuration that fits the GPU and the host memory,
+            chosen per sequence length by the planner's search (docs/planner.md) and logged with its predicted peaks;
+            elsewhere at most 65,536 global tokens per chunk and nothing offloaded.
         ring_size: ring ranks ``R`` of a Ulysses × ring sequence mesh (``sequence_parallel_size = U·R``,
             docs/ring.md), for more ranks than the heads allow; ``"auto"``: 1 when the heads allow
             ``sequence_parallel_size``, else the smallest ``R`` that works. With ``R > 1`` chunks are 1.
@@ -378,11 +378,7 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
             checkpointing.set_rng_states(self._pending_rng_states)
             self._pending_rng_states = None
         batch_size, seq_len = batch["input_ids"].shape
-        if not self.memory.planned(seq_len, batch_size):
-            self.check_memory_plan(seq_len, batch_size)  # before the forward pins host memory for this length
-        else:
-            self.memory.return_to(seq_len, batch_size)
-        options = self.resolved_options(seq_len, batch_size)
+        options = self.memory.begin_length(seq_len, batch_size)  # planned before the forward pins host memory
         self._log_new_length(seq_len, batch_size, options)
         layout = SequenceLayout(self.sequence_parallel_size, self.sequence_parallel_rank, options.chunks,
                                 ring_size=self.ring_size)

@@ -38,6 +38,11 @@ def sequence_parallel_option(args: argparse.Namespace) -> Any:
     return getattr(args, "sequence_parallel_size", "auto")
 
 
+def ring_size_option(args: argparse.Namespace) -> Any:
+    """The fpdt systems' ``--ring-size``: ``"auto"`` or the ring ranks of one sequence's group."""
+    return getattr(args, "ring_size", "auto")
+
+
 def count_option(args: argparse.Namespace, name: str) -> Any:
     """``ActivationOffload``'s ``keep_inputs`` or ``checkpoint_blocks`` of ``--keep-inputs`` or
     ``--checkpoint-blocks``: ``"all"``, ``"auto"`` or a count; ``"auto"`` for ``"all"`` under ``--auto-options`` (a
@@ -146,6 +151,7 @@ def host_check(
         geometry=named_geometry(args.model), seq_len=args.seq_len, num_gpus=num_gpus, gpus_per_node=gpus_per_node,
         sequence_parallel_size=resolved.get("sequence_parallel_size", sequence_parallel_option(args)) if fpdt
         else num_gpus if alst else 1,
+        ring_size=resolved.get("ring_size", ring_size_option(args)) if fpdt else 1,
         chunks=resolved.get("chunks", args.chunks) if fpdt else 1,
         offload=resolved.get("offload", offload) if fpdt else False,
         offload_dq=resolved.get("offload_dq", "auto") if fpdt else False,

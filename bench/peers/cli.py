@@ -94,6 +94,9 @@ def _add_system_options(parser: argparse.ArgumentParser) -> None:
                         help="fpdt, fpdt-hf: FPDTStrategy(sequence_parallel_size=N), N GPUs share one sequence of "
                              "--seq-len tokens and the GPUs / N groups train a sequence each (a step trains "
                              "GPUs / N sequences); auto: the strategy's choice")
+    parser.add_argument("--ring-size", type=_auto_or_int, default="auto",
+                        help="fpdt, fpdt-hf: FPDTStrategy(ring_size=R), ring R x Ulysses N/R over the N GPUs of one "
+                             "sequence (FPDT chunks 1); auto: the strategy's choice")
     parser.add_argument("--head-chunks", type=int, default=1,
                         help="fpdt, fpdt-hf: FPDTStrategy(head_chunks=G), attention in G head groups (lower "
                              "attention peaks)")
@@ -195,6 +198,10 @@ def _warn_ignored(args: argparse.Namespace) -> None:
 
 
 def _check_sequence_parallel(args: argparse.Namespace, world_size: int) -> None:
+    ring = getattr(args, "ring_size", "auto")
+    if ring != "auto" and args.system not in FPDT_SYSTEMS:
+        raise ValueError(f"--ring-size {ring} is FPDTStrategy's option: --system {args.system} fixes its own layout; "
+                         "drop it, or run --system fpdt or fpdt-hf")
     size = getattr(args, "sequence_parallel_size", "auto")
     if size == "auto":
         return

@@ -43,7 +43,7 @@ from typing import Any, Optional
 import torch
 
 from bench.peers.ballast import (GIB, ON_OFF_AUTO, count_option, host_check, layers_run, run_ballast,
-                                 sequence_parallel_option, state_bytes_per_parameter)
+                                 ring_size_option, sequence_parallel_option, state_bytes_per_parameter)
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner import PRECISIONS, MemoryPlan, parameter_counts, plan_memory
 from lightning_fpdt.planner.arguments import arguments
@@ -134,7 +134,8 @@ def plan_fpdt(args: argparse.Namespace, geometry: ModelGeometry, *, num_gpus: in
     machine = machine_limits(num_gpus=num_gpus, gpus_per_node=gpus_per_node, usable_gpu_bytes=gpu_memory_bytes,
                              available_host_bytes=available_host, disk_free=disk_free, disk_gbps=args.disk_gbps)
     common = dict(seq_len=args.seq_len, num_gpus=num_gpus, gpus_per_node=gpus_per_node,
-                  sequence_parallel_size=sequence_parallel_option(args), activation_offload=True,
+                  sequence_parallel_size=sequence_parallel_option(args), ring_size=ring_size_option(args),
+                  activation_offload=True,
                   tiled_mlp=True, tiled_loss=True, precision=args.precision, cpu_offload_params=args.cpu_offload_params)
     full = plan_memory(
         geometry=geometry, **common, gpu_memory_gib=machine.gpu_memory_gib, host_memory_gib=machine.host_memory_gib,

@@ -133,6 +133,7 @@ def options(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
     if args.system in ("fpdt", "fpdt-hf"):
         return {**common, "offload": info.get("offload", args.offload), "offload_dq": info.get("offload_dq"),
                 "sequence_parallel_size": getattr(args, "sequence_parallel_size", "auto"),
+                "ring_size": getattr(args, "ring_size", "auto"),
                 "callbacks": ["ActivationOffload", "TiledMLP", "TiledLoss", "MFUMonitor"],
                 "recompute_attention": args.recompute_attention, "head_chunks": args.head_chunks,
                 "reload_input": args.reload_input, "prefetch": args.prefetch,

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from bench.host_readings import plan_fields
-from bench.peers.ballast import ON_OFF_AUTO, count_option, layers_run, sequence_parallel_option
+from bench.peers.ballast import ON_OFF_AUTO, count_option, layers_run, ring_size_option, sequence_parallel_option
 from bench.peers.common import RandomTokens, append_step, prime_adam_states, reset_peaks, sdpa_backend, step_profiler
 from lightning_fpdt import ActivationOffload, FPDTStrategy, MFUMonitor, TiledLoss, TiledMLP
 from lightning_fpdt.models.llama import IGNORE_INDEX, LlamaForCausalLM, sdpa_attention
@@ -156,7 +156,7 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
         planned = getattr(args, "full_depth_arguments", None)  # --ballast full: the full depth's plan, explicit
         if planned is not None:
             memory = {k: v for k, v in planned["FPDTStrategy"].items()
-                      if k not in ("sequence_parallel_size", "cpu_offload_params")}
+                      if k not in ("sequence_parallel_size", "ring_size", "cpu_offload_params")}
             blocks = dict(planned["ActivationOffload"])
         elif getattr(args, "auto_options", False):  # the strategy chooses every memory option but a count given
             memory: dict[str, Any] = dict(chunks="auto", offload="auto", offload_dq="auto", head_chunks="auto")
@@ -171,6 +171,7 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
                           checkpoint_blocks=count_option(args, "checkpoint_blocks"))
         # --sequence-parallel-size: the GPUs of one sequence (the full depth's plan was made with it too)
         strategy = FPDTStrategy(**memory, sequence_parallel_size=sequence_parallel_option(args),
+                                ring_size=ring_size_option(args),
                                 attention_backend=args.attention_backend,
                                 cpu_offload_params=args.cpu_offload_params, offload_dir=args.offload_dir,
                                 host_step_in_backward=not args.host_step_after_backward)

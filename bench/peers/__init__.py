@@ -36,6 +36,6 @@ of system ``deepspeed-fpdt``), as bench/attention.py measures this project's.
 Modules: ``cli`` (options, entry), ``systems`` (the systems), ``alst``, ``hf_llama`` (the Hugging Face Llama),
 ``deepspeed_fpdt`` and ``flash_shim`` (DeepSpeed's FPDT op on PyTorch's FlashAttention-2), ``ballast`` (the layers
 not run and the host check), ``runner`` (one run on every rank), ``records`` (the JSON record and the ranks'
-agreement on its status), ``search`` (``--max-length``). The ballast protocol and the record's fields:
-bench/README.md.
+agreement on its status), ``search`` (``--max-length``), ``torch_api_audit`` (the torch names a peer's sources need
+that the installed torch lacks). The ballast protocol and the record's fields: bench/README.md.
 """

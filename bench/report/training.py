@@ -51,13 +51,26 @@ DEPTH = Section(
 def placement(record: Record) -> str:
     """Where the run kept the parameters' states: ``"GPU"``, or ``"host"`` with ``--cpu-offload-params``, where
     fpdt's record says when the host stepped: ``"host, step in backward"`` or ``"host, step after backward"``; with
-    partial residency, how many block inputs it kept (``"GPU, 7 block inputs kept"``)."""
+    partial residency, how many block inputs it kept (``"GPU, 7 block inputs kept"``); and the sequence layout where
+    it is not the default (:func:`layout`)."""
     options = record.get("options") or {}
     kept = options.get("keep_inputs")
     inputs = f", {kept} block inputs kept" if isinstance(kept, int) or str(kept).isdigit() else ""
+    inputs += layout(record)
     if not options.get("cpu_offload_params"):
         return "GPU" + inputs
     return (f"host, step {options['host_step']}" if options.get("host_step") else "host") + inputs
+
+
+def layout(record: Record) -> str:
+    """The sequence layout where it is not one sequence over every GPU with Ulysses alone: ``"; sp 2 × dp 2"`` (two
+    sequences a step, each over 2 GPUs) or ``"; ring 2 × Ulysses 2"``; ``""`` otherwise."""
+    sp, dp = record.get("sequence_parallel_size"), record.get("data_parallel_size")
+    ring = (record.get("options") or {}).get("ring_size")
+    parts = [f"sp {sp} × dp {dp}"] if isinstance(dp, int) and dp > 1 else []
+    if isinstance(ring, int) and ring > 1:
+        parts.append(f"ring {ring} × Ulysses {sp // ring}")
+    return "".join(f"; {part}" for part in parts)
 
 
 def throughput_groups(records: list[Record]) -> dict[tuple, dict[str, Record]]:

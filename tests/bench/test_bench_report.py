@@ -624,6 +624,22 @@ def test_block_input_placements_are_set_against_all_in_host_memory():
     assert [row[5] for row in rows] == ["0", "92", "105"] and rows[1][7] == "21.0"
 
 
+def test_sequence_layouts_get_their_own_throughput_rows():
+    """Runs of one model and length in different sequence layouts (one sequence over every GPU, two sequences over
+    half of them each, ring x Ulysses) are separate rows, each naming its layout; the default layout names none."""
+    from bench.report import training
+
+    def run(sp: int, dp: int, ring: object, tokens_per_s: float) -> dict:
+        r = run_record("fpdt-hf", gpus=4, layers=24, seq_len=131_072, tokens_per_s=tokens_per_s)
+        r.update(sequence_parallel_size=sp, data_parallel_size=dp)
+        r["options"] = {**r.get("options", {}), "ring_size": ring}
+        return r
+
+    records = [run(4, 1, "auto", 63_000.0), run(2, 2, "auto", 72_000.0), run(4, 1, 2, 62_000.0)]
+    states = sorted(cells[5] for _, cells in training._throughput_rows(records))
+    assert states == ["GPU", "GPU; ring 2 × Ulysses 2", "GPU; sp 2 × dp 2"]
+
+
 def test_the_same_run_at_two_commits_on_one_day():
     """A setting measured at two commits on one day gets a row per commit, oldest first, with its speed-up over the
     oldest; the same setting at another commit on another day is not compared with them."""

@@ -49,6 +49,9 @@ class MFUMonitor(pl.Callback):
       at every step start); CUDA only.
     - ``perf/host_mem_gib``: resident memory of this process (Linux).
 
+    Uneven head splits: every rank counts the whole step's model FLOPs (each query head once) over the world size, so
+    14 heads on 4 ranks (4, 4, 3 and 3 heads' attention) give per-device figures that sum to the model's FLOPs.
+
     The values are this rank's; logged by rank 0's loggers. At the end of training one line sums up the
     median of the steps after the first (a warm-up step).
 

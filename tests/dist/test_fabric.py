@@ -1,9 +1,14 @@
 """``Fabric(strategy="fpdt")`` on N gloo processes against one process without it (docs/fabric.md): a user's own
 loop, the loss and every gradient of a step, the parameters after it, frozen parameters, the checkpoint round trip,
-the registry name and a user's mistake."""
+the registry name, a user's mistake, and examples/fabric_loop.py run as a user runs it."""
 
 from __future__ import annotations
 
+import math
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import lightning_fpdt  # noqa: F401  (registers "fpdt" with Fabric)
 from lightning_fpdt import ActivationOffload, FPDTFabricStrategy, TiledLoss, TiledMLP
 from lightning_fpdt.integrations.attributes import TILED_MLP
+from tests.dist.test_multinode import _env
 from tests.dist.training import TokenDataset, build_model, make_optimizer, model_loss, reference_batch
 
 # fp32: the parallel run sums the same products in another order (the blockwise softmax merge, the gradient sums
@@ -281,3 +287,33 @@ def test_fabric_plans_each_length(dist_pool):
     seed = int(torch.randint(0, 2**31 - 1, ()))
     said = dist_pool(2).run(planned_lengths, seed=seed)
     assert said[0] == said[1] and "chunks=2" in said[0][0] and "chunks=1" in said[0][1], said
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_fabric_example_trains_and_saves(tmp_path):
+    """examples/fabric_loop.py on 2 CPU processes (3 steps) exits 0, prints its losses once, and saves a whole
+    checkpoint of the model, the optimizer and the step."""
+    checkpoint = tmp_path / "fabric-copy"
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "fabric_loop.py"), "--steps", "3", "--seq-len", "16",
+                           "--checkpoint", str(checkpoint)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=180)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"the example failed ({proc.returncode}):\n{output[-6000:]}"
+    # rank 0 alone prints (fabric.print): the first and the last step, each rank holding half of the 16 tokens
+    losses = re.findall(r"step +(\d+)  loss (\S+)  \(this rank holds 8 of 16 tokens\)", proc.stdout)
+    assert [step for step, _ in losses] == ["0", "2"] and all(math.isfinite(float(v)) for _, v in losses), output
+    assert proc.stdout.count(f"saved {checkpoint}") == 1, output
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lightning_fpdt.strategy.checkpoint import check_checkpoint_complete, damaged_files
+
+    check_checkpoint_complete(checkpoint)
+    assert damaged_files(checkpoint, rank=0, world_size=1) == []  # the checksums the save recorded
+    saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    assert "model.model.embed_tokens.weight" in saved and any(k.startswith("optimizer.state.") for k in saved)
+    assert torch.load(checkpoint / "meta.pt", weights_only=False)["step"] == 3

@@ -1,7 +1,10 @@
 """Uneven head splits (docs/design.md §4, "Heads"): P that divides neither the query heads, nor the kv heads, nor
-both, against single-process attention, forward and q/k/v gradients; chunks, the host stash and packed documents."""
+both, against single-process attention, forward and q/k/v gradients; chunks, the host stash and packed documents;
+whole training against one process, also with the stashes spilling to the disk tier."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -162,3 +165,66 @@ def test_even_split_keeps_the_equal_all_to_all(dist_pool):
     cases = [dict(seq_len=4 * 2 * 3, num_chunks=2, heads=heads, dtype=torch.float64, backend="math", seed=n)
              for n, heads in enumerate([(8, 8), (8, 4), (8, 2)])]
     dist_pool(4).run(_even_split_takes_the_equal_all_to_all, cases=cases)
+
+
+# The attention's host budget when its stash spills: one or two of a rank's chunks (a (B, h_r or hk_r, S/u, D) fp32
+# chunk is 768 or 1,536 bytes here), so each rank keeps its first entries in host memory and writes the rest, of
+# sizes that differ from rank to rank
+ATTENTION_HOST_BYTES = 2048
+
+
+def run_training_spilling_to_disk(offload_dir: str, case: dict) -> dict[str, int]:
+    """``case`` trained (:func:`parity.train_and_compare`) with a plan made as on a GPU (this host has none): one of
+    the two block inputs on disk, and the attention's chunks and partial dQ sums beyond ``ATTENTION_HOST_BYTES``.
+    Returns how many entries of each went to a file on this rank."""
+    from lightning_fpdt.callbacks.tiled_loss import TiledLoss
+    from lightning_fpdt.callbacks.tiled_mlp import TiledMLP
+    from lightning_fpdt.offload.disk import DiskStash
+    from lightning_fpdt.planner import plan_memory
+    from lightning_fpdt.strategy import budget
+
+    def planned(memory, seq_len, batch_size):
+        return plan_memory(geometry=memory.facts.network.config, seq_len=seq_len, batch_size=batch_size,
+                           num_gpus=memory.facts.world_size, sequence_parallel_size=case["sp"], chunks=case["chunks"],
+                           offload=True, offload_dq=True, head_chunks=1, activation_offload=True, tiled_mlp=True,
+                           tiled_loss=True, precision="32-true", recompute_attention=False, reload_input=False,
+                           prefetch=1, keep_inputs="all", checkpoint_blocks="all", gpu_memory_gib=80,
+                           disk_memory_gib=1, disk_inputs=1)
+
+    def configure_disk(memory, plan):
+        real_configure(memory, plan)
+        if plan is not None:  # the plan gives the attention room for all its chunks: a tighter host spills them
+            memory.attention.stashes.disk.host_budget_bytes = ATTENTION_HOST_BYTES
+
+    spilled: dict[int, int] = {}
+
+    def put(stash, key, tensor):
+        real_put(stash, key, tensor)
+        if stash.on_disk(key):
+            spilled[id(stash.tier)] = spilled.get(id(stash.tier), 0) + 1
+
+    real_plan, real_configure, real_put = budget.plan_for, budget.MemoryBudget.configure_disk, DiskStash.put
+    budget.plan_for, budget.MemoryBudget.configure_disk, DiskStash.put = planned, configure_disk, put
+    callbacks = [ActivationOffload(prefetch=1, recompute_attention=False, reload_input=False), TiledMLP(num_tiles=2),
+                 TiledLoss(num_tiles=2)]
+    try:
+        trainer = parity.train_and_compare(**case, offload=True, offload_dq=True, offload_dir=offload_dir,
+                                           callbacks=callbacks)
+    finally:
+        budget.plan_for, budget.MemoryBudget.configure_disk, DiskStash.put = real_plan, real_configure, real_put
+    memory = trainer.strategy.memory
+    assert memory.plan is not None and memory.plan.options.disk_inputs == 1
+    return {"attention": spilled.get(id(memory.attention.stashes.disk), 0),
+            "block inputs": spilled.get(id(callbacks[0].stashes.disk), 0)}
+
+
+# Tolerance: test_strategy_parity.TOL (fp32, rtol 1e-4 / atol 2e-5) on the losses of 3 SGD steps and every
+# parameter, and each parameter within UPDATE_TOL (1e-2) of its own update, i.e. of lr x its gradients: the files
+# hold the bytes that went in, so only the reordered sums of the run in host memory remain (~1e-7 relative per op);
+# an entry read back wrong (a chunk 1% off moves the loss by ~1e-3) or another rank's kv heads read would fail it.
+def test_training_parity_uneven_heads_with_the_disk_tier(dist_pool, tmp_path):
+    """6 query / 2 kv heads on 4 ranks train as one process with both stashes spilling to disk on every rank."""
+    case = dict(kind="llama-6q2kv", dp=1, sp=4, chunks=2, accumulate=1, seq_len=23)
+    spilled = dist_pool(4).run(run_training_spilling_to_disk, offload_dir=str(tmp_path / "spill"), case=case)
+    assert all(counts["attention"] > 0 and counts["block inputs"] > 0 for counts in spilled), spilled
+    assert os.listdir(tmp_path / "spill") == [], "spill files left after the fit"

@@ -10,9 +10,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_fpdt.callbacks.mfu import MFUMonitor, _count_global_tokens
+from lightning_fpdt.callbacks.mfu import MFUMonitor, StepRecord, _count_global_tokens
 from lightning_fpdt.flops import ModelGeometry, flops_per_token
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
+from lightning_fpdt.sequence.heads import HeadSplit
 
 TINY = LlamaConfig.from_name("tiny")
 
@@ -171,6 +172,58 @@ def test_packed_batch_counts_attention_within_documents():
         flops[attention_len] = monitor._open_step.flops
     assert flops[None] == 1000 * flops_per_token(geometry, 1000)
     assert flops[300.0] == 1000 * flops_per_token(geometry, 1000, attention_len=300.0) < flops[None]
+
+
+def _rank_metrics(geometry: ModelGeometry, seq_len: int, world_size: int, peak: float) -> tuple[dict, StepRecord]:
+    """One rank's monitor through one step of a batch of one ``seq_len`` sequence shared by ``world_size``
+    sequence-parallel ranks: the metrics it logs and its record."""
+    logged = []
+    strategy = SimpleNamespace(last_batch_geometry=(1, seq_len, seq_len), data_parallel_size=1,
+                               sequence_parallel_size=world_size, last_batch_attention_length=None,
+                               root_device=torch.device("cpu"))
+    trainer = SimpleNamespace(strategy=strategy, world_size=world_size, global_step=0, precision="bf16-mixed",
+                              loggers=[SimpleNamespace(log_metrics=lambda metrics, step: logged.append(metrics))],
+                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=1)))
+    module = SimpleNamespace(log_dict=lambda *args, **kwargs: None)
+    monitor = MFUMonitor(geometry=geometry, peak_flops=peak)
+    monitor.on_fit_start(trainer, module)
+    shard = {"input_ids": torch.zeros(1, seq_len // world_size, dtype=torch.long)}
+    monitor.on_train_batch_start(trainer, module, shard, 0)
+    trainer.global_step = 1  # the optimizer stepped
+    monitor.on_train_batch_end(trainer, module, None, shard, 0)
+    (metrics,) = logged
+    return metrics, monitor.step_records[-1]
+
+
+def test_uneven_head_split_counts_the_model_flops_once():
+    """14 query heads on 4 ranks (4, 4, 3, 3 heads' attention): the ranks' per-device FLOPs sum to the model's."""
+    # Qwen2.5-0.5B's geometry
+    geometry = ModelGeometry(num_layers=24, hidden_size=896, num_heads=14, num_kv_heads=2, head_dim=64,
+                             intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)
+    world_size, seq_len, peak = 4, 32768, 989e12
+    split = HeadSplit(num_heads=14, num_kv_heads=2, sp_size=world_size)
+    heads = [stop - start for start, stop in split.q_ranges]
+    assert heads == [4, 4, 3, 3]
+
+    def work(attention_heads: int) -> int:
+        """Causal FLOPs of a rank with S/P tokens' dense layers and these heads' attention over all S tokens."""
+        dense = 6 * geometry.nonembedding_parameters * seq_len // world_size
+        return dense + 6 * geometry.num_layers * seq_len * seq_len * attention_heads * geometry.head_dim
+
+    model_flops = sum(work(h) for h in heads)
+    assert model_flops == flops_per_token(geometry, seq_len) * seq_len
+    # a count per rank of H/P rounded down (3 heads), or up, which is the busiest rank's (4), sums to P times it
+    for wrong_heads in (14 // world_size, split.max_heads):
+        assert abs(world_size * work(wrong_heads) - model_flops) > 1e-2 * model_flops
+    summed, mfu = 0.0, []
+    for _ in range(world_size):  # every rank's monitor, with its own step time
+        metrics, record = _rank_metrics(geometry, seq_len, world_size, peak)
+        assert record.flops == model_flops and record.tokens == seq_len
+        summed += metrics["perf/tflops_per_device"] * 1e12 * record.step_time_s
+        mfu.append(metrics["perf/mfu_causal"] * record.step_time_s * world_size * peak)
+    # float products of exact integers: equal to ~1e-15 relative
+    assert summed == pytest.approx(model_flops, rel=1e-12)
+    assert mfu == pytest.approx([model_flops] * world_size, rel=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -478,12 +478,13 @@ class MemoryBudget:
             sp_size=facts.sequence_parallel_size if sized else 1,
             ring_size=facts.ring_size if facts is not None else fixed_ring, free_bytes=self.free_bytes)
 
-    def syncs_every_batch(self, option: Switch, seq_len: Optional[int], batch_size: int) -> bool:
+    def syncs_every_batch(self, option: Switch, batch: Any) -> bool:
         """Whether the batches of an accumulation window reduce-scatter their gradients: ``option``, or for
-        ``"auto"`` the choice of the plan of the batch's length (``False`` where nothing planned it)."""
+        ``"auto"`` the choice of the plan of ``batch``'s length (a :class:`~lightning_fpdt.strategy.batch.BatchPlan`;
+        ``False`` where nothing planned it, or before any batch)."""
         if option != "auto":
             return option
-        plan = None if seq_len is None else self.plan_of(seq_len, batch_size)
+        plan = None if batch is None else self.plan_of(batch.seq_len, batch.batch_size)
         return plan is not None and plan.options.sync_every_batch
 
     def advice(self) -> str:
@@ -506,3 +507,31 @@ class MemoryBudget:
         if self.disk is not None:
             self.disk.close()  # the tiers stay with their factories; the next fit's plans point them at its directory
             self.plans.clear()
+
+
+class PlannedMemory:
+    """What both strategies answer from their memory budget (``self.memory``): the plan the run is on, the host
+    memory it holds page-locked, the attention options of a length."""
+
+    memory: MemoryBudget
+
+    @property
+    def memory_plan(self) -> Optional[MemoryPlan]:
+        """The plan the last sequence length runs on (options, predicted GPU and host peaks); ``None`` where nothing
+        plans (no GPU, no model config the planner reads)."""
+        return self.memory.plan
+
+    @property
+    def pinned_host_bytes(self) -> int:
+        """Host memory this process holds page-locked: the attention's and the callbacks' buffers, the states."""
+        return self.memory.pinned_bytes()
+
+    def resolved_options(self, seq_len: int, batch_size: int = 1) -> ResolvedOptions:
+        """Chunks and offload for global sequences of ``seq_len`` tokens: the plan's (the search's choice for
+        ``"auto"``), or where nothing plans the options, ``"auto"`` sized from the free GPU memory at the first batch
+        (:meth:`MemoryBudget.resolved`)."""
+        return self.memory.resolved(seq_len, batch_size)
+
+    def num_chunks_for(self, seq_len: int, batch_size: int = 1) -> int:
+        """FPDT chunks for a global sequence of ``seq_len`` tokens (the option, or the plan for ``"auto"``)."""
+        return self.resolved_options(seq_len, batch_size).chunks

@@ -72,7 +72,7 @@ class KeyValueNeedle:
         return needle, [t.QUERY, t.key_start + key], [t.value_start + value]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PasskeyNeedle:
     """A passkey of ``num_digits`` digits in a sentence: ``prefix digits suffix``, asked by ``question``.
 

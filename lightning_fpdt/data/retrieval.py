@@ -43,7 +43,7 @@ PairFormat = Literal["one_token", "two_tokens"]
 SPLITS = ("train", "val", "test")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RetrievalTask:
     """The geometry and vocabulary of the retrieval task; ``sample(index)`` builds one sequence.
 

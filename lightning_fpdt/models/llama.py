@@ -48,7 +48,7 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LlamaConfig:
     vocab_size: int
     """Number of token ids (rows of the embedding table)."""

@@ -96,7 +96,8 @@ def check_labels(batch: Mapping[str, Any]) -> None:
             got = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
             raise ValueError(
                 f"batch['{key}'] has shape {got} but input_ids has {shape}: sequences of {shape[1]} tokens need "
-                f"{shape[1]} labels each (one per token, -100 where no target counts; the strategy shifts them)"
+                f"{shape[1]} labels each (one per token, {IGNORE_INDEX} where no target counts; the strategy shifts "
+                f"them)"
             )
 
 
@@ -132,7 +133,7 @@ def shard_batch(
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise ValueError(
             "batch['attention_mask'] has zeros: the fpdt attention is causal over the whole sequence and takes no "
-            "padding mask; right-pad instead and set the padded labels to -100"
+            f"padding mask; right-pad instead and set the padded labels to {IGNORE_INDEX}"
         )
     position_ids = batch.get("position_ids")
     if position_ids is None:
@@ -174,7 +175,7 @@ def padding_message(plan: BatchPlan) -> str:
         f"fpdt: padding sequences of {plan.seq_len} tokens to {plan.padded_len} (a multiple of {layout.num_pieces}: "
         f"sequence_parallel_size {layout.sp_size} × chunks {layout.num_chunks}"
         + (" × 2 for the ring's head-tail pieces" if layout.ring_size > 1 else "")
-        + "); padded labels are -100"
+        + f"); padded labels are {IGNORE_INDEX}"
     )
 
 

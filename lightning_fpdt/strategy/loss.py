@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_fpdt.sequence.loss import IGNORE_INDEX
+
 
 def unwrap_loss(output: object) -> Optional[Tensor]:
     """The loss tensor of a training_step output (a tensor, or a mapping with ``"loss"``)."""
@@ -61,9 +63,9 @@ def check_training_loss(loss: Optional[Tensor], no_target: Tensor, trainer: Any,
 
 
 def no_target_message(step: int) -> str:
-    return (f"fpdt: at global step {step} a batch has no token with a target (every label is -100, or the sequences "
-            f"are 1 token long): its loss is 0.0 (one process would report NaN) and its gradient zero; check the "
-            f"data (shown once)")
+    return (f"fpdt: at global step {step} a batch has no token with a target (every label is {IGNORE_INDEX}, or the "
+            f"sequences are 1 token long): its loss is 0.0 (one process would report NaN) and its gradient zero; "
+            f"check the data (shown once)")
 
 
 class TrainingLossCheck:

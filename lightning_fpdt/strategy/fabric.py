@@ -36,7 +36,7 @@ from lightning_fpdt.sequence.kernels import AttentionBackend
 from lightning_fpdt.sequence.options import FPDTOptions, check_switch
 from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.sequence.sizes import resolve_sequence_sizes
-from lightning_fpdt.strategy import budget, tokens
+from lightning_fpdt.strategy import budget, noise, tokens
 from lightning_fpdt.strategy import checkpoint as checkpointing
 from lightning_fpdt.strategy.batch import BatchPlan, BatchStep, check_batch
 from lightning_fpdt.strategy.materialize import has_meta_parameters
@@ -139,6 +139,7 @@ class FPDTFabricStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy)
                 raise ValueError("; ".join(f"{name} is an option of Trainer(strategy=FPDTStrategy(...)) only: "
                                            f"{TRAINER_ONLY_OPTIONS[name]}" for name in named))
             raise TypeError(f"FPDTFabricStrategy got unexpected keyword arguments {sorted(trainer_options)}")
+        noise.quiet_lightning()  # Lightning's tips and a deprecation it triggers say nothing about a run
         super().__init__(parallelize_fn=self._parallelize, data_parallel_size=data_parallel_size,
                          tensor_parallel_size="auto", save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)

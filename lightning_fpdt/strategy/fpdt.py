@@ -171,6 +171,7 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
         fused_ops: Union[Literal["auto"], bool] = "auto",
         predict_outputs: Literal["sequence", "rank"] = "sequence",
     ) -> None:
+        noise.quiet_lightning()  # before the Trainer that takes this strategy logs its tips
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size="auto",
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)

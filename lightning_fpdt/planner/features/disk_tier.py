@@ -13,7 +13,8 @@ Cost: each spilled input is written once, behind its own block's forward, and re
 backward of the block after it (``ActivationOffload``'s one-block prefetch); a disk slower than that compute shows as
 the difference. The input of the first block of the backward is read right after the loss, which covers nothing of
 it; without the prefetch every read is waited for, and an input the backward reads twice (``backward_reads``: left on
-the host through its block's backward) is read a second time for its first norm's backward, waited for too. The disk's rate is its host's, shared by the host's GPUs.
+the host through its block's backward) is read a second time for its first norm's backward, waited for too. The
+disk's rate is its host's, shared by the host's GPUs.
 
 The search does not try every ``k``: a plan that overshoots only the host's memory, with the disk's room left, is
 relieved by the least ``k`` that fits it (:meth:`DiskTier.relieve`), which the search plans in its turn of cost. A

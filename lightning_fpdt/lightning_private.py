@@ -41,3 +41,11 @@ def wrapped_closure(precision: Any, model: Any, optimizer: Any, closure: Callabl
 def set_train_description(bar: Any, describe: Callable[[int], str]) -> None:
     """Replace how Lightning's rich progress bar names the training epoch (``strategy/noise.py``)."""
     bar._get_train_description = describe
+
+
+def evaluate_under_no_grad(trainer: Any) -> None:
+    """Run the Trainer's evaluation and prediction loops (Lightning's private loop classes) under ``no_grad`` instead
+    of ``inference_mode``, where DTensor parameters do not work (``strategy/fpdt.py``, at setup)."""
+    loops = (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop)
+    for loop in loops:
+        loop.inference_mode = False

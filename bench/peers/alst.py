@@ -60,8 +60,9 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from bench.peers.ballast import layers_run
 from bench.peers.common import RandomTokens, append_step, prime_adam_states, reset_peaks, sdpa_backend, step_profiler
 from bench.peers.hf_llama import build_hf_llama
-from lightning_fpdt.models.llama import IGNORE_INDEX, LlamaConfig
+from lightning_fpdt.models.llama import LlamaConfig
 from lightning_fpdt.sequence.layout import SequenceLayout
+from lightning_fpdt.sequence.loss import IGNORE_INDEX
 
 LOGITS_TILE_BYTES = 2**30
 """fp32 logits per tile of the loss: ArcticTraining's ``slice_size_in_gb = 1``."""

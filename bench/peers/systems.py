@@ -26,10 +26,11 @@ from bench.host_readings import plan_fields
 from bench.peers.ballast import ON_OFF_AUTO, count_option, layers_run, ring_size_option, sequence_parallel_option
 from bench.peers.common import RandomTokens, append_step, prime_adam_states, reset_peaks, sdpa_backend, step_profiler
 from lightning_fpdt import ActivationOffload, FPDTStrategy, MFUMonitor, TiledLoss, TiledMLP
-from lightning_fpdt.models.llama import IGNORE_INDEX, LlamaForCausalLM, sdpa_attention
+from lightning_fpdt.models.llama import LlamaForCausalLM, sdpa_attention
 from lightning_fpdt.models.module import LlamaLM
 from bench.peers.hf_llama import named_vocab
 from lightning_fpdt.sequence.layout import SequenceLayout
+from lightning_fpdt.sequence.loss import IGNORE_INDEX
 
 SYSTEMS = ("fpdt", "fpdt-hf", "modelparallel", "ring", "alst")
 FPDT_SYSTEMS = ("fpdt", "fpdt-hf")

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_fpdt.sequence.layout import IGNORE_INDEX
+from lightning_fpdt.sequence.loss import IGNORE_INDEX
 
 
 class TokenAccuracy(Metric):

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_fpdt.data.retrieval import RetrievalTask
-from lightning_fpdt.sequence.layout import IGNORE_INDEX
+from lightning_fpdt.sequence.loss import IGNORE_INDEX
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 """The filler sentence of the passkey test, repeated (used with a tokenizer when no filler tokens are given)."""
@@ -72,7 +72,7 @@ class KeyValueNeedle:
         return needle, [t.QUERY, t.key_start + key], [t.value_start + value]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PasskeyNeedle:
     """A passkey of ``num_digits`` digits in a sentence: ``prefix digits suffix``, asked by ``question``.
 

@@ -37,13 +37,13 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fpdt.data.base import LongContextDataModule
-from lightning_fpdt.sequence.layout import IGNORE_INDEX
+from lightning_fpdt.sequence.loss import IGNORE_INDEX
 
 PairFormat = Literal["one_token", "two_tokens"]
 SPLITS = ("train", "val", "test")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RetrievalTask:
     """The geometry and vocabulary of the retrieval task; ``sample(index)`` builds one sequence.
 

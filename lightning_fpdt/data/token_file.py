@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fpdt.data.base import LongContextDataModule
-from lightning_fpdt.sequence.layout import IGNORE_INDEX
+from lightning_fpdt.sequence.loss import IGNORE_INDEX
 
 PathLike = Union[str, Path]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -11,8 +11,6 @@ from torch import Tensor, nn
 from lightning_fpdt.integrations.attributes import ATTENTION_FN, ATTENTION_HANDLE
 from lightning_fpdt.integrations.head_groups import HeadGroupedAttention
 from lightning_fpdt.sequence.attention import FPDTAttention, LayerAttention
-from lightning_fpdt.sequence.documents import DocumentBoundaries
-from lightning_fpdt.sequence.layout import SequenceLayout
 from lightning_fpdt.sequence.loss import sequence_parallel_loss
 
 
@@ -32,12 +30,12 @@ class SequenceParallelContext:
     """Set when the current batch's loss was reduced to the group mean (:meth:`reduce`), so the strategy does not
     re-weight it again; written only here."""
 
-    def begin_batch(self, layout: SequenceLayout, *, documents: Optional[DocumentBoundaries], position_ids: Tensor,
-                    token_mask: Optional[Tensor], offload: bool, offload_dq: bool) -> None:
-        """A new batch: the attention's layout, documents and offload, the batch's positions and token mask, its loss
-        not reduced yet (the one hand-off of a batch from the strategy)."""
-        self.attention.begin_batch(layout, documents=documents, offload=offload, offload_dq=offload_dq)
-        self.position_ids, self.token_mask, self.loss_reduced = position_ids, token_mask, False
+    def begin_batch(self, plan: Any, *, offload: bool, offload_dq: bool) -> None:
+        """A new batch, from its plan (a :class:`~lightning_fpdt.strategy.batch.BatchPlan`): the attention's layout,
+        documents and offload, the batch's positions and token mask, its loss not reduced yet (the one hand-off of a
+        batch from the strategy)."""
+        self.attention.begin_batch(plan.layout, documents=plan.documents, offload=offload, offload_dq=offload_dq)
+        self.position_ids, self.token_mask, self.loss_reduced = plan.position_ids, plan.token_mask, False
 
     def reduce(self, local_mean: Tensor, num_valid: Union[Tensor, int]) -> Tensor:
         """This rank's token-mean loss over its ``num_valid`` tokens as the group's token mean (collective)."""

@@ -12,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_fpdt.integrations.attributes import ATTENTION_HANDLE
 from lightning_fpdt.memory.forwards import replace_forward
 from lightning_fpdt.sequence.attention import FPDTAttention, LayerAttention
+from lightning_fpdt.sequence.loss import IGNORE_INDEX
 
 _SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -34,7 +35,7 @@ class SDPAInterception(TorchFunctionMode):
         if call.get("attn_mask") is not None:
             raise ValueError(
                 "scaled_dot_product_attention with attn_mask cannot be sequence-parallelized exactly: use "
-                "is_causal=True without a mask (right-pad, and set padded labels to -100)"
+                f"is_causal=True without a mask (right-pad, and set padded labels to {IGNORE_INDEX})"
             )
         if call.get("dropout_p", 0.0):
             raise ValueError("scaled_dot_product_attention with dropout_p > 0 is not supported under fpdt: use 0")

@@ -294,7 +294,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         owner.regenerate(block.key)  # a block whose input was not kept: regenerated into the stash first
         if block.mlp is None:
             owner.prefetch_before(block.key)
-        hidden = RecomputeInput(owner._stash, block.key, reload_input=owner.reload_input,
+        hidden = RecomputeInput(owner._stash, block.key, on_host=owner.reload_input,
                                 frees_early=block.mlp is not None, needs_grad=ctx.needs_input_grad[3])
         others = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x for x in ctx.others]
         unused = _UNUSED_VALUES.set(block.unused_mlp_values)

@@ -1,6 +1,7 @@
 """The input of a checkpointed block's recompute and what the recompute restores: the device copy of the input from
-the stash (a leaf, or under ``reload_input`` an identity node whose saved views point at the host copy), and the
-random number generator states of the first forward (memory/block_offload.py, docs/design.md §6)."""
+the stash (a leaf, or, where the input waits on the host through the backward, an identity node whose saved views
+point at the host copy), and the random number generator states of the first forward (memory/block_offload.py,
+docs/design.md §6)."""
 
 from __future__ import annotations
 
@@ -35,20 +36,20 @@ class RngState:
 
 class RecomputeInput:
     """The input of a block's recompute: its device copy from the stash (prefetched, or loaded now). Without
-    ``reload_input`` a leaf whose ``grad`` is the block's input gradient (a leaf without grad where the block's input
+    ``on_host`` a leaf whose ``grad`` is the block's input gradient (a leaf without grad where the block's input
     had none: only the parameters' gradients are computed). With it (and a host stash) an alias from
     :class:`InputTap`, whose gradient goes to ``taps``; the tensors the recompute saves from it point at the host
     copy (:class:`SavedOnHost`), and :meth:`free_device_copy` lets the memory go before the recompute ends, where
     ``frees_early`` (the block reads its input no more once its MLP starts)."""
 
-    def __init__(self, stash: ChunkStash, key: int, *, reload_input: bool, frees_early: bool,
+    def __init__(self, stash: ChunkStash, key: int, *, on_host: bool, frees_early: bool,
                  needs_grad: bool) -> None:
         self.stash, self.key = stash, key
         loaded = stash.get(key)
         stash.release(key)
         self.taps: list[Tensor] = []
         self._storage: Optional[torch.UntypedStorage] = None
-        if reload_input and isinstance(stash, HostStash):
+        if on_host and isinstance(stash, HostStash):
             if needs_grad:
                 with torch.enable_grad():  # a backward runs with grad mode off
                     self._tensor = InputTap.apply(loaded.new_empty(0).requires_grad_(), loaded, self.taps)
@@ -69,7 +70,7 @@ class RecomputeInput:
         return tensor
 
     def free_device_copy(self) -> None:
-        """Under ``reload_input``: the recompute reads the input no more; its device copy goes now."""
+        """With ``on_host``: the recompute reads the input no more; its device copy goes now."""
         if self._storage is not None:
             self.saved_tensor_hooks.free_input(self._storage)
             self._storage = None
@@ -110,7 +111,7 @@ class OnHost:
 
 
 class SavedOnHost(torch.autograd.graph.saved_tensors_hooks):
-    """Saved-tensor hooks of a recompute under ``reload_input``: a tensor saved that views the block input
+    """Saved-tensor hooks of a recompute whose input waits on the host: a tensor saved that views the block input
     ``value`` is kept as its view of the input's copy in ``stash`` (entry ``key``), brought back to the device
     (and shared by every such tensor) when the backward unpacks it. The hooks keep integers, not ``value``: they
     live as long as the saved tensors do."""

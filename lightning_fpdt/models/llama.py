@@ -24,7 +24,6 @@ from torch import Tensor, nn
 from lightning_fpdt.models.ops import rms_norm, rotary, swiglu
 from lightning_fpdt.sequence import loss as token_loss
 from lightning_fpdt.sequence.documents import document_ids_from_positions, document_starts_mask, has_position_resets
-from lightning_fpdt.sequence.loss import IGNORE_INDEX  # noqa: F401  (re-exported for model code)
 
 # Named geometries; `LlamaConfig.from_name(name, **overrides)` builds a config from one.
 NAMED_CONFIGS: dict[str, dict[str, Any]] = {
@@ -48,7 +47,7 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LlamaConfig:
     vocab_size: int
     """Number of token ids (rows of the embedding table)."""

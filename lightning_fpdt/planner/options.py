@@ -10,7 +10,7 @@ from typing import Any, Literal, Optional, Union
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.memory.block_schedule import check_checkpoint_blocks, check_keep_inputs, check_plain_blocks
 from lightning_fpdt.planner.geometry import PRECISIONS, attention_geometry, total_parameters
-from lightning_fpdt.sequence.options import FPDTOptions
+from lightning_fpdt.sequence.options import FPDTOptions, check_switch
 from lightning_fpdt.sequence.ring_rules import check_ring
 from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry
 from lightning_fpdt.sequence.sizes import resolve_sequence_sizes
@@ -166,6 +166,13 @@ class MemoryFeatures:
     tiled_loss: bool = False
     """``TiledLoss``."""
 
+    def __post_init__(self) -> None:
+        check_switch("recompute_attention", self.recompute_attention)
+        check_switch("reload_input", self.reload_input)
+        prefetch = self.prefetch
+        if prefetch != "auto" and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
+            raise ValueError(f"prefetch must be 'auto' or >= 0 blocks, got {prefetch!r}")
+
     @classmethod
     def declared(cls, callbacks: Iterable[Any]) -> "MemoryFeatures":
         """The features the callbacks declare together (``fpdt_memory_features``); a switch is on when any callback
@@ -204,14 +211,11 @@ def resolve_options(
     geometry: ModelGeometry, attention_options: FPDTOptions, *, seq_len: int, batch_size: int, num_gpus: int,
     gpus_per_node: int, sequence_parallel_size: Union[str, int], activation_offload: bool,
     activation_checkpointing: Optional[bool], tiled_mlp: bool, tiled_loss: bool, precision: str, optimizer: str,
-    cpu_offload_params: bool, gpu_memory_bytes: int, recompute_attention: bool = False, reload_input: bool = False,
-    prefetch: int = 1, disk_inputs: int = 0, keep_inputs: Union[Literal["all"], int] = "all",
-    accumulate_grad_batches: int = 1,
-    sync_every_batch: bool = False, checkpoint_blocks: Union[Literal["all"], int] = "all",
-    trainable_parameters: Optional[int] = None,
+    cpu_offload_params: bool, gpu_memory_bytes: int, **features: Any,
 ) -> PlanOptions:
     """The sizes (as the strategy resolves its mesh) and the attention options (:meth:`FPDTOptions.resolve`, with
-    the free memory of :func:`free_for_auto`) of a plan."""
+    the free memory of :func:`free_for_auto`) of a plan; ``features``: the memory features' other options, as
+    :class:`PlanOptions` takes them (their defaults where not given)."""
     head_chunks = attention_options.head_chunks
     dp, sp, ring = resolve_sequence_sizes(
         world_size=num_gpus, devices_per_node=gpus_per_node, data_parallel_size="auto",
@@ -230,10 +234,7 @@ def resolve_options(
         activation_offload=activation_offload,
         activation_checkpointing=activation_offload or bool(activation_checkpointing),
         tiled_mlp=tiled_mlp, tiled_loss=tiled_loss, cpu_offload_params=cpu_offload_params, precision=precision,
-        optimizer=optimizer, recompute_attention=recompute_attention, ring_size=ring, head_chunks=head_chunks,
-        reload_input=reload_input, prefetch=prefetch, disk_inputs=disk_inputs, keep_inputs=keep_inputs,
-        accumulate_grad_batches=accumulate_grad_batches, sync_every_batch=sync_every_batch,
-        checkpoint_blocks=checkpoint_blocks, trainable_parameters=trainable_parameters,
+        optimizer=optimizer, ring_size=ring, head_chunks=head_chunks, **features,
     )
 
 

@@ -142,13 +142,8 @@ class PlanRequest:
         if self.optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"optimizer {self.optimizer!r} is not planned for; use one of "
                              f"{sorted(OPTIMIZER_STATES)}")
-        features = self.features
-        check_switch("recompute_attention", features.recompute_attention)
-        check_switch("reload_input", features.reload_input)
+        features = self.features  # its own values checked when made (MemoryFeatures.__post_init__)
         check_switch("sync_every_batch", self.sync_every_batch)
-        prefetch = features.prefetch
-        if prefetch != "auto" and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
-            raise ValueError(f"prefetch must be 'auto' or >= 0 blocks, got {prefetch!r}")
         if self.disk_inputs != "auto":
             if isinstance(self.disk_inputs, bool) or not isinstance(self.disk_inputs, int) or \
                     not 0 <= self.disk_inputs <= layers:
@@ -175,10 +170,9 @@ class PlanRequest:
     def of(cls, **keywords: Any) -> "PlanRequest":
         """The request of ``plan_memory``'s keywords: :class:`Machine`'s fields (``num_gpus``, ``gpus_per_node``,
         ``gpu_memory_gib``, ``host_memory_gib``, ``host_baseline_gib``, ``disk_memory_gib``, ``disk_gbps``),
-        :class:`MemoryFeatures`' (``activation_offload``, ``tiled_mlp``, ``tiled_loss``,
-        ``activation_checkpointing``, ``recompute_attention``, ``reload_input``, ``prefetch``, ``keep_inputs``,
-        ``checkpoint_blocks``) and this class's own. ``activation_checkpointing=None`` is
-        ``activation_offload``'s."""
+        :class:`MemoryFeatures`' (the memory callbacks' options under their own names: ``activation_offload``,
+        ``tiled_mlp``, ``tiled_loss``, ``activation_checkpointing``, ``recompute_attention``, ``keep_inputs``, ...) and
+        this class's own. ``activation_checkpointing=None`` is ``activation_offload``'s."""
         missing = [name for name in REQUIRED_KEYWORDS if name not in keywords]
         if missing:
             raise TypeError(f"plan_memory() missing required keyword arguments: {', '.join(missing)}")

@@ -217,8 +217,7 @@ class StepSizes:
     def plain_layer(self) -> int:
         """:attr:`layer` of a block that is not checkpointed: nothing recorded by the attention, the MLP whole."""
         return self.with_options(activation_checkpointing=False, activation_offload=False, recompute_attention=False,
-                                 reload_input=False, keep_inputs="all", disk_inputs=0, checkpoint_blocks="all",
-                                 tiled_mlp=False).layer
+                                 keep_inputs="all", disk_inputs=0, checkpoint_blocks="all", tiled_mlp=False).layer
 
     def with_options(self, **changes: object) -> "StepSizes":
         """The same step with some options changed."""

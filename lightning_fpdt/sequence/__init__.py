@@ -13,8 +13,8 @@ from lightning_fpdt.sequence.documents import DocumentBoundaries
 from lightning_fpdt.sequence.heads import HeadSplit
 from lightning_fpdt.offload.host_stash import ChunkStash, HostBufferPool, HostStash, StashFactory
 from lightning_fpdt.sequence.kernels import make_kernel, supported_backends
-from lightning_fpdt.sequence.layout import IGNORE_INDEX, RingBlock, SequenceLayout
-from lightning_fpdt.sequence.loss import sequence_parallel_loss, shift_labels, token_cross_entropy
+from lightning_fpdt.sequence.layout import RingBlock, SequenceLayout
+from lightning_fpdt.sequence.loss import IGNORE_INDEX, sequence_parallel_loss, shift_labels, token_cross_entropy
 from lightning_fpdt.sequence.options import FPDTOptions
 from lightning_fpdt.sequence.ring import RingComm, new_sequence_groups
 from lightning_fpdt.sequence.sizes import check_head_groups

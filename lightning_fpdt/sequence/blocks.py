@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lightning_fpdt.sequence.heads import HeadSplit
 from lightning_fpdt.sequence.kernels import accumulation_dtype, check_backend_name
+from lightning_fpdt.sequence.loss import IGNORE_INDEX
 
 
 def check_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
@@ -122,7 +123,7 @@ def check_exact_call(*, attention_mask: Optional[Tensor], dropout: float, slidin
     if attention_mask is not None:
         raise ValueError(
             "the fpdt attention is causal over the whole sequence and takes no attention mask: drop padding "
-            "(right-pad and set the padded labels to -100) instead of passing an attention_mask with zeros"
+            f"(right-pad and set the padded labels to {IGNORE_INDEX}) instead of passing an attention_mask with zeros"
         )
     if dropout:
         raise ValueError(f"attention dropout ({dropout}) is not supported by the fpdt attention: set it to 0")

@@ -9,12 +9,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fpdt.strategy.fabric import FPDTFabricStrategy
 from lightning_fpdt.strategy.fpdt import FPDTStrategy
-from lightning_fpdt.strategy.noise import quiet_lightning
 from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt
 from lightning_fpdt.strategy.precision import FPDTPrecision
 
 FPDTStrategy.register_strategies(StrategyRegistry)  # guarded: a second import registers nothing
 FPDTFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)  # Fabric(strategy="fpdt")
-quiet_lightning()  # Lightning's tips and a deprecation it triggers say nothing about a run (strategy/noise.py)
 
 __all__ = ["FPDTFabricStrategy", "FPDTPrecision", "FPDTStrategy", "ParallelizeConfig", "apply_fpdt"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -96,7 +96,8 @@ def check_labels(batch: Mapping[str, Any]) -> None:
             got = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
             raise ValueError(
                 f"batch['{key}'] has shape {got} but input_ids has {shape}: sequences of {shape[1]} tokens need "
-                f"{shape[1]} labels each (one per token, -100 where no target counts; the strategy shifts them)"
+                f"{shape[1]} labels each (one per token, {IGNORE_INDEX} where no target counts; the strategy shifts "
+                f"them)"
             )
 
 
@@ -132,7 +133,7 @@ def shard_batch(
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise ValueError(
             "batch['attention_mask'] has zeros: the fpdt attention is causal over the whole sequence and takes no "
-            "padding mask; right-pad instead and set the padded labels to -100"
+            f"padding mask; right-pad instead and set the padded labels to {IGNORE_INDEX}"
         )
     position_ids = batch.get("position_ids")
     if position_ids is None:
@@ -174,7 +175,7 @@ def padding_message(plan: BatchPlan) -> str:
         f"fpdt: padding sequences of {plan.seq_len} tokens to {plan.padded_len} (a multiple of {layout.num_pieces}: "
         f"sequence_parallel_size {layout.sp_size} × chunks {layout.num_chunks}"
         + (" × 2 for the ring's head-tail pieces" if layout.ring_size > 1 else "")
-        + "); padded labels are -100"
+        + f"); padded labels are {IGNORE_INDEX}"
     )
 
 
@@ -185,37 +186,42 @@ def length_message(seq_len: int, resolved: Any, options: Any, sp_size: int, free
             + (f", planned for {free_bytes / 2**30:.1f} GiB free" if free_bytes else ""))
 
 
-def begin_batch(
-    batch: Mapping[str, Any], *, layout: SequenceLayout, context: Any, resolved: Any, pad_token_id: int,
-    pad_to_multiple: bool,
-) -> tuple[dict[str, Any], BatchPlan]:
-    """Shard ``batch`` (:func:`shard_batch`) and hand the plan to the model's installed wrappers through ``context``
-    (a :class:`~lightning_fpdt.integrations.SequenceParallelContext`), with the ``resolved`` options' offload: the
-    one per-batch step both strategies take before a forward."""
-    sharded, plan = shard_batch(batch, layout=layout, pad_token_id=pad_token_id, pad_to_multiple=pad_to_multiple)
-    context.begin_batch(layout, documents=plan.documents, position_ids=plan.position_ids,
-                        token_mask=plan.token_mask, offload=resolved.offload, offload_dq=resolved.offload_dq)
-    return sharded, plan
+class BatchStep:
+    """The per-batch step both strategies take before a forward (docs/design.md §5): the batch's length planned
+    when it is new, or its plan run on again (before the forward pins host memory); the batch sharded
+    (:func:`shard_batch`) with the chunks it runs with; the plan handed whole to the model's installed wrappers in one
+    call (``context.begin_batch``). What the log says of batches is said once each: a new length's options, a
+    length's padding (through ``log``)."""
 
-
-class BatchNotices:
-    """What the log says about batches, each said once: a new length's options, a length's padding. Each method
-    returns the message to log, or ``None`` when it was said already (the strategy logs it)."""
-
-    def __init__(self) -> None:
+    def __init__(self, *, pad_token_id: int, pad_to_multiple: bool, log: Callable[[str], Any]) -> None:
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple = pad_to_multiple
+        self._log = log
         self._lengths: set[tuple[int, Any]] = set()
         self._paddings: set[tuple[int, int]] = set()  # (length, padded length)
 
-    def length(self, seq_len: int, resolved: Any, options: Any, sp_size: int,
-               free_bytes: Optional[int]) -> Optional[str]:
-        if (seq_len, resolved) in self._lengths:
-            return None
-        self._lengths.add((seq_len, resolved))
-        return length_message(seq_len, resolved, options, sp_size, free_bytes)
+    def __call__(self, batch: Mapping[str, Any], *, memory: Any, context: Any, sp_size: int, sp_rank: int,
+                 ring_size: int) -> tuple[dict[str, Any], BatchPlan]:
+        """This rank's share of ``batch`` (on its device already) and the batch's plan. ``memory``: the run's
+        :class:`~lightning_fpdt.strategy.budget.MemoryBudget`; ``context``: the installed
+        :class:`~lightning_fpdt.integrations.SequenceParallelContext`."""
+        batch_size, seq_len = batch["input_ids"].shape
+        options = memory.begin_length(seq_len, batch_size)  # planned before the forward pins host memory
+        self.say_length(seq_len, options, memory.options, sp_size, memory.free_bytes)
+        layout = SequenceLayout(sp_size, sp_rank, options.chunks, ring_size=ring_size)
+        sharded, plan = shard_batch(batch, layout=layout, pad_token_id=self.pad_token_id,
+                                    pad_to_multiple=self.pad_to_multiple)
+        context.begin_batch(plan, offload=options.offload, offload_dq=options.offload_dq)
+        self.say_padding(plan)
+        return sharded, plan
 
-    def padding(self, plan: BatchPlan) -> Optional[str]:
+    def say_length(self, seq_len: int, resolved: Any, options: Any, sp_size: int, free_bytes: Optional[int]) -> None:
+        if (seq_len, resolved) not in self._lengths:
+            self._lengths.add((seq_len, resolved))
+            self._log(length_message(seq_len, resolved, options, sp_size, free_bytes))
+
+    def say_padding(self, plan: BatchPlan) -> None:
         padding = (plan.seq_len, plan.padded_len)
-        if plan.padded_len == plan.seq_len or padding in self._paddings:
-            return None
-        self._paddings.add(padding)
-        return padding_message(plan)
+        if plan.padded_len != plan.seq_len and padding not in self._paddings:
+            self._paddings.add(padding)
+            self._log(padding_message(plan))

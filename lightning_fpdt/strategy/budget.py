@@ -21,9 +21,7 @@ from lightning_fpdt.offload.disk import DiskTier, SpillDirectory, check_free_spa
 from lightning_fpdt.offload.host_memory import HostAllocator, HostMemoryGuard
 from lightning_fpdt.offload.host_stash import StashFactory
 from lightning_fpdt.planner import plan_memory, resolve_geometry
-from lightning_fpdt.planner.arguments import python_arguments
 from lightning_fpdt.planner.components import MemoryPlan
-from lightning_fpdt.planner.host import gib
 from lightning_fpdt.planner.machine import disk_free_bytes, host_reserve_bytes, machine_limits, usable_free_bytes
 from lightning_fpdt.planner.options import MemoryFeatures
 from lightning_fpdt.planner.request import PlanRequest
@@ -32,6 +30,8 @@ from lightning_fpdt.sequence.attention import FPDTAttention
 from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.sequence.ring_rules import ring_refusal
+from lightning_fpdt.strategy.host_states import host_state_bytes, register_host_states, trainable_parameters
+from lightning_fpdt.strategy.plan_messages import choice_message, host_shortfall_advice, refusal
 
 Switch = Union[Literal["auto"], bool]
 
@@ -87,28 +87,6 @@ class RunFacts:
         return None if self.model is None else find_model(self.model)
 
 
-def host_state_bytes(optimizers: Sequence[Any], model: torch.nn.Module) -> int:
-    """Bytes of optimizer states and gradients already in host memory (resident now, counted by the plan too)."""
-    seen: set[int] = set()
-    total = 0
-
-    def count(t: Any) -> None:
-        nonlocal total
-        if isinstance(t, torch.Tensor):
-            t = t.to_local() if hasattr(t, "to_local") else t
-            if t.device.type == "cpu" and t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                total += t.untyped_storage().nbytes()
-
-    for optimizer in optimizers:
-        for state in optimizer.state.values():
-            for value in state.values():
-                count(value)
-    for parameter in model.parameters():
-        count(parameter.grad)
-    return total
-
-
 def checked_offload_dir(offload_dir: Any) -> Optional[str]:
     """The disk tier's directory as a string (``None``: no disk tier); ``ValueError`` for anything but a path."""
     if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
@@ -135,65 +113,12 @@ def known_length(trainer: Any) -> Optional[tuple[int, int]]:
     return seq_len, batch_size if isinstance(batch_size, int) else 1
 
 
-def register_host_states(model: torch.nn.Module, *, pin: bool) -> HostAllocator:
-    """Page-lock FSDP2's host-resident parameter shards, each exactly its size (FSDP2's own pinning goes through the
-    caching host allocator, which rounds every shard up to a power of two; ``parallelize.py`` turns it off)."""
-    allocator = HostAllocator(pin=pin)
-    for parameter in model.parameters():
-        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
-        if local.device.type == "cpu":
-            allocator.register(local.detach())
-    return allocator
-
-
 def plan_for(memory: "MemoryBudget", seq_len: int, batch_size: int) -> Optional[MemoryPlan]:
     """The plan of a ``seq_len`` run: its sizes, its explicit options, the callbacks' features, the ``"auto"`` options
     resolved by the search for this GPU's and this host's memory (:func:`machine_limits`). ``None`` where nothing can
     be planned (no CUDA, no readable model config)."""
     request = memory.request(seq_len, batch_size)
     return None if request is None else plan_memory(request)
-
-
-def trainable_parameters(model: torch.nn.Module) -> Optional[int]:
-    """The parameters of ``model`` that train (LoRA's adapters, what is not frozen), counted whole (a sharded
-    parameter's global size); ``None`` when every one trains."""
-    parameters = list(model.parameters())
-    trainable = sum(p.numel() for p in parameters if p.requires_grad)
-    return None if trainable == sum(p.numel() for p in parameters) else trainable
-
-
-def refusal(plan: Optional[MemoryPlan], offload_dir: Optional[str] = None) -> Optional[ValueError]:
-    """The error refusing a run whose plan fits the GPU, the host or the disk not, naming what binds and the change
-    that fits; ``None`` when it fits or nothing was planned. ``offload_dir``: the disk tier's directory, named."""
-    if plan is None or plan.fits:
-        return None
-    limit = {"gpu memory": "GPU", "disk space": "disk"}.get(plan.binding_limit, "host")
-    fix = plan.recommendation
-    if plan.recommended is not None:
-        fix += "; that is\n" + python_arguments(plan.recommended)
-    return ValueError(
-        f"fpdt: this run does not fit the {limit} memory: S = {plan.seq_len:,} tokens needs "
-        f"{gib(plan.peak_gpu_bytes)} GiB per GPU (of {gib(plan.gpu_memory_bytes)}) and "
-        f"{gib(plan.host_resident_bytes_per_node)} GiB of host memory per host, {gib(plan.host_bytes_per_node)} of "
-        f"it pinned (of {gib(plan.host_memory_bytes)} GiB the host can give)"
-        + (f", {gib(plan.disk_bytes_per_node)} GiB per host on disk in {offload_dir!r} (of "
-           f"{gib(plan.disk_memory_bytes)} GiB free)" if plan.disk_bytes_per_node or offload_dir else "")
-        + f", with {plan.options.describe()}. Fix: {fix}. The plan: `lightning-fpdt plan` prints it; FPDTStrategy(check_memory=False) runs it anyway."
-    )
-
-
-def choice_message(plan: MemoryPlan) -> str:
-    """What the run was planned to, in a few lines: the options, the peaks against the limits, what binds."""
-    binding = "nothing binds" if plan.binding_limit == "fits" else plan.binding_limit
-    host = "unchecked" if plan.host_memory_bytes is None else f"of {gib(plan.host_memory_bytes)}"
-    disk = ("" if plan.disk_memory_bytes is None else
-            f"disk {gib(plan.disk_bytes_per_node)} GiB per host of {gib(plan.disk_memory_bytes)} free; ")
-    return (
-        f"fpdt: S = {plan.seq_len:,} planned with {plan.options.describe()}\n"
-        f"  predicted peak {gib(plan.peak_gpu_bytes)} GiB per GPU of {gib(plan.gpu_memory_bytes)}; host "
-        f"{gib(plan.host_resident_bytes_per_node)} GiB per host ({gib(plan.host_bytes_per_node)} pinned) {host}; "
-        f"{disk}{binding}\n  as arguments:\n" + "\n".join("    " + line for line in python_arguments(plan).splitlines())
-    )
 
 
 def head_groups_possible(network: torch.nn.Module, ring_size: Any) -> bool:
@@ -478,24 +403,18 @@ class MemoryBudget:
             sp_size=facts.sequence_parallel_size if sized else 1,
             ring_size=facts.ring_size if facts is not None else fixed_ring, free_bytes=self.free_bytes)
 
-    def syncs_every_batch(self, option: Switch, seq_len: Optional[int], batch_size: int) -> bool:
+    def syncs_every_batch(self, option: Switch, batch: Any) -> bool:
         """Whether the batches of an accumulation window reduce-scatter their gradients: ``option``, or for
-        ``"auto"`` the choice of the plan of the batch's length (``False`` where nothing planned it)."""
+        ``"auto"`` the choice of the plan of ``batch``'s length (a :class:`~lightning_fpdt.strategy.batch.BatchPlan`;
+        ``False`` where nothing planned it, or before any batch)."""
         if option != "auto":
             return option
-        plan = None if seq_len is None else self.plan_of(seq_len, batch_size)
+        plan = None if batch is None else self.plan_of(batch.seq_len, batch.batch_size)
         return plan is not None and plan.options.sync_every_batch
 
     def advice(self) -> str:
         """What the error of a host that ran short says: the plan the run was accepted on and how to need less."""
-        plan = self.plan
-        if plan is None:
-            return "No plan was made for this run (no GPU or no model config): plan it with `lightning-fpdt plan`."
-        return (f"The run was accepted on this plan: {gib(plan.host_resident_bytes_per_node)} GiB per host "
-                f"({gib(plan.host_bytes_per_node)} pinned), {plan.options.describe()}. The host had less than "
-                f"planned (another process took memory, or the plan is short for this model): free memory on the "
-                f"host, or need less: ActivationOffload(recompute_attention=True), fewer GPUs per host, a shorter "
-                f"sequence. `lightning-fpdt plan --host-memory-gib auto` shows what fits.")
+        return host_shortfall_advice(self.plan)
 
     def close(self) -> None:
         """End the states' registration (the end of a fit; the memory stays FSDP2's); remove the disk tier's files
@@ -506,3 +425,31 @@ class MemoryBudget:
         if self.disk is not None:
             self.disk.close()  # the tiers stay with their factories; the next fit's plans point them at its directory
             self.plans.clear()
+
+
+class PlannedMemory:
+    """What both strategies answer from their memory budget (``self.memory``): the plan the run is on, the host
+    memory it holds page-locked, the attention options of a length."""
+
+    memory: MemoryBudget
+
+    @property
+    def memory_plan(self) -> Optional[MemoryPlan]:
+        """The plan the last sequence length runs on (options, predicted GPU and host peaks); ``None`` where nothing
+        plans (no GPU, no model config the planner reads)."""
+        return self.memory.plan
+
+    @property
+    def pinned_host_bytes(self) -> int:
+        """Host memory this process holds page-locked: the attention's and the callbacks' buffers, the states."""
+        return self.memory.pinned_bytes()
+
+    def resolved_options(self, seq_len: int, batch_size: int = 1) -> ResolvedOptions:
+        """Chunks and offload for global sequences of ``seq_len`` tokens: the plan's (the search's choice for
+        ``"auto"``), or where nothing plans the options, ``"auto"`` sized from the free GPU memory at the first batch
+        (:meth:`MemoryBudget.resolved`)."""
+        return self.memory.resolved(seq_len, batch_size)
+
+    def num_chunks_for(self, seq_len: int, batch_size: int = 1) -> int:
+        """FPDT chunks for a global sequence of ``seq_len`` tokens (the option, or the plan for ``"auto"``)."""
+        return self.resolved_options(seq_len, batch_size).chunks

@@ -32,15 +32,13 @@ from typing_extensions import override
 from lightning_fpdt.flops import attention_heads
 from lightning_fpdt.integrations import SequenceParallelContext
 from lightning_fpdt.models.ops import FUSED_OPS
-from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.sequence.kernels import AttentionBackend
-from lightning_fpdt.sequence.layout import SequenceLayout
-from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
+from lightning_fpdt.sequence.options import FPDTOptions, check_switch
 from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.sequence.sizes import resolve_sequence_sizes
-from lightning_fpdt.strategy import budget, tokens
+from lightning_fpdt.strategy import budget, noise, tokens
 from lightning_fpdt.strategy import checkpoint as checkpointing
-from lightning_fpdt.strategy.batch import BatchNotices, BatchPlan, begin_batch, check_batch
+from lightning_fpdt.strategy.batch import BatchPlan, BatchStep, check_batch
 from lightning_fpdt.strategy.materialize import has_meta_parameters
 from lightning_fpdt.strategy.mesh import MeshSizes, build_mesh
 from lightning_fpdt.strategy.parallelize import (
@@ -67,7 +65,7 @@ TRAINER_ONLY_OPTIONS = {
 """``FPDTStrategy``'s options that have no meaning under Fabric, each with why (named when given)."""
 
 
-class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
+class FPDTFabricStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
     """Sequence-parallel training of long sequences in a Fabric loop: Ulysses all-to-all, FPDT chunked attention,
     FSDP2 over the (data × sequence) mesh.
 
@@ -141,13 +139,13 @@ class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
                 raise ValueError("; ".join(f"{name} is an option of Trainer(strategy=FPDTStrategy(...)) only: "
                                            f"{TRAINER_ONLY_OPTIONS[name]}" for name in named))
             raise TypeError(f"FPDTFabricStrategy got unexpected keyword arguments {sorted(trainer_options)}")
+        noise.quiet_lightning()  # Lightning's tips and a deprecation it triggers say nothing about a run
         super().__init__(parallelize_fn=self._parallelize, data_parallel_size=data_parallel_size,
                          tensor_parallel_size="auto", save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.options = FPDTOptions(chunks=chunks, offload=offload, offload_dq=offload_dq, head_chunks=head_chunks,
                                    ring_size=ring_size, attention_backend=attention_backend)
-        if fused_ops not in ("auto", True, False):
-            raise ValueError(f"fused_ops must be 'auto', True or False, got {fused_ops!r}")
+        check_switch("fused_ops", fused_ops)
         self.fused_ops = fused_ops
         self._sequence_parallel_size = sequence_parallel_size
         self._layer_classes = layer_classes
@@ -160,12 +158,11 @@ class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
         self.memory = budget.MemoryBudget(options=self.options, check=check_memory,
                                           offload_dir=budget.checked_offload_dir(offload_dir))
         """Each length's plan, the host memory guard, the disk tier (``strategy/budget.py``)."""
-        self._pad_to_multiple = pad_to_multiple
         self._pad_token_id = pad_token_id
         self._context: Optional[SequenceParallelContext] = None
         self._geometry: Optional[AttentionGeometry] = None
         self._vocabulary: Optional[tokens.Vocabulary] = None
-        self._notices = BatchNotices()
+        self._batches = BatchStep(pad_token_id=pad_token_id, pad_to_multiple=pad_to_multiple, log=rank_zero_info)
         self.batch_plan: Optional[BatchPlan] = None
         """What the sharding of the last batch decided (its layout, documents, valid tokens)."""
 
@@ -274,17 +271,6 @@ class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
         pass  # setup_module places it: allocated shard by shard when on the meta device
 
     # ---- data -----------------------------------------------------------------------------------------------------
-    @property
-    def memory_plan(self) -> Optional[MemoryPlan]:
-        """The plan the last sequence length runs on; ``None`` where nothing plans (no GPU, no model config the
-        planner reads)."""
-        return self.memory.plan
-
-    def resolved_options(self, seq_len: int, batch_size: int = 1) -> ResolvedOptions:
-        """Chunks and offload for global sequences of ``seq_len`` tokens: the plan's (the search's choice for
-        ``"auto"``), or where nothing plans, ``"auto"`` sized from the free GPU memory at the first batch."""
-        return self.memory.resolved(seq_len, batch_size)
-
     def shard_batch(self, batch: Any) -> dict[str, Any]:
         """This rank's share of a global batch ``{"input_ids": (B, S), "labels": ...}`` (on this rank's device), by
         the project's one :class:`~lightning_fpdt.SequenceLayout`: the tokens, their global ``position_ids`` and the
@@ -296,16 +282,9 @@ class FPDTFabricStrategy(MeshSizes, ModelParallelStrategy):
         tokens.check_token_ids(batch, self._vocabulary)
         check_batch(batch)
         batch = move_data_to_device(batch, self.root_device)
-        batch_size, seq_len = batch["input_ids"].shape
-        options = self.memory.begin_length(seq_len, batch_size)  # planned before the forward pins host memory
-        _log(self._notices.length(seq_len, options, self.options, self.sequence_parallel_size,
-                                  self.memory.free_bytes))
-        layout = SequenceLayout(self.sequence_parallel_size, self.sequence_parallel_rank, options.chunks,
-                                ring_size=self.ring_size)
-        sharded, plan = begin_batch(batch, layout=layout, context=self._context, resolved=options,
-                                    pad_token_id=self._pad_token_id, pad_to_multiple=self._pad_to_multiple)
-        _log(self._notices.padding(plan))
-        self.batch_plan = plan
+        sharded, self.batch_plan = self._batches(batch, memory=self.memory, context=self._context,
+                                                 sp_size=self.sequence_parallel_size,
+                                                 sp_rank=self.sequence_parallel_rank, ring_size=self.ring_size)
         return sharded
 
     @override
@@ -395,7 +374,3 @@ class SequenceShardedLoader:
             raise AttributeError(name)
         return getattr(self._loader, name)
 
-
-def _log(message: Optional[str]) -> None:
-    if message is not None:
-        rank_zero_info(message)

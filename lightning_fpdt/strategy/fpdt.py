@@ -27,19 +27,17 @@ from lightning_fpdt.flops import attention_heads
 from lightning_fpdt.integrations import SequenceParallelContext
 from lightning_fpdt.integrations.attributes import DEVICE_MESH
 from lightning_fpdt.integrations.huggingface import train_mode_for_fit
-from lightning_fpdt.lightning_private import wrapped_closure
+from lightning_fpdt.lightning_private import evaluate_under_no_grad, wrapped_closure
 from lightning_fpdt.memory.surgery import find_model
 from lightning_fpdt.models.ops import FUSED_OPS
-from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.offload.host_memory import HostMemoryError
 from lightning_fpdt.sequence.kernels import AttentionBackend
-from lightning_fpdt.sequence.layout import SequenceLayout
-from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
+from lightning_fpdt.sequence.options import FPDTOptions, check_switch
 from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.strategy import budget
 from lightning_fpdt.strategy import checkpoint as checkpointing
 from lightning_fpdt.strategy import noise, storage, tokens
-from lightning_fpdt.strategy.batch import BatchNotices, BatchPlan, begin_batch, check_batch
+from lightning_fpdt.strategy.batch import BatchPlan, BatchStep, check_batch
 from lightning_fpdt.strategy.host_optimizer import (
     InBackwardStep,
     fuse_optimizers,
@@ -47,7 +45,7 @@ from lightning_fpdt.strategy.host_optimizer import (
     host_threads,
     prepare_host_step,
 )
-from lightning_fpdt.strategy.loss import check_training_loss, no_target_message, unwrap_loss, with_loss
+from lightning_fpdt.strategy.loss import TrainingLossCheck, unwrap_loss, with_loss
 from lightning_fpdt.strategy.materialize import has_meta_parameters
 from lightning_fpdt.strategy.mesh import MeshSizes, build_mesh
 from lightning_fpdt.strategy.parallelize import (
@@ -59,12 +57,12 @@ from lightning_fpdt.strategy.parallelize import (
 )
 from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
 from lightning_fpdt.strategy.predict import check_predict_outputs, gather_sequence
-from lightning_fpdt.strategy.preemption import DEFAULT_TIMEOUT, Preemption, PreemptionCheckpoint, watch_with
+from lightning_fpdt.strategy.preemption import DEFAULT_TIMEOUT, Preemption, add_preemption_checkpoint, watch_with
 from lightning_fpdt.strategy.topology import resolve_topology
-from lightning_fpdt.strategy.watchdog import DEFAULT_STALE_AFTER, RankWatchdog
+from lightning_fpdt.strategy.watchdog import DEFAULT_STALE_AFTER, RankWatchdog, checked_heartbeat_timeout
 
 
-class FPDTStrategy(MeshSizes, ModelParallelStrategy):
+class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
     """Sequence-parallel training of long sequences: Ulysses all-to-all, FPDT chunked attention, FSDP2.
 
     Args:
@@ -173,43 +171,30 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
         fused_ops: Union[Literal["auto"], bool] = "auto",
         predict_outputs: Literal["sequence", "rank"] = "sequence",
     ) -> None:
-        super().__init__(
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size="auto",
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+        noise.quiet_lightning()  # before the Trainer that takes this strategy logs its tips
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size="auto",
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
         self.options = FPDTOptions(chunks=chunks, offload=offload, offload_dq=offload_dq, head_chunks=head_chunks,
                                    ring_size=ring_size, attention_backend=attention_backend)
-        if nonfinite_loss not in ("raise", "ignore"):
-            raise ValueError(f"nonfinite_loss must be 'raise' or 'ignore', got {nonfinite_loss!r}")
-        if heartbeat_timeout is not None and heartbeat_timeout < 2:
-            raise ValueError(f"heartbeat_timeout must be at least 2 seconds, or None, got {heartbeat_timeout!r}")
-        self._heartbeat_timeout = heartbeat_timeout
-        if sync_every_batch not in ("auto", True, False):
-            raise ValueError(f"sync_every_batch must be 'auto', True or False, got {sync_every_batch!r}")
-        self.sync_every_batch = sync_every_batch
-        if fused_ops not in ("auto", True, False):
-            raise ValueError(f"fused_ops must be 'auto', True or False, got {fused_ops!r}")
-        self.fused_ops = fused_ops
+        self._loss_check = TrainingLossCheck.of(nonfinite_loss, warn=rank_zero_warn)
+        self._heartbeat_timeout = checked_heartbeat_timeout(heartbeat_timeout)
+        check_switch("sync_every_batch", sync_every_batch)
+        check_switch("fused_ops", fused_ops)
+        self.sync_every_batch, self.fused_ops = sync_every_batch, fused_ops
         self.predict_outputs = check_predict_outputs(predict_outputs)
         self._sequence_parallel_size = sequence_parallel_size
         self._layer_classes = layer_classes
         self.cpu_offload_params = cpu_offload_params
         self._host_step_in_backward = host_step_in_backward
         self._in_backward: Optional[InBackwardStep] = None
-        self._pad_to_multiple = pad_to_multiple
-        self._pad_token_id = pad_token_id
-        self._nonfinite_loss = nonfinite_loss
         self._geometry: Optional[AttentionGeometry] = None
         self._vocabulary: Optional[tokens.Vocabulary] = None  # read once at setup; every batch's ids are checked
         self._checkpoint_size: Optional[storage.CheckpointSize] = None  # counted at setup, named when a save fails
         self.offload_dir = budget.checked_offload_dir(offload_dir)
         self.memory = budget.MemoryBudget(options=self.options, check=check_memory, offload_dir=self.offload_dir)
         """The plans of the lengths trained, the host memory guard, the page-locked states (``strategy/budget.py``)."""
-        self._notices = BatchNotices()  # a new length's options, a length's padding: each said once
-        self._targetless_warned = False
+        self._batches = BatchStep(pad_token_id=pad_token_id, pad_to_multiple=pad_to_multiple, log=rank_zero_info)
         self._context: Optional[SequenceParallelContext] = None
         self._pending_rng_states: Optional[dict[str, Any]] = None
         self._watchdog: Optional[RankWatchdog] = None
@@ -267,10 +252,7 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
         # model_to_device, _setup_model, the optimizers, the precision plugin, the optimizers' states to the device),
         # the FPDT steps in its hooks below; not ModelParallelStrategy.setup, which requires configure_model and puts
         # a meta model on the GPU before apply_fpdt could shard it
-        # DTensor parameters do not work under inference_mode; evaluation runs under no_grad instead
-        loops = (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop)
-        for loop in loops:
-            loop.inference_mode = False
+        evaluate_under_no_grad(trainer)  # DTensor parameters do not work under inference_mode
         self.memory.bind(self._run_facts(trainer))
         if self._context is None:
             head_chunks = self.memory.head_chunks_at_setup(budget.known_length(trainer))
@@ -282,8 +264,7 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
         known = budget.known_length(trainer)
         if known is not None:  # the length is known before the first batch
             self.check_memory_plan(*known, collective=True)
-        if self._preemption is not None and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
-            trainer.callbacks.append(PreemptionCheckpoint(self._preemption))
+        add_preemption_checkpoint(trainer, self._preemption)
         if trainer.state.fn == TrainerFn.FITTING:  # a parameter that gets no gradient stops the run
             add_gradient_check(trainer)
             if train_mode_for_fit(find_model(self.lightning_module)):
@@ -304,7 +285,7 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
         trainer = self.lightning_module.trainer
         self._geometry, self._vocabulary = parallelize_model(
             model, self.device_mesh, config=self._parallelize_config(trainer),
-            precision=self.precision_plugin.precision, pad_token_id=self._pad_token_id, device=self.root_device,
+            precision=self.precision_plugin.precision, pad_token_id=self._batches.pad_token_id, device=self.root_device,
             rank=self.global_rank, data=trainer.datamodule)
         if not self.cpu_offload_params:
             super().model_to_device()
@@ -324,17 +305,6 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
         elif self.root_device.type == "cuda" and self.fused_ops is not False:
             fuse_optimizers(self.optimizers, "cuda")  # one pass per tensor instead of foreach's eight
         self.memory.attach(attention=self._context.attention, optimizers=self.optimizers)
-
-    @property
-    def memory_plan(self) -> Optional[MemoryPlan]:
-        """The plan the last sequence length runs on (options, predicted GPU and host peaks); ``None`` where nothing
-        plans (no GPU, no model config the planner reads)."""
-        return self.memory.plan
-
-    @property
-    def pinned_host_bytes(self) -> int:
-        """Host memory this process holds page-locked: the attention's and the callbacks' buffers, the states."""
-        return self.memory.pinned_bytes()
 
     def _parallelize_config(self, trainer: "pl.Trainer") -> ParallelizeConfig:
         """The callbacks' declared transforms in their slots (docs/design.md §6), the precision and the context."""
@@ -356,16 +326,6 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
             agree=lambda yes: self.reduce_boolean_decision(yes, all=True))
 
     # ---- data -----------------------------------------------------------------------------------------------------
-    def resolved_options(self, seq_len: int, batch_size: int = 1) -> ResolvedOptions:
-        """Chunks and offload for global sequences of ``seq_len`` tokens: the plan's (the search's choice for
-        ``"auto"``), or where nothing plans the options, ``"auto"`` sized from the free GPU memory at the first batch
-        (``MemoryBudget.resolved``)."""
-        return self.memory.resolved(seq_len, batch_size)
-
-    def num_chunks_for(self, seq_len: int, batch_size: int = 1) -> int:
-        """FPDT chunks for a global sequence of ``seq_len`` tokens (the option, or the plan for ``"auto"``)."""
-        return self.resolved_options(seq_len, batch_size).chunks
-
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Move the batch, then shard its sequence (:func:`~lightning_fpdt.strategy.batch.shard_batch`): this rank's
@@ -377,23 +337,10 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
         if self._pending_rng_states is not None:
             checkpointing.set_rng_states(self._pending_rng_states)
             self._pending_rng_states = None
-        batch_size, seq_len = batch["input_ids"].shape
-        options = self.memory.begin_length(seq_len, batch_size)  # planned before the forward pins host memory
-        self._log_new_length(seq_len, batch_size, options)
-        layout = SequenceLayout(self.sequence_parallel_size, self.sequence_parallel_rank, options.chunks,
-                                ring_size=self.ring_size)
-        sharded, plan = begin_batch(batch, layout=layout, context=self._context, resolved=options,
-                                    pad_token_id=self._pad_token_id, pad_to_multiple=self._pad_to_multiple)
-        self._log_padding(plan)
-        self.batch_plan = plan
+        sharded, self.batch_plan = self._batches(batch, memory=self.memory, context=self._context,
+                                                 sp_size=self.sequence_parallel_size,
+                                                 sp_rank=self.sequence_parallel_rank, ring_size=self.ring_size)
         return sharded
-
-    def _log_new_length(self, seq_len: int, batch_size: int, options: ResolvedOptions) -> None:
-        _log(self._notices.length(seq_len, options, self.options, self.sequence_parallel_size,
-                                  self.memory.free_bytes))
-
-    def _log_padding(self, plan: BatchPlan) -> None:
-        _log(self._notices.padding(plan))
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -429,13 +376,8 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = self._sequence_parallel_output(super().training_step(*args, **kwargs))
-        if self._nonfinite_loss == "raise":
-            trainer = self.lightning_module.trainer
-            targetless = check_training_loss(unwrap_loss(output), self.batch_plan.targetless, trainer,
-                                             rank=self.global_rank)
-            if targetless and not self._targetless_warned:
-                self._targetless_warned = True
-                rank_zero_warn(no_target_message(trainer.global_step))
+        if self._loss_check is not None:
+            self._loss_check(output, self.batch_plan.targetless, self.lightning_module.trainer, rank=self.global_rank)
         return output
 
     @override
@@ -467,9 +409,7 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
     def syncs_every_batch(self) -> bool:
         """Whether the batches of an accumulation window reduce-scatter their gradients: the option, or for
         ``"auto"`` the choice of the current sequence length's plan (``False`` where nothing planned it)."""
-        plan = self.batch_plan
-        return self.memory.syncs_every_batch(self.sync_every_batch, None if plan is None else plan.seq_len,
-                                             1 if plan is None else plan.batch_size)
+        return self.memory.syncs_every_batch(self.sync_every_batch, self.batch_plan)
 
     # ---- memory budget, failures, checkpoints ---------------------------------------------------------------------
     def check_memory_plan(self, seq_len: int, batch_size: int = 1, *, collective: bool = False) -> None:
@@ -529,7 +469,3 @@ class FPDTStrategy(MeshSizes, ModelParallelStrategy):
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(cls.strategy_name, cls, description="lightning_fpdt sequence parallelism")
 
-
-def _log(message: Optional[str]) -> None:
-    if message is not None:
-        rank_zero_info(message)

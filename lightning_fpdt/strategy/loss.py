@@ -3,11 +3,13 @@ a non-finite loss stops every rank together, a step without any target is named 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from lightning_fpdt.sequence.loss import IGNORE_INDEX
 
 
 def unwrap_loss(output: object) -> Optional[Tensor]:
@@ -61,6 +63,28 @@ def check_training_loss(loss: Optional[Tensor], no_target: Tensor, trainer: Any,
 
 
 def no_target_message(step: int) -> str:
-    return (f"fpdt: at global step {step} a batch has no token with a target (every label is -100, or the sequences "
-            f"are 1 token long): its loss is 0.0 (one process would report NaN) and its gradient zero; check the "
-            f"data (shown once)")
+    return (f"fpdt: at global step {step} a batch has no token with a target (every label is {IGNORE_INDEX}, or the "
+            f"sequences are 1 token long): its loss is 0.0 (one process would report NaN) and its gradient zero; "
+            f"check the data (shown once)")
+
+
+class TrainingLossCheck:
+    """``FPDTStrategy(nonfinite_loss="raise")``'s check of each training step's loss (:func:`check_training_loss`),
+    with the batch without any target named once per run (``warn``: rank zero's warning)."""
+
+    def __init__(self, warn: Callable[[str], Any]) -> None:
+        self._warn = warn
+        self._targetless_warned = False
+
+    @classmethod
+    def of(cls, nonfinite_loss: str, *, warn: Callable[[str], Any]) -> Optional["TrainingLossCheck"]:
+        """The check ``FPDTStrategy(nonfinite_loss=...)`` asks for: one for ``"raise"``, none for ``"ignore"``."""
+        if nonfinite_loss not in ("raise", "ignore"):
+            raise ValueError(f"nonfinite_loss must be 'raise' or 'ignore', got {nonfinite_loss!r}")
+        return cls(warn) if nonfinite_loss == "raise" else None
+
+    def __call__(self, output: Any, no_target: Tensor, trainer: Any, *, rank: int) -> None:
+        targetless = check_training_loss(unwrap_loss(output), no_target, trainer, rank=rank)
+        if targetless and not self._targetless_warned:
+            self._targetless_warned = True
+            self._warn(no_target_message(trainer.global_step))

@@ -1,4 +1,6 @@
-"""Lightning's output that says nothing about a run, silenced where this package's runs produce it.
+"""Lightning's output that says nothing about a run, silenced where this package's runs produce it: from the
+construction of a fpdt strategy on (:func:`quiet_lightning`; importing the package changes nothing), and at its setup
+for the progress bar (:func:`steps_only_epochs`).
 
 - Lightning's advertising (``💡 Tip: ... try installing litlogger`` / ``litmodels``) on every Trainer: dropped from
   Lightning's rank-zero logger, other messages untouched.

@@ -103,8 +103,8 @@ def apply_fpdt(module: nn.Module, mesh: DeviceMesh, *, config: ParallelizeConfig
     #    calls training_step, never forward, so FSDP2 would otherwise not gather the root's parameters)
     fsdp = dict(mesh=flat_mesh(mesh), mp_policy=config.mp_policy or MixedPrecisionPolicy())
     if config.cpu_offload_params:
-        # page-locked by the strategy itself, each shard exactly its size (budget.register_host_states): FSDP2's own
-        # pinning rounds every shard up to a power of two
+        # page-locked by the strategy itself, each shard exactly its size (host_states.register_host_states): FSDP2's
+        # own pinning rounds every shard up to a power of two
         fsdp["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     for block in find_blocks(model, config.layer_classes):  # again: a transform may have wrapped the blocks
         fully_shard(block, **fsdp)

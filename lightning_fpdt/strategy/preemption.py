@@ -386,3 +386,10 @@ class PreemptionCheckpoint(Callback):
         stop = self.preemption.stop
         if stop is not None and self.preemption.saved is not None and isinstance(exception, SystemExit):
             exception.code = stop.exit_code  # Lightning raises it without a status: a stopped job is not a success
+
+
+def add_preemption_checkpoint(trainer: Any, preemption: Optional[Preemption]) -> None:
+    """Give ``trainer`` the :class:`PreemptionCheckpoint` that acts on ``preemption`` unless it has one (``None``:
+    Lightning's own handling, nothing added)."""
+    if preemption is not None and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+        trainer.callbacks.append(PreemptionCheckpoint(preemption))

@@ -47,6 +47,13 @@ FAILED_KEY = "failed"
 """Under the run's namespace, ``failed/<rank>``: the error that ended that rank's training."""
 
 
+def checked_heartbeat_timeout(heartbeat_timeout: Optional[float]) -> Optional[float]:
+    """``FPDTStrategy(heartbeat_timeout=...)`` as given; ``ValueError`` below 2 seconds (``None``: no watch)."""
+    if heartbeat_timeout is not None and heartbeat_timeout < 2:
+        raise ValueError(f"heartbeat_timeout must be at least 2 seconds, or None, got {heartbeat_timeout!r}")
+    return heartbeat_timeout
+
+
 class Heartbeat(NamedTuple):
     """One rank's entry in the store."""
 

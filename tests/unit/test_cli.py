@@ -159,8 +159,8 @@ def test_help_lists_plan(capsys):
 
 
 def test_lightning_noise_is_silenced(caplog):
-    """With the package imported, a Trainer logs no Lightning tip, Lightning's loaders raise no LeafSpec deprecation,
-    and the rich progress bar of a run bounded by max_steps says "Epoch 0", not "Epoch 0/-2"."""
+    """Once a fpdt strategy is made, a Trainer logs no Lightning tip, Lightning's loaders raise no LeafSpec
+    deprecation, and the rich progress bar of a run bounded by max_steps says "Epoch 0", not "Epoch 0/-2"."""
     import logging
     import warnings
     from types import SimpleNamespace
@@ -169,10 +169,10 @@ def test_lightning_noise_is_silenced(caplog):
     from lightning.pytorch.callbacks import RichProgressBar
     from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
-    from lightning_fpdt.strategy.noise import quiet_lightning, steps_only_epochs
+    from lightning_fpdt import FPDTStrategy
+    from lightning_fpdt.strategy.noise import steps_only_epochs
 
-    # importing the package did this; pytest resets warning filters around each test, so it is done here again
-    quiet_lightning()
+    FPDTStrategy()  # quiets Lightning (strategy/noise.py)
     with caplog.at_level(logging.INFO):
         L.Trainer(accelerator="cpu", devices=1, logger=True, enable_checkpointing=True, max_steps=2)
     assert caplog.records and not [r for r in caplog.records if "Tip" in r.getMessage()]

@@ -12,7 +12,7 @@ from lightning_fpdt import ActivationOffload, FPDTStrategy, TiledLoss, TiledMLP
 from lightning_fpdt.planner import format_plan, plan_memory, step_seconds
 from lightning_fpdt.planner.arguments import arguments
 from lightning_fpdt.planner.search import Run
-from lightning_fpdt.strategy import budget
+from lightning_fpdt.strategy import budget, plan_messages
 
 GIB = 2**30
 AUTO = dict(chunks="auto", offload="auto", offload_dq="auto", head_chunks="auto", recompute_attention="auto",
@@ -54,7 +54,7 @@ def test_nothing_fits_is_refused_naming_host_memory():
                        cpu_offload_params=True, **CALLBACKS, **AUTO)
     assert not plan.fits and plan.binding_limit == "host memory" and plan.recommended is None
     assert plan.recommendation.startswith("nothing fits the host")
-    refusal = budget.refusal(plan)
+    refusal = plan_messages.refusal(plan)
     assert isinstance(refusal, ValueError)
     assert "does not fit the host memory" in str(refusal) and "nothing fits the host" in str(refusal)
 

@@ -357,7 +357,7 @@ def test_padding_is_logged_once_per_length(monkeypatch):
     layout = SequenceLayout(2, 0, 2)
     for seq_len in (15, 15, 30, 16, 30, 13):
         _, plan = shard_batch({"input_ids": torch.randint(0, 8, (1, seq_len))}, layout=layout)
-        strategy._log_padding(plan)
+        strategy._batches.say_padding(plan)
     assert [m.split(" (")[0] for m in said] == ["fpdt: padding sequences of 15 tokens to 16",
                                                 "fpdt: padding sequences of 30 tokens to 32",
                                                 "fpdt: padding sequences of 13 tokens to 16"]

@@ -13,6 +13,7 @@ from lightning_fpdt.planner.cost import dense_forward_seconds
 from lightning_fpdt.planner.rates import COPY_BYTES
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, all_or_count, auto_or_int, switch
 from lightning_fpdt.planner.features.tiled_mlp import mlp_backward_work
+from lightning_fpdt.planner.options import PlanOptions
 from lightning_fpdt.planner.sizes import StepSizes
 
 PLAIN_BLOCKS_ROOM = 6 * 2**30
@@ -141,3 +142,9 @@ class BlockInputs(MemoryFeature):
             return {"ActivationOffload": {"offload": False, "checkpoint_blocks": o.checkpoint_blocks}}
         return {"ActivationOffload": {"reload_input": o.reload_input, "prefetch": o.prefetch,
                                       "checkpoint_blocks": o.checkpoint_blocks}}
+
+
+def backward_reads(o: PlanOptions) -> int:
+    """Times the backward reads each offloaded block input from where it waits (``o``: the plan's options): twice
+    under ``reload_input`` (the recompute's copy, then the first norm's backward's), else once."""
+    return 2 if o.activation_offload and o.reload_input else 1

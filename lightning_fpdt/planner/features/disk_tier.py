@@ -12,8 +12,9 @@ counted below).
 Cost: each spilled input is written once, behind its own block's forward, and read once, ahead, during the attention
 backward of the block after it (``ActivationOffload``'s one-block prefetch); a disk slower than that compute shows as
 the difference. The input of the first block of the backward is read right after the loss, which covers nothing of
-it; without the prefetch every read is waited for, and ``reload_input`` reads each input a second time for its first
-norm's backward, waited for too. The disk's rate is its host's, shared by the host's GPUs.
+it; without the prefetch every read is waited for, and an input the backward reads twice (``backward_reads``: left on
+the host through its block's backward) is read a second time for its first norm's backward, waited for too. The
+disk's rate is its host's, shared by the host's GPUs.
 
 The search does not try every ``k``: a plan that overshoots only the host's memory, with the disk's room left, is
 relieved by the least ``k`` that fits it (:meth:`DiskTier.relieve`), which the search plans in its turn of cost. A
@@ -34,6 +35,7 @@ from typing import Any, Optional
 from lightning_fpdt.planner.components import Component, MemoryPlan
 from lightning_fpdt.planner.cost import attention_forward_seconds, dense_forward_seconds
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, auto_or_int
+from lightning_fpdt.planner.features.block_inputs import backward_reads
 from lightning_fpdt.planner.sizes import StepSizes
 from lightning_fpdt.offload.disk import STAGING_DEPTH, STAGING_PIECE_BYTES, staging_bytes
 
@@ -84,8 +86,7 @@ class DiskTier(MemoryFeature):
         seconds = k * max(0.0, io - block_forward)  # written behind the block's forward
         seconds += io  # the first input of the backward: read after the loss, nothing covers it
         seconds += (k - 1) * (max(0.0, io - attention_backward) if o.prefetch else io)
-        if o.reload_input:
-            seconds += k * io  # read again for the first norm's backward, when it is needed
+        seconds += (backward_reads(o) - 1) * k * io  # read again for the first norm's backward, when it is needed
         return seconds
 
     def relieve(self, plan: MemoryPlan, s: StepSizes) -> Optional[dict[str, Any]]:

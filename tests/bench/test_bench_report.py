@@ -706,3 +706,34 @@ def test_profiled_step_names_the_host_python(tmp_path):
     assert any("bench/step_profile.py" in row["function"] for row in python["cumulative"])
     assert python["own"] and {"function", "calls", "own_s", "cumulative_s"} <= set(python["own"][0])
     assert json.loads((tmp_path / "step.json").read_text())["python"] == python
+
+
+def test_neighbours_are_set_against_the_cost_model():
+    """Runs of one setting in different options are a group, fastest measured first, each with the cost model's step
+    of the full depth under its own options; a setting run in one configuration only, or without full-depth options,
+    has no row."""
+    import dataclasses
+
+    from bench.report import cost_model
+    from lightning_fpdt.planner.geometry import resolve_geometry
+
+    geometry = dataclasses.asdict(resolve_geometry("llama3-1b"))
+
+    def run(step: float, chunks: int, offload: bool, seq_len: int = 65_536) -> dict:
+        r = run_record("fpdt", gpus=2, layers=4, seq_len=seq_len)
+        r.update(step_time_s=step, geometry=geometry, full_layers=16, plan_options=f"sp=2 chunks={chunks} {offload}",
+                 full_depth={"options": {"FPDTStrategy": {"sequence_parallel_size": 2, "chunks": chunks,
+                                                          "offload": offload, "offload_dir": None},
+                                         "ActivationOffload": {"checkpoint_blocks": "all"}},
+                             "checkpoint_blocks": 16, "step_time_s": 4 * step})
+        return r
+
+    records = [run(1.2, 2, True), run(1.0, 1, False), run(3.0, 1, False, seq_len=131_072)]
+    groups = cost_model.neighbour_groups(records)
+    assert [[r["step_time_s"] for r, _ in group] for group in groups] == [[1.0, 1.2]]
+    (fast, fast_estimate), (slow, slow_estimate) = groups[0]
+    assert slow_estimate > fast_estimate > 0  # offloading the stash and halving the chunks cost time in the model
+    rows = [cells for _, cells in cost_model.COST_MODEL.rows(records)]
+    assert [row[5] for row in rows] == ["chunks 1, offload off, 16 of 16 blocks checkpointed",
+                                        "chunks 2, offload on, 16 of 16 blocks checkpointed"]
+    assert [row[8] for row in rows] == ["+0.0%", "+20.0%"] and [row[9] for row in rows] == ["4.00", "4.80"]

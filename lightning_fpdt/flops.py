@@ -19,6 +19,13 @@ from typing import Any, Literal, Optional, Union
 import torch
 from torch import nn
 
+
+def is_count(value: object, *, least: int = 1) -> bool:
+    """``value`` is an int of at least ``least`` (``True`` is not one): the one test behind the package's checks of
+    sizes and counts; each check words its own message."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 Convention = Literal["causal", "megatron"]
 CONVENTIONS: tuple[str, ...] = ("causal", "megatron")
 HEAD_NORM_MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe")
@@ -69,7 +76,7 @@ class ModelGeometry:
         sizes = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
         for name in sizes + ("vocab_size",):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_count(value):
                 raise ValueError(f"ModelGeometry.{name} ({value!r}) must be a positive int")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
@@ -77,7 +84,7 @@ class ModelGeometry:
             )
         for name in ("num_experts", "experts_per_token"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_count(value):
                 raise ValueError(f"ModelGeometry.{name} ({value!r}) must be a positive int")
         if self.experts_per_token > self.num_experts:
             raise ValueError(f"ModelGeometry.experts_per_token ({self.experts_per_token}) must not exceed "

@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import Callback
 import torch
 from torch import nn
 
+from lightning_fpdt.flops import is_count
 from lightning_fpdt.callbacks.transforms import transform_without_fpdt
 from lightning_fpdt.integrations import residual_mlps, shared_attentions
 from lightning_fpdt.memory import BlockCheckpoints, apply_block_offload, find_blocks
@@ -97,7 +98,7 @@ class ActivationOffload(Callback):
         keep_inputs: Union[Literal["auto", "all"], int] = "auto",
         checkpoint_blocks: Union[Literal["auto", "all"], int] = "auto",
     ) -> None:
-        if prefetch != "auto" and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
+        if prefetch != "auto" and not is_count(prefetch, least=0):
             raise ValueError(f"prefetch must be >= 0 blocks, got {prefetch!r} (or 'auto': the strategy chooses)")
         check_switch("recompute_attention", recompute_attention)
         check_switch("reload_input", reload_input)

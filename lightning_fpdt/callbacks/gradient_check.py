@@ -23,6 +23,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
+from lightning_fpdt.flops import is_count
+
 NO_GRADIENT, ZERO_GRADIENT, TRAINED = 0, 1, 2
 """What a parameter's gradients have been so far: none at all, only zeros, non-zero somewhere."""
 SHOWN = 12
@@ -42,7 +44,7 @@ class GradientCheck(Callback):
     """
 
     def __init__(self, steps: int = 3, allow: Optional[list[str]] = None) -> None:
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        if not is_count(steps, least=0):
             raise ValueError(f"GradientCheck(steps={steps!r}): give a number of optimizer steps >= 0 (0: no check)")
         self.steps = steps
         self.allow = list(allow or [])

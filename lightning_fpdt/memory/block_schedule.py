@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from lightning_fpdt.flops import is_count
+
 
 def _check_count(name: str, value: Any, num_blocks: Optional[int], words: tuple[str, ...], least: int,
                  counted: str) -> None:
@@ -13,8 +15,7 @@ def _check_count(name: str, value: Any, num_blocks: Optional[int], words: tuple[
     naming the choices otherwise."""
     if isinstance(value, str) and value in words:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < least or (num_blocks is not None
-                                                                                   and value > num_blocks):
+    if not is_count(value, least=least) or (num_blocks is not None and value > num_blocks):
         blocks = "the number of blocks" if num_blocks is None else f"the model's {num_blocks} blocks"
         choices = "".join(f"{word!r}, " for word in words[:-1]) + (f"{words[-1]!r} or " if words else "")
         raise ValueError(f"{name} must be {choices}a number of {counted} from {least} to {blocks}, got {value!r}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Literal, Union
 
+from lightning_fpdt.flops import is_count
+
 MLP_TILE_BYTES = 256 * 2**20
 """``TiledMLP(num_tiles="auto")``: one tile's intermediate activations (``tokens × intermediate × 3 × dtype bytes``)
 stay under this."""
@@ -21,7 +23,7 @@ def check_num_tiles(num_tiles: Union[Literal["auto"], int], owner: str) -> None:
     """``ValueError`` unless ``num_tiles`` is ``"auto"`` or a positive int."""
     if num_tiles == "auto":
         return
-    if isinstance(num_tiles, bool) or not isinstance(num_tiles, int) or num_tiles < 1:
+    if not is_count(num_tiles):
         raise ValueError(f"{owner}(num_tiles={num_tiles!r}): give 'auto' or a positive int (1 = untiled)")
 
 

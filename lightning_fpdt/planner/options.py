@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
-from lightning_fpdt.flops import ModelGeometry
+from lightning_fpdt.flops import ModelGeometry, is_count
 from lightning_fpdt.memory.block_schedule import check_checkpoint_blocks, check_keep_inputs, check_plain_blocks
 from lightning_fpdt.planner.geometry import PRECISIONS, attention_geometry, total_parameters
 from lightning_fpdt.sequence.options import FPDTOptions, check_switch
@@ -79,9 +79,7 @@ class PlanOptions:
     frozen embedding); ``None``: every parameter of the model."""
 
     def __post_init__(self) -> None:
-        if self.trainable_parameters is not None and (isinstance(self.trainable_parameters, bool) or
-                                                      not isinstance(self.trainable_parameters, int) or
-                                                      self.trainable_parameters < 0):
+        if self.trainable_parameters is not None and not is_count(self.trainable_parameters, least=0):
             raise ValueError(f"trainable_parameters must be a count of parameters >= 0 or None (all of them), got "
                              f"{self.trainable_parameters!r}")
         if self.activation_offload and not self.activation_checkpointing:
@@ -96,7 +94,7 @@ class PlanOptions:
             if not self.activation_checkpointing:
                 raise ValueError(f"keep_inputs={self.keep_inputs} needs checkpointed blocks: set "
                                  f"activation_checkpointing=True with it, or keep_inputs='all'")
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+        if not is_count(self.prefetch, least=0):
             raise ValueError(f"prefetch must be >= 0 blocks, got {self.prefetch!r}")
         if self.checkpoint_blocks != "all":
             check_checkpoint_blocks(self.checkpoint_blocks, words=("all",))
@@ -170,7 +168,7 @@ class MemoryFeatures:
         check_switch("recompute_attention", self.recompute_attention)
         check_switch("reload_input", self.reload_input)
         prefetch = self.prefetch
-        if prefetch != "auto" and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
+        if prefetch != "auto" and not is_count(prefetch, least=0):
             raise ValueError(f"prefetch must be 'auto' or >= 0 blocks, got {prefetch!r}")
 
     @classmethod

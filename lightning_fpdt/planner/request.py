@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
-from lightning_fpdt.flops import ModelGeometry
+from lightning_fpdt.flops import ModelGeometry, is_count
 from lightning_fpdt.memory.block_schedule import check_checkpoint_blocks, check_keep_inputs
 from lightning_fpdt.planner.components import GIB
 from lightning_fpdt.planner.cost import inter_host_rate
@@ -49,12 +49,11 @@ class Machine:
     those that fit (:mod:`lightning_fpdt.planner.cost`)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_gpus, bool) or not isinstance(self.num_gpus, int) or self.num_gpus < 1:
+        if not is_count(self.num_gpus):
             raise ValueError(f"num_gpus ({self.num_gpus!r}) must be a positive int")
         if self.gpus_per_node is None:
             object.__setattr__(self, "gpus_per_node", self.num_gpus)
-        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or \
-                self.gpus_per_node < 1 or self.num_gpus % self.gpus_per_node:
+        if not is_count(self.gpus_per_node) or self.num_gpus % self.gpus_per_node:
             raise ValueError(f"gpus_per_node ({self.gpus_per_node}) must divide num_gpus ({self.num_gpus})")
         if self.gpu_memory_gib <= 0 or (self.host_memory_gib is not None and self.host_memory_gib <= 0):
             raise ValueError(f"gpu_memory_gib ({self.gpu_memory_gib}) and host_memory_gib ({self.host_memory_gib}) "
@@ -135,7 +134,7 @@ class PlanRequest:
         layers = self.geometry.num_layers
         for name in ("seq_len", "batch_size", "accumulate_grad_batches"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_count(value):
                 raise ValueError(f"{name} ({value!r}) must be a positive int")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r} is not planned for; use one of {sorted(PRECISIONS)}")
@@ -145,8 +144,7 @@ class PlanRequest:
         features = self.features  # its own values checked when made (MemoryFeatures.__post_init__)
         check_switch("sync_every_batch", self.sync_every_batch)
         if self.disk_inputs != "auto":
-            if isinstance(self.disk_inputs, bool) or not isinstance(self.disk_inputs, int) or \
-                    not 0 <= self.disk_inputs <= layers:
+            if not is_count(self.disk_inputs, least=0) or self.disk_inputs > layers:
                 raise ValueError(f"disk_inputs must be 'auto' or a number of block inputs from 0 to the {layers} "
                                  f"layers, got {self.disk_inputs!r}")
             if self.disk_inputs and (self.machine.disk_memory_gib is None or not features.activation_offload):

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from lightning_fpdt.flops import is_count
+
 HeadRanges = tuple[tuple[int, int], ...]
 """``[start, stop)`` of the heads of one tensor that each rank holds after the all-to-all, indexed by rank."""
 
@@ -42,7 +44,7 @@ class HeadSplit:
     def __post_init__(self) -> None:
         H, Hkv, P = self.num_heads, self.num_kv_heads, self.sp_size
         for name, value in (("num_heads", H), ("num_kv_heads", Hkv), ("sequence_parallel_size", P)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_count(value):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if H % Hkv:
             raise ValueError(f"num_heads ({H}) must be a multiple of num_kv_heads ({Hkv})")

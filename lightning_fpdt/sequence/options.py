@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Optional, Union
 
+from lightning_fpdt.flops import is_count
 from lightning_fpdt.sequence.kernels import AttentionBackend, check_backend_name
 from lightning_fpdt.sequence.ring_rules import RING_RULES, check_ring, ring_refusal
 from lightning_fpdt.sequence.planning import (
@@ -27,13 +28,13 @@ Auto = Literal["auto"]
 
 def check_positive_int(name: str, value: object) -> None:
     """``ValueError`` unless ``value`` is a positive int (``True`` is not one)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_count(value):
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def check_auto_or_positive_int(name: str, value: object) -> None:
     """``ValueError`` unless ``value`` is ``"auto"`` or a positive int."""
-    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value != "auto" and (not is_count(value)):
         raise ValueError(f"{name} must be 'auto' or a positive int, got {value!r}")
 
 

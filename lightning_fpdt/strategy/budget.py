@@ -15,6 +15,7 @@ from typing import Any, Callable, Literal, Optional, Protocol, Union, runtime_ch
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_fpdt.flops import is_count
 from lightning_fpdt.integrations import supports_head_groups
 from lightning_fpdt.memory.surgery import find_model
 from lightning_fpdt.offload.disk import DiskTier, SpillDirectory, check_free_space, stale_directories
@@ -107,7 +108,7 @@ def known_length(trainer: Any) -> Optional[tuple[int, int]]:
     """``(seq_len, batch_size)`` when the data module says it before the first batch, else ``None``."""
     datamodule = getattr(trainer, "datamodule", None)
     seq_len = getattr(datamodule, "seq_len", None)
-    if not isinstance(seq_len, int) or isinstance(seq_len, bool):
+    if not is_count(seq_len, least=0):
         return None
     batch_size = getattr(datamodule, "batch_size", 1)
     return seq_len, batch_size if isinstance(batch_size, int) else 1

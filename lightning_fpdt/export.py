@@ -182,8 +182,9 @@ def save_adapters(module: nn.Module, directory: Union[str, Path], *, merged: boo
     back on SDPA attention and the KV cache). Returns ``directory``.
 
     Call it on every rank after ``fit``: FSDP2's shards are all-gathered (a collective), and one process writes
-    (``is_main_process``; ``None``: global rank 0). ``PeftModel.save_pretrained`` itself cannot save sharded
-    parameters."""
+    (``is_main_process``; ``None``: global rank 0). After ``fit`` the model's own ``save_pretrained`` writes the
+    adapters the strategy gathered at its end (:mod:`lightning_fpdt.integrations.adapters`); this also covers what
+    that keeps nothing of, and merged weights."""
     import torch.distributed as dist
 
     peft_model = adapter_model(module)

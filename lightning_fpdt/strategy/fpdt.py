@@ -25,6 +25,7 @@ from typing_extensions import override
 from lightning_fpdt.callbacks.gradient_check import add_gradient_check
 from lightning_fpdt.flops import attention_heads
 from lightning_fpdt.integrations import SequenceParallelContext
+from lightning_fpdt.integrations.adapters import keep_trained_adapters
 from lightning_fpdt.integrations.attributes import DEVICE_MESH
 from lightning_fpdt.integrations.huggingface import train_mode_for_fit
 from lightning_fpdt.lightning_private import evaluate_under_no_grad, wrapped_closure
@@ -430,6 +431,11 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
             if isinstance(exception, HostMemoryError):
                 self._watchdog.post_abort(f"rank {self.global_rank}: {exception}")
             self._watchdog.report(exception)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        keep_trained_adapters(self.lightning_module)  # collective: every rank ends fit here, and none saves later
 
     @override
     def teardown(self) -> None:

@@ -1,8 +1,8 @@
 """LoRA under the strategy (docs/adapters.md): a ``peft`` ``PeftModel`` around a Hugging Face Llama takes the Hugging
 Face path, so the loss the model returns (what ``self.log`` records) is the sequence's on every rank; after three
 optimizer steps on 2 processes every parameter equals one process's and only the adapters moved; the adapters saved
-after ``fit`` load with ``PeftModel.from_pretrained``, merged with ``from_pretrained``, and compute the reference's
-logits."""
+after ``fit`` (by ``save_adapters`` on every rank, or by peft's own ``save_pretrained`` on one) load with
+``PeftModel.from_pretrained``, merged with ``from_pretrained``, and compute the reference's logits."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.export import save_adapters
+from lightning_fpdt.integrations import adapters as adapters_module
 from tests.dist import test_strategy_parity as parity
 from tests.dist.training import (VOCAB, LitLM, TokenDataset, _build_model, build_model, reference_training,
                                  trainer_kwargs)
@@ -64,6 +65,17 @@ def run_lora(directory: str, tuning: str, chunks: int, seq_len: int) -> None:
     save_adapters(module.model, adapters)
     save_adapters(module.model, merged, merged=True)
     dist.barrier()
+    own = Path(directory) / f"{tuning}-own"  # peft's own save_pretrained, on rank 0 alone: no collective runs
+    if dist.get_rank() == 0:
+        module.model.save_pretrained(own)
+    # weights too large to keep on the host after fit: save_pretrained names the way that gathers them
+    kept_bytes, adapters_module.MAX_KEPT_BYTES = adapters_module.MAX_KEPT_BYTES, 0
+    try:
+        adapters_module.keep_trained_adapters(module)
+    finally:
+        adapters_module.MAX_KEPT_BYTES = kept_bytes
+    with pytest.raises(ValueError, match=r"save_adapters\(model, directory\) on every rank"):
+        module.model.save_pretrained(Path(directory) / f"{tuning}-refused")
     if dist.get_rank() != 0:
         return
     from peft import PeftModel
@@ -74,6 +86,8 @@ def run_lora(directory: str, tuning: str, chunks: int, seq_len: int) -> None:
     loaded = PeftModel.from_pretrained(_build_model("hf", seed), adapters)
     for name, value in loaded.state_dict().items():
         torch.testing.assert_close(value, ref_params[name], **parity.TOL, msg=lambda m: f"{case} {name}: {m}")
+    for name, value in PeftModel.from_pretrained(_build_model("hf", seed), own).state_dict().items():
+        torch.testing.assert_close(value, loaded.state_dict()[name], rtol=0, atol=0, msg=lambda m: f"{case} {name}")
     tokens = torch.randint(0, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = reference.eval()(input_ids=tokens).logits

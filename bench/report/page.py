@@ -23,6 +23,14 @@ SYSTEM_NAMES = {
             "tiled logits and loss, checkpoint inputs offloaded to the host, ZeRO-3",
 }
 
+NOT_RUN = ("Not among them: torchtitan. Its release 0.3.0 does not import on torch 2.11, the torch these runs use: "
+           "`torchtitan.train` imports `torch.distributed.fsdp.DataParallelMeshDims`, which FSDP2 gained in torch "
+           "2.12, and its context-parallel path calls `fully_shard(dp_mesh_dims=...)` and "
+           "`torch.distributed.set_timeout` (torch 2.14). `python3 -m bench.peers.torch_api_audit` lists what a "
+           "peer's sources need that the installed torch lacks; [bench/README.md](../bench/README.md) gives the "
+           "details.")
+"""A peer the page would hold and why it does not."""
+
 
 def _header(records: list[dict[str, Any]]) -> list[str]:
     return [
@@ -64,7 +72,7 @@ def _peers(records: list[dict[str, Any]], commands: Commands, plots: Optional[li
              "`python3 -m bench.peers` trains the reference Llama (same initialisation, same data, bf16 compute with "
              "fp32 master weights through FSDP2's MixedPrecisionPolicy, AdamW) with each system:", ""]
     lines += [f"- **{system}**: {name}." for system, name in SYSTEM_NAMES.items()]
-    lines += ["", "The example configurations run through `lightning_fpdt.cli` are fpdt runs too.", ""]
+    lines += ["", "The example configurations run through `lightning_fpdt.cli` are fpdt runs too.", "", NOT_RUN, ""]
     lines += [*lengths.section(records, commands), ""]
     for section in (training.DEPTH, training.THROUGHPUT, training.CHANGES, training.PROFILES, training.HOST,
                     training.PLAN, training.FULL_DEPTH, training.PLACEMENT, cost_model.COST_MODEL):

@@ -131,6 +131,20 @@ HEADLINES = (
                dict(system="fpdt", card=H100_79, gpus=4, layers=8, seq_len=seq_len, profile_step=None),
                against=dict(system="ring", card=H100_79, gpus=4, layers=8, seq_len=seq_len))
       for seq_len in (32768, 65536)),
+    *(Headline(f"{seq_len:,} tokens, 8 of 32 layers + full-depth ballast, Ulysses 4",
+               dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=seq_len, **{"options.ring_size": 1,
+                                                                                      "options.ballast": "full"}))
+      for seq_len in (131072, 524288)),
+    *(Headline(f"the same at {seq_len:,}, ring 2 × Ulysses 2",
+               dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=seq_len, **{"options.ring_size": 2}),
+               against=dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=seq_len,
+                            **{"options.ring_size": 1}))
+      for seq_len in (131072, 524288)),
+    Headline("14 query heads over 4 GPUs (4, 4, 3, 3 a rank): Qwen2.5-0.5B against a 16-head twin",
+             dict(system="fpdt-hf", card=H200_79, gpus=4, model="qwen2.5-0.5b", seq_len=131072,
+                  sequence_parallel_size=4),
+             against=dict(system="fpdt-hf", card=H200_79, gpus=4, model="qwen2.5-0.5b-16h", seq_len=131072,
+                          sequence_parallel_size=4)),
     Headline("a Hugging Face family beside Llama: Qwen3-4B", dict(system="fpdt-hf", card=H100, model="qwen3-4b",
                                                                   seq_len=131072),
              against=dict(system="fpdt-hf", card=H100, model="llama3-3b", layers=2, seq_len=131072)),

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 _OWN_CODE = ("lightning_fpdt", "tests")
 
@@ -28,6 +27,22 @@ def _call_site(depth: int = 4) -> str:
             frames.append(f"{path.rsplit('/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
         frame = frame.f_back
     return " < ".join(frames) or "?"
+
+
+def _input_storages(args: Any, kwargs: Any) -> set[int]:
+    """The storages of an op's tensor arguments, alone or in lists (``TensorList``), tuples and the keywords: what
+    ``tree_flatten`` would find in them, without its cost on every op of a step."""
+    ptrs, pending = set(), [args, kwargs]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "meta":
+                ptrs.add(value.untyped_storage().data_ptr())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+    return ptrs
 
 
 @dataclass
@@ -78,8 +93,7 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self._paused:
             return out
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        inputs = _input_storages(args, kwargs)
         returns = func._schema.returns
         outputs = out if isinstance(out, (tuple, list)) else (out,)
         for index, t in enumerate(outputs):

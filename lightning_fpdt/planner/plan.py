@@ -14,7 +14,7 @@ from lightning_fpdt.planner.host import gib
 from lightning_fpdt.planner.options import resolve_options
 from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES
 from lightning_fpdt.planner.request import FEATURE_FIELDS, PlanRequest
-from lightning_fpdt.planner.search import SEARCHED, Run, changes_between, fastest_fitting
+from lightning_fpdt.planner.search import SEARCHED, Run, SearchMemo, changes_between, fastest_fitting
 from lightning_fpdt.sequence.options import FPDTOptions
 
 AUTO_NEUTRAL = {name: value for feature in FEATURES for name, value in feature.neutral.items()}
@@ -69,14 +69,15 @@ def plan_memory(request: Optional[PlanRequest] = None, /, **keywords: Any) -> Me
         **{name: value for name, value in neutral.items() if name != "head_chunks"},
     )
     base = dataclasses.replace(base, head_chunks=neutral["head_chunks"])
-    plan = (fastest_fitting(run, base, free) if free else None) or run.plan(base)
+    memo = SearchMemo(run)  # the searches below plan many of the same configurations
+    plan = (fastest_fitting(run, base, free, memo=memo) if free else None) or run.plan(base)
     if plan.fits:
         return dataclasses.replace(plan, recommendation="the options as given fit" if not free else
                                    "the options as given fit (\"auto\" resolved to the fastest that fits)")
     explicit = {name: getattr(base, name) for name in SEARCHED if name not in free}
-    recommended = fastest_fitting(run, plan.options, SEARCHED, explicit)
+    recommended = fastest_fitting(run, plan.options, SEARCHED, explicit, memo=memo)
     if recommended is None:
-        return dataclasses.replace(plan, recommendation=nothing_fits(plan, run, explicit))
+        return dataclasses.replace(plan, recommendation=nothing_fits(plan, run, explicit, memo))
     changes = changes_between(plan.options, recommended.options)
     return dataclasses.replace(plan, recommended=recommended, recommendation=said(changes, free))
 
@@ -85,19 +86,22 @@ DISK_SEARCH_ROUNDS = 6
 """Searches at most for the least disk a refused plan would fit with (each one below the last one's disk bytes)."""
 
 
-def _disk_would_need(plan: MemoryPlan, run: Optional[Run], explicit: Optional[dict[str, Any]]) -> str:
+def _disk_would_need(plan: MemoryPlan, run: Optional[Run], explicit: Optional[dict[str, Any]],
+                     memo: Optional[SearchMemo] = None) -> str:
     """With a disk tier: ``; it fits with N GiB per host on disk ...`` when a larger disk would make the run fit (the
-    search again: the least disk any configuration fits with), else nothing. Without one: that the disk tier may help (the search is
-    not run again: a refusal without a disk stays as fast as it was)."""
+    search again: the least disk any configuration fits with), else nothing. Without one: that the disk tier may help
+    (the search is not run again: a refusal without a disk stays as fast as it was)."""
     if run is None or not plan.options.activation_offload:
         return ""
     if run.disk_memory_bytes is None:
-        return "; block inputs may also go to a local disk: FPDTStrategy(offload_dir=...), `lightning-fpdt plan --disk-gib N`"
+        return ("; block inputs may also go to a local disk: FPDTStrategy(offload_dir=...), "
+                "`lightning-fpdt plan --disk-gib N`")
     # the least disk that fits: the fastest plan with the disk's room unbounded, then again below what it put on disk
     # (keeping fewer block inputs, say), until nothing fits
     least, room = None, 2**62
     for _ in range(DISK_SEARCH_ROUNDS):
-        wider = fastest_fitting(dataclasses.replace(run, disk_memory_bytes=room), plan.options, SEARCHED, explicit)
+        wider = fastest_fitting(dataclasses.replace(run, disk_memory_bytes=room), plan.options, SEARCHED, explicit,
+                                memo=memo)
         if wider is None:
             break
         least, room = wider, wider.disk_bytes_per_node - 1
@@ -120,13 +124,14 @@ def said(changes: dict[str, Any], auto: set[str]) -> str:
     return text + (f" (\"auto\" then resolves {', '.join(resolved)})" if resolved else "")
 
 
-def nothing_fits(plan: MemoryPlan, run: Optional[Run] = None, explicit: Optional[dict[str, Any]] = None) -> str:
+def nothing_fits(plan: MemoryPlan, run: Optional[Run] = None, explicit: Optional[dict[str, Any]] = None,
+                 memo: Optional[SearchMemo] = None) -> str:
     """Why no configuration fits, and what to do instead (``explicit``: the options the user gave, as the
-    recommendation's search weighs their changes)."""
+    recommendation's search weighs their changes; ``memo``: the work of the searches of ``run`` so far)."""
     if plan.binding_limit == "host memory":
         return (f"nothing fits the host ({gib(plan.host_resident_bytes_per_node)} GiB per host as planned, "
-                f"{gib(plan.host_memory_bytes)} GiB there{_disk_would_need(plan, run, explicit)}): use more hosts (each GPU "
-                f"holds S/P tokens) or a shorter sequence")
+                f"{gib(plan.host_memory_bytes)} GiB there{_disk_would_need(plan, run, explicit, memo)}): use more "
+                f"hosts (each GPU holds S/P tokens) or a shorter sequence")
     if plan.binding_limit == "disk space":
         return (f"nothing fits the disk ({gib(plan.disk_bytes_per_node)} GiB per host on disk as planned, "
                 f"{gib(plan.disk_memory_bytes)} GiB free there): fewer block inputs on disk (disk_inputs), a larger "

@@ -123,7 +123,9 @@ def candidates(run: Run, base: PlanOptions, free: Iterable[str]) -> list[PlanOpt
     axes = [(field, owners[field].choices(field, s)) for field in SEARCHED if field in set(free)]
     given = {field.name: getattr(base, field.name) for field in dataclasses.fields(base)}  # values, not copies
     names = [field for field, _ in axes]
-    seen: set[PlanOptions] = set()
+    # each combination's values once normalised, whether the options took them or refused them: most combinations
+    # normalise to one already seen, and comparing values costs less than making (and checking) the options again
+    seen: set[tuple[Any, ...]] = set()
     found = []
     for values in itertools.product(*(choices for _, choices in axes)):
         changes: Optional[dict[str, Any]] = {**given, **dict(zip(names, values))}
@@ -133,13 +135,14 @@ def candidates(run: Run, base: PlanOptions, free: Iterable[str]) -> list[PlanOpt
                 break
         if changes is None:
             continue
+        key = tuple(map(changes.__getitem__, given))
+        if key in seen:
+            continue
+        seen.add(key)
         try:
-            options = PlanOptions(**changes)
+            found.append(PlanOptions(**changes))
         except ValueError:
             continue  # a combination the options refuse (a ring with chunks, say)
-        if options not in seen:
-            seen.add(options)
-            found.append(options)
     return found
 
 
@@ -171,18 +174,49 @@ def layout_bases(run: Run, base: PlanOptions, free: Iterable[str]) -> list[PlanO
     return bases or [base]
 
 
+@dataclass
+class SearchMemo:
+    """What several searches of one run share where only the disk's free space differs between them (a refusal
+    searches again for the least disk any configuration fits with: :func:`~lightning_fpdt.planner.plan.plan_memory`):
+    the ranked candidates of each search and the plan of each configuration. The disk's space changes neither, only
+    whether a plan fits it (and so what :meth:`~.features.base.MemoryFeature.relieve` offers, which each search
+    asks again)."""
+
+    run: Run
+    """The run the searches are of, its disk space aside."""
+    queues: dict[tuple[Any, ...], list[tuple[float, int, PlanOptions]]] = dataclasses.field(default_factory=dict)
+    """The ranked candidates of each base, free options and explicit options."""
+    plans: dict[PlanOptions, MemoryPlan] = dataclasses.field(default_factory=dict)
+    """Each configuration planned so far."""
+
+    def plan(self, run: Run, options: PlanOptions) -> MemoryPlan:
+        """``run.plan(options)``, planned once for all the disk spaces."""
+        plan = self.plans.get(options)
+        if plan is None:
+            plan = self.plans[options] = run.plan(options)
+        elif plan.disk_memory_bytes != run.disk_memory_bytes:
+            plan = dataclasses.replace(plan, disk_memory_bytes=run.disk_memory_bytes)
+        return plan
+
+
 def fastest_fitting(run: Run, base: PlanOptions, free: Iterable[str],
-                    explicit: Optional[Mapping[str, Any]] = None) -> Optional[MemoryPlan]:
+                    explicit: Optional[Mapping[str, Any]] = None, *,
+                    memo: Optional[SearchMemo] = None) -> Optional[MemoryPlan]:
     """The plan of the fastest combination of the ``free`` options that fits the run's GPU and host memory, or
     ``None``. ``explicit``: options the user gave, each change of which costs :data:`CHANGE_PENALTY`. Where the ring
     size is free and has several values (:func:`layout_bases`), each layout's fastest plan that fits is found, and
-    the fastest of them is returned with every layout's estimate in ``layouts``."""
+    the fastest of them is returned with every layout's estimate in ``layouts``. ``memo``: the work of earlier
+    searches of the same run with another disk space, reused (the same plan as without it)."""
     explicit = explicit or {}
     free = set(free)
+    if memo is not None and dataclasses.replace(run, disk_memory_bytes=memo.run.disk_memory_bytes) != memo.run:
+        raise ValueError(f"a SearchMemo serves the searches of one run, its disk space aside: made for {memo.run}, "
+                         f"asked for {run}")
     bases = layout_bases(run, base, free)
     if len(bases) == 1:
-        return _fastest_fitting(run, bases[0], free - {"ring_size"}, explicit)
-    found = [(options.ring_size, _fastest_fitting(run, options, free - {"ring_size"}, explicit)) for options in bases]
+        return _fastest_fitting(run, bases[0], free - {"ring_size"}, explicit, memo)
+    found = [(options.ring_size, _fastest_fitting(run, options, free - {"ring_size"}, explicit, memo))
+             for options in bases]
     fitting = [plan for _, plan in found if plan is not None]
     if not fitting:
         return None
@@ -198,21 +232,28 @@ def _ranked(run: Run, options: PlanOptions, explicit: Mapping[str, Any]) -> floa
     return step_seconds(run.sizes(options)) * (1 + CHANGE_PENALTY * changed)
 
 
-def _fastest_fitting(run: Run, base: PlanOptions, free: set[str], explicit: Mapping[str, Any]) -> Optional[MemoryPlan]:
+def _fastest_fitting(run: Run, base: PlanOptions, free: set[str], explicit: Mapping[str, Any],
+                     memo: Optional[SearchMemo] = None) -> Optional[MemoryPlan]:
     """:func:`fastest_fitting` of one layout."""
 
     def ranked(options: PlanOptions) -> float:
         return _ranked(run, options, explicit)
 
-    # (cost, order of arrival, options): equal costs keep the order of the candidates
-    queue = [(ranked(options), order, options) for order, options in enumerate(candidates(run, base, free))]
-    heapq.heapify(queue)
+    key = (base, frozenset(free), tuple(sorted(explicit.items())))
+    queue = None if memo is None else memo.queues.get(key)
+    if queue is None:
+        # (cost, order of arrival, options): equal costs keep the order of the candidates
+        queue = [(ranked(options), order, options) for order, options in enumerate(candidates(run, base, free))]
+        heapq.heapify(queue)
+        if memo is not None:
+            memo.queues[key] = queue
+    queue = list(queue)  # the memo's stays as ranked: this search pops its own
     arrived = len(queue)
     for _ in range(MAX_PLANS):
         if not queue:
             break
         _, _, options = heapq.heappop(queue)
-        plan = run.plan(options)
+        plan = run.plan(options) if memo is None else memo.plan(run, options)
         if plan.fits:
             return plan
         s = run.sizes(options)

@@ -24,10 +24,10 @@ _WRAPPED = "_fpdt_save_pretrained"
 
 
 def adapter_wrappers(module: nn.Module) -> list[nn.Module]:
-    """The adapter wrappers in ``module`` that save themselves: modules with ``get_base_model`` and
-    ``save_pretrained`` (peft's ``PeftModel``, duck-typed so that peft need not be installed)."""
+    """The adapter wrappers in ``module`` that save themselves: modules with ``get_base_model``, ``save_pretrained``
+    and a ``peft_config`` (peft's ``PeftModel``, duck-typed so that peft need not be installed)."""
     return [m for m in module.modules() if callable(getattr(m, "get_base_model", None))
-            and callable(getattr(m, "save_pretrained", None))]
+            and callable(getattr(m, "save_pretrained", None)) and hasattr(m, "peft_config")]
 
 
 def keep_trained_adapters(module: nn.Module) -> None:

@@ -28,9 +28,6 @@ def is_count(value: object, *, least: int = 1) -> bool:
 
 Convention = Literal["causal", "megatron"]
 CONVENTIONS: tuple[str, ...] = ("causal", "megatron")
-HEAD_NORM_MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe")
-"""The Hugging Face ``model_type`` values whose attention normalises each head's q and k
-(``ModelGeometry.head_norms``)."""
 
 
 def text_config(config: Any) -> Any:
@@ -69,8 +66,9 @@ class ModelGeometry:
     """Of those, the MLPs each token runs through (a router's top-k); 1 for a dense model."""
     head_norms: bool = False
     """Whether each head's q and k pass an RMSNorm before RoPE (Qwen3's ``q_norm``/``k_norm``): no FLOPs to count,
-    but the norms keep their inputs for the backward, which the memory planner counts. Read from a config's
-    ``model_type`` (:data:`HEAD_NORM_MODEL_TYPES`)."""
+    but the norms keep their inputs for the backward, which the memory planner counts. A family file says which
+    families have them (``lightning_fpdt.integrations.families``, ``Family.head_norms``);
+    :func:`lightning_fpdt.planner.resolve_geometry` sets it from there."""
 
     def __post_init__(self) -> None:
         sizes = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
@@ -159,16 +157,14 @@ class ModelGeometry:
                 )
             head_dim = values["hidden_size"] // values["num_heads"]
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        head_norms = getattr(config, "model_type", None) in HEAD_NORM_MODEL_TYPES
         # a mixture of experts: Mixtral's num_local_experts, Qwen-MoE's num_experts (whose experts are
         # moe_intermediate_size wide); top-k from num_experts_per_tok
         experts = read("num_local_experts", "num_experts")
         if isinstance(experts, int) and experts > 1:
             values["intermediate_size"] = read("moe_intermediate_size") or values["intermediate_size"]
             return cls(**values, num_kv_heads=num_kv_heads, head_dim=head_dim, tie_word_embeddings=tied,
-                       num_experts=experts, experts_per_token=read("num_experts_per_tok") or 1, head_norms=head_norms)
-        return cls(**values, num_kv_heads=num_kv_heads, head_dim=head_dim, tie_word_embeddings=tied,
-                   head_norms=head_norms)
+                       num_experts=experts, experts_per_token=read("num_experts_per_tok") or 1)
+        return cls(**values, num_kv_heads=num_kv_heads, head_dim=head_dim, tie_word_embeddings=tied)
 
     @classmethod
     def from_model(cls, module: nn.Module) -> "ModelGeometry":

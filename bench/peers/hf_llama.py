@@ -4,12 +4,12 @@ tests run without it."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.models.llama import NAMED_CONFIGS, LlamaConfig
 from lightning_fpdt.models.module import CausalLM
+from lightning_fpdt.planner.geometry import resolve_geometry
 
 HF_GEOMETRIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-4b": ("qwen3", dict(
@@ -83,7 +83,7 @@ def named_geometry(name: str) -> ModelGeometry:
     if name not in HF_GEOMETRIES:
         return ModelGeometry.from_config(LlamaConfig.from_name(name))
     model_type, fields = HF_GEOMETRIES[name]
-    return ModelGeometry.from_config(SimpleNamespace(model_type=model_type, **fields))
+    return resolve_geometry(dict(model_type=model_type, **fields))  # with what the family's file adds
 
 
 def hf_llama_config(name: str, *, num_layers: int, max_seq_len: int) -> Any:

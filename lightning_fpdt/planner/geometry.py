@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 from lightning_fpdt.flops import ModelGeometry
+from lightning_fpdt.integrations.families import has_head_norms
 from lightning_fpdt.models.llama import NAMED_CONFIGS, LlamaConfig
 from lightning_fpdt.sequence.planning import AttentionGeometry
 
@@ -40,20 +41,25 @@ def resolve_geometry(model: Any, *, num_layers: Optional[int] = None) -> ModelGe
                     raise ValueError(f"{model} is not a JSON config file: {error}") from error
             if not isinstance(config, dict):
                 raise ValueError(f"{model} holds {type(config).__name__}, not a Hugging Face config object")
-            geometry = ModelGeometry.from_config(SimpleNamespace(**_text_config(config)))
+            geometry = _from_config(SimpleNamespace(**_text_config(config)))
         else:
             raise ValueError(
                 f"model {model!r} is neither a named size ({sorted(NAMED_CONFIGS)}) nor a Hugging Face config.json file"
             )
     elif isinstance(model, dict):
-        geometry = ModelGeometry.from_config(SimpleNamespace(**_text_config(model)))
+        geometry = _from_config(SimpleNamespace(**_text_config(model)))
     else:
-        geometry = ModelGeometry.from_config(model)
+        geometry = _from_config(model)
     if num_layers is not None:
         if num_layers < 1:
             raise ValueError(f"num_layers ({num_layers}) must be positive")
         geometry = dataclasses.replace(geometry, num_layers=num_layers)
     return geometry
+
+
+def _from_config(config: Any) -> ModelGeometry:
+    """The geometry of a Hugging Face config, with what its family's file adds (the per-head q/k norms)."""
+    return dataclasses.replace(ModelGeometry.from_config(config), head_norms=has_head_norms(config))
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ families were named): the fpdt attention through transformers' attention interfa
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from torch import nn
 
@@ -47,6 +47,13 @@ def family_of(model: nn.Module) -> Optional[Family]:
     """The family of a transformers model (its text config's ``model_type``), ``None`` for one not in the registry."""
     config = getattr(model, "config", None)
     return FAMILIES.get(getattr(text_config(config), "model_type", None)) if config is not None else None
+
+
+def has_head_norms(config: Any) -> bool:
+    """Whether the family of ``config`` (a Hugging Face config or a namespace of one; its text config's
+    ``model_type``) normalises each head's q and k (``Family.head_norms``); ``False`` for a family not known."""
+    family = FAMILIES.get(getattr(text_config(config), "model_type", None))
+    return family is not None and family.head_norms
 
 
 def check_model(model: nn.Module) -> Optional[Family]:

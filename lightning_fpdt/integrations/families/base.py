@@ -58,6 +58,9 @@ class Family:
     """The RMSNorm class."""
     norm_formula: str = LLAMA_NORM
     """What the norm computes; only :data:`LLAMA_NORM` norms run over token tiles (the others keep their forward)."""
+    head_norms: bool = False
+    """Whether each head's q and k pass an RMSNorm before RoPE (``q_norm``/``k_norm``): no FLOPs to count, but their
+    inputs are kept for the backward, which the memory planner counts (``ModelGeometry.head_norms``)."""
     separate_projections: bool = True
     """``q_proj``/``k_proj``/``v_proj``/``o_proj`` (head groups can slice them); ``False``: a fused ``qkv_proj``."""
     mlp: str = "gated: down(act(gate_proj(x)) · up_proj(x))"

@@ -5,7 +5,7 @@ from lightning_fpdt.integrations.families.base import Family, Router, sliding_wi
 
 FAMILY = Family(
     name="Qwen3-MoE", model_type="qwen3_moe", causal_lm="Qwen3MoeForCausalLM", config="Qwen3MoeConfig",
-    attention="Qwen3MoeAttention", decoder_layer="Qwen3MoeDecoderLayer", norm="Qwen3MoeRMSNorm",
+    attention="Qwen3MoeAttention", decoder_layer="Qwen3MoeDecoderLayer", norm="Qwen3MoeRMSNorm", head_norms=True,
     mlp="sparse MoE: top-k of fused experts (gate_up_proj, down_proj) by a linear router",
     mlp_classes=("Qwen3MoeSparseMoeBlock", "Qwen3MoeMLP"),
     router=Router(module="Qwen3MoeTopKRouter", num_experts="num_experts"),

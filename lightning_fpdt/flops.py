@@ -157,8 +157,9 @@ class ModelGeometry:
                 )
             head_dim = values["hidden_size"] // values["num_heads"]
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        # a mixture of experts: Mixtral's num_local_experts, Qwen-MoE's num_experts (whose experts are
-        # moe_intermediate_size wide); top-k from num_experts_per_tok
+        # a mixture of experts by the common spellings (Mixtral's num_local_experts, Qwen-MoE's num_experts, whose
+        # experts are moe_intermediate_size wide; top-k from num_experts_per_tok), for a geometry read without the
+        # integrations; the planner reads them by the fields each family's router names (resolve_geometry)
         experts = read("num_local_experts", "num_experts")
         if isinstance(experts, int) and experts > 1:
             values["intermediate_size"] = read("moe_intermediate_size") or values["intermediate_size"]

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 from lightning_fpdt.flops import ModelGeometry
-from lightning_fpdt.integrations.families import has_head_norms
+from lightning_fpdt.integrations.families import family_geometry
 from lightning_fpdt.models.llama import NAMED_CONFIGS, LlamaConfig
 from lightning_fpdt.sequence.planning import AttentionGeometry
 
@@ -58,8 +58,9 @@ def resolve_geometry(model: Any, *, num_layers: Optional[int] = None) -> ModelGe
 
 
 def _from_config(config: Any) -> ModelGeometry:
-    """The geometry of a Hugging Face config, with what its family's file adds (the per-head q/k norms)."""
-    return dataclasses.replace(ModelGeometry.from_config(config), head_norms=has_head_norms(config))
+    """The geometry of a Hugging Face config, with what its family's file says (per-head q/k norms, the experts by
+    the config fields its router names)."""
+    return dataclasses.replace(ModelGeometry.from_config(config), **family_geometry(config))
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -187,3 +187,23 @@ def test_head_norms_keep_what_the_planner_counts():
     expected = StepSizes(geometry, options, tokens, 1, 1).head_norm
     assert expected == tokens * (4 + 2) * (8 * 2 + 4)
     assert kept_for_backward("qwen3") - kept_for_backward("llama") == expected
+
+
+def test_a_family_file_says_what_its_geometry_adds():
+    """What a family's file declares (per-head q/k norms; the experts by the config fields its router names) is what
+    the planner's geometry holds; a model_type no family file names adds nothing."""
+    from types import SimpleNamespace
+
+    from lightning_fpdt.integrations.families import family_geometry
+
+    moe = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=256, moe_intermediate_size=32, num_experts=4,
+                                      num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16)
+    assert family_geometry(moe) == dict(head_norms=True, num_experts=4, experts_per_token=2, intermediate_size=32)
+    geometry = resolve_geometry(moe)
+    assert (geometry.head_norms, geometry.num_experts, geometry.experts_per_token, geometry.intermediate_size) == (
+        True, 4, 2, 32)
+    mixtral = SimpleNamespace(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)
+    assert family_geometry(mixtral) == dict(head_norms=False, num_experts=8, experts_per_token=2)
+    assert family_geometry(SimpleNamespace(model_type="llama")) == dict(head_norms=False)
+    assert family_geometry(SimpleNamespace(model_type="not-a-family")) == {}

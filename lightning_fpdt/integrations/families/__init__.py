@@ -49,11 +49,24 @@ def family_of(model: nn.Module) -> Optional[Family]:
     return FAMILIES.get(getattr(text_config(config), "model_type", None)) if config is not None else None
 
 
-def has_head_norms(config: Any) -> bool:
-    """Whether the family of ``config`` (a Hugging Face config or a namespace of one; its text config's
-    ``model_type``) normalises each head's q and k (``Family.head_norms``); ``False`` for a family not known."""
-    family = FAMILIES.get(getattr(text_config(config), "model_type", None))
-    return family is not None and family.head_norms
+def family_geometry(config: Any) -> dict[str, Any]:
+    """What the family of ``config`` (a Hugging Face config or a namespace of one; its text config's ``model_type``)
+    says of its geometry, as :class:`~lightning_fpdt.flops.ModelGeometry` fields: ``head_norms`` (each head's q and k
+    normalised) and, for a mixture of experts, ``num_experts``, ``experts_per_token`` and the experts' width, read
+    from the config fields its router names. Empty for a family not known."""
+    text = text_config(config)
+    family = FAMILIES.get(getattr(text, "model_type", None))
+    if family is None:
+        return {}
+    fields: dict[str, Any] = {"head_norms": family.head_norms}
+    router = family.router
+    experts = getattr(text, router.num_experts, None) if router is not None else None
+    if isinstance(experts, int) and experts > 1:
+        fields.update(num_experts=experts, experts_per_token=getattr(text, router.top_k, None) or 1)
+        width = getattr(text, router.expert_width, None) if router.expert_width else None
+        if width:
+            fields["intermediate_size"] = width
+    return fields
 
 
 def check_model(model: nn.Module) -> Optional[Family]:

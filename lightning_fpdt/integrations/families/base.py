@@ -37,6 +37,9 @@ class Router:
     """The config field with the experts per token."""
     coefficient: str = "router_aux_loss_coef"
     """The config field with the loss's weight in the model's loss."""
+    expert_width: Optional[str] = None
+    """The config field with one expert's MLP width where it is not ``intermediate_size`` (Qwen-MoE's
+    ``moe_intermediate_size``); ``None``: ``intermediate_size``."""
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,6 @@ FAMILY = Family(
     attention="Qwen3MoeAttention", decoder_layer="Qwen3MoeDecoderLayer", norm="Qwen3MoeRMSNorm", head_norms=True,
     mlp="sparse MoE: top-k of fused experts (gate_up_proj, down_proj) by a linear router",
     mlp_classes=("Qwen3MoeSparseMoeBlock", "Qwen3MoeMLP"),
-    router=Router(module="Qwen3MoeTopKRouter", num_experts="num_experts"),
+    router=Router(module="Qwen3MoeTopKRouter", num_experts="num_experts", expert_width="moe_intermediate_size"),
     checks=(sliding_window_check("use_sliding_window", "set use_sliding_window=False"),),
 )

@@ -28,8 +28,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.tensor import DTensor
 
+from lightning_fpdt.integrations.adapters import whole_on_cpu
 from lightning_fpdt.lightning_private import _METADATA_FILENAME
 from lightning_fpdt.models.llama import NAMED_CONFIGS, LlamaConfig
 from lightning_fpdt.strategy.checkpoint import check_checkpoint_complete, verify_checksums
@@ -170,8 +170,7 @@ def adapter_model(module: nn.Module) -> nn.Module:
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """Every entry of ``model``'s state dict whole, on the CPU: FSDP2's sharded parameters all-gathered. Collective
     when the model is sharded: every rank calls it."""
-    return {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
-            for name, value in model.state_dict().items()}
+    return {name: whole_on_cpu(value) for name, value in model.state_dict().items()}
 
 
 def save_adapters(module: nn.Module, directory: Union[str, Path], *, merged: bool = False,

@@ -46,15 +46,15 @@ def keep_trained_adapters(module: nn.Module) -> None:
         elif on_host:
             kept = "the trainable weights live on the host (cpu_offload_params) and were not gathered after fit"
         else:
-            kept = {name: _whole(p) for name, p in trainable}
+            kept = {name: whole_on_cpu(p) for name, p in trainable}
         setattr(wrapper, _KEPT, kept)
         if not hasattr(wrapper, _WRAPPED):
             _wrap_save_pretrained(wrapper)
 
 
-def _whole(parameter: Tensor) -> Tensor:
-    value = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
-    return value.detach().to("cpu", copy=True)
+def whole_on_cpu(value: Tensor) -> Tensor:
+    """``value`` whole on the CPU: an FSDP2 shard all-gathered (collective), any other tensor as it is."""
+    return (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
 
 
 def _wrap_save_pretrained(wrapper: nn.Module) -> None:

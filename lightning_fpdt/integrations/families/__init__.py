@@ -46,7 +46,13 @@ REFUSED: dict[str, tuple[str, str]] = {**gemma.REFUSED, **deepseek.REFUSED}
 def family_of(model: nn.Module) -> Optional[Family]:
     """The family of a transformers model (its text config's ``model_type``), ``None`` for one not in the registry."""
     config = getattr(model, "config", None)
-    return FAMILIES.get(getattr(text_config(config), "model_type", None)) if config is not None else None
+    return family_of_config(config) if config is not None else None
+
+
+def family_of_config(config: Any) -> Optional[Family]:
+    """The family of a Hugging Face config (or a namespace of one) by its text config's ``model_type``; ``None`` for
+    one not in the registry."""
+    return FAMILIES.get(getattr(text_config(config), "model_type", None))
 
 
 def family_geometry(config: Any) -> dict[str, Any]:
@@ -54,8 +60,7 @@ def family_geometry(config: Any) -> dict[str, Any]:
     says of its geometry, as :class:`~lightning_fpdt.flops.ModelGeometry` fields: ``head_norms`` (each head's q and k
     normalised) and, for a mixture of experts, ``num_experts``, ``experts_per_token`` and the experts' width, read
     from the config fields its router names. Empty for a family not known."""
-    text = text_config(config)
-    family = FAMILIES.get(getattr(text, "model_type", None))
+    text, family = text_config(config), family_of_config(config)
     if family is None:
         return {}
     fields: dict[str, Any] = {"head_norms": family.head_norms}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,18 +40,50 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_rank(group)
 
 
+class Exchange:
+    """One equal-split all-to-all over ``blocks``, each ``(P, …)`` indexed by destination (any strides: each is copied
+    once, straight into the send buffer). ``start`` queues it on the communication stream and returns at once;
+    ``wait`` makes the current stream wait for it (the host does not) and returns the blocks indexed by source, as
+    views of the receive buffer. Until ``wait`` the collective may still run: that is the time other work overlaps
+    it. ``wait`` before ``start``, or twice, raises ``RuntimeError``."""
+
+    def __init__(self, blocks: list[Tensor], group: Optional[dist.ProcessGroup], sp_size: int) -> None:
+        self._blocks, self._group, self._sp_size = blocks, group, sp_size
+        self._work: Optional[Any] = None
+        self._received: Optional[list[Tensor]] = None
+        self._state = "new"
+
+    def start(self) -> "Exchange":
+        if self._state != "new":
+            raise RuntimeError(f"Exchange.start called on an exchange that is {self._state}")
+        blocks, self._blocks = self._blocks, []
+        self._state = "started"
+        if self._sp_size == 1:
+            self._received = [b.contiguous() for b in blocks]  # the outputs own their memory, as after an exchange
+            return self
+        sizes = [b[0].numel() for b in blocks]
+        send = blocks[0].new_empty((self._sp_size, sum(sizes)))  # (P, sum n_t)
+        for piece, block in zip(send.split(sizes, dim=1), blocks):
+            piece.view(block.shape).copy_(block)
+        recv = torch.empty_like(send)
+        self._work = dist.all_to_all_single(recv, send, group=self._group, async_op=True)
+        self._received = [r.view(b.shape) for r, b in zip(recv.split(sizes, dim=1), blocks)]
+        return self
+
+    def wait(self) -> list[Tensor]:
+        if self._state != "started":
+            raise RuntimeError(f"Exchange.wait called on an exchange that is {self._state} (start it once, wait once)")
+        self._state = "done"
+        if self._work is not None:
+            self._work.wait()  # the current stream waits for the collective; the send buffer is released with it
+            self._work = None
+        received, self._received = self._received, None
+        return received
+
+
 def _exchange(blocks: list[Tensor], group: Optional[dist.ProcessGroup], sp_size: int) -> list[Tensor]:
-    """One all-to-all over ``blocks``, each ``(P, …)`` indexed by destination (any strides: each is copied once,
-    straight into the send buffer); returns them indexed by source."""
-    if sp_size == 1:
-        return [b.contiguous() for b in blocks]  # the outputs own their memory, as after an exchange
-    sizes = [b[0].numel() for b in blocks]
-    send = blocks[0].new_empty((sp_size, sum(sizes)))  # (P, sum n_t)
-    for piece, block in zip(send.split(sizes, dim=1), blocks):
-        piece.view(block.shape).copy_(block)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return [r.view(b.shape) for r, b in zip(recv.split(sizes, dim=1), blocks)]
+    """One all-to-all over ``blocks`` (:class:`Exchange`), waited for at once."""
+    return Exchange(blocks, group, sp_size).start().wait()
 
 
 def _exchange_uneven(send: list[list[Tensor]], recv_shapes: list[list[tuple[int, ...]]],
@@ -98,7 +130,7 @@ def _seq_to_head_uneven(tensors: Sequence[Tensor], group: Optional[dist.ProcessG
 
 def _head_to_seq_uneven(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup],
                         ranges: Sequence[HeadRanges]) -> list[Tensor]:
-    sp_size, rank = group_size(group), group_rank(group)
+    sp_size = group_size(group)
     # (B, h_r, P·s, D) -slice tokens of rank p-> (B, h_r, s, D) -transpose-> (B, s, h_r, D): piece p goes back to p
     send = [[x.unflatten(2, (sp_size, -1))[:, :, p].transpose(1, 2) for x in tensors] for p in range(sp_size)]
     recv_shapes = [[(x.shape[0], x.shape[2] // sp_size, heads[p][1] - heads[p][0], x.shape[3])
@@ -165,6 +197,49 @@ def head_to_seq(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup],
         # (P, B, s, h/P, D) indexed by source rank (= head block) -permute-> (B, s, P, h/P, D) -> (B, s, h, D)
         out.append(y.permute(1, 2, 0, 3, 4).reshape(b, s, p * hp, d))
     return out
+
+
+def seq_to_head_piece(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup], piece: int,
+                      num_pieces: int) -> Exchange:
+    """:func:`seq_to_head` of head piece ``piece`` of ``num_pieces`` (even split), started: ``wait`` gives each
+    tensor's ``(P, B, h/(P·G), s, D)`` by source rank, for :func:`place_heads`. Rank ``r`` receives heads
+    ``r·h/P + piece·h/(P·G) …`` of every source's ``s`` tokens: the pieces of one tensor together are
+    :func:`seq_to_head`'s result, so one piece's attention can run while the next piece travels."""
+    sp_size = group_size(group)
+    blocks = []
+    for x in tensors:
+        b, s, h, d = x.shape
+        assert h % (sp_size * num_pieces) == 0, "head pieces are chosen to divide every rank's heads"
+        # (B, s, h, D) -reshape-> (B, s, P, G, h/(P·G), D) -piece, permute-> (P, B, h/(P·G), s, D): block p to rank p
+        blocks.append(x.reshape(b, s, sp_size, num_pieces, h // (sp_size * num_pieces), d)[:, :, :, piece]
+                      .permute(2, 0, 3, 1, 4))
+    return Exchange(blocks, group, sp_size).start()
+
+
+def place_heads(received: Tensor, heads: Tensor) -> Tensor:
+    """A received piece ``(P, B, h', s, D)`` by source rank -permute-> ``heads`` ``(B, h', P·s, D)`` (one copy, the
+    one :func:`seq_to_head` makes); returns ``heads``."""
+    p, b, hp, s, d = received.shape
+    heads.view(b, hp, p, s, d).copy_(received.permute(1, 2, 0, 3, 4))
+    return heads
+
+
+def head_to_seq_piece(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup]) -> Exchange:
+    """:func:`head_to_seq` of one head piece ``(B, h', P·s, D)`` per tensor, started: ``wait`` gives each tensor's
+    ``(P, B, s, h', D)`` by source rank (= the rank whose heads they are), for :func:`place_tokens`."""
+    sp_size = group_size(group)
+    # (B, h', P·s, D) -reshape-> (B, h', P, s, D) -permute-> (P, B, s, h', D): piece p goes back to rank p
+    blocks = [x.unflatten(2, (sp_size, -1)).permute(2, 0, 3, 1, 4) for x in tensors]
+    return Exchange(blocks, group, sp_size).start()
+
+
+def place_tokens(received: Tensor, tokens: Tensor, piece: int, num_pieces: int) -> Tensor:
+    """A received piece ``(P, B, s, h', D)`` by source rank into its heads of ``tokens`` ``(B, s, H, D)`` (head piece
+    ``piece`` of every rank's ``H/P``); returns ``tokens``."""
+    p, b, s, hp, d = received.shape
+    # (B, s, H, D) -view-> (B, s, P, G, h', D) -piece-> (B, s, P, h', D) <-permute- (P, B, s, h', D)
+    tokens.view(b, s, p, num_pieces, hp, d)[:, :, :, piece].copy_(received.permute(1, 2, 0, 3, 4))
+    return tokens
 
 
 class _SeqToHead(torch.autograd.Function):

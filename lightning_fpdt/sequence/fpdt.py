@@ -27,16 +27,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_fpdt.sequence.all_to_all import group_rank, group_size, head_to_seq, seq_to_head
+from lightning_fpdt.sequence.all_to_all import (
+    group_rank,
+    group_size,
+    head_to_seq,
+    head_to_seq_piece,
+    place_heads,
+    place_tokens,
+    seq_to_head,
+    seq_to_head_piece,
+)
 from lightning_fpdt.sequence.blocks import (
     FirstPass,
     check_call,
-    merge_partial,
     replicate_kv_heads,
     softmax_scale,
     sum_kv_replicas,
 )
-from lightning_fpdt.sequence.documents import BlockPlan, DocumentBoundaries, Segment
+from lightning_fpdt.sequence.documents import DocumentBoundaries
+from lightning_fpdt.sequence.fpdt_blocks import block_backward, block_forward, kv_chunks_read, q_chunks_reading
 from lightning_fpdt.sequence.heads import HeadSplit
 from lightning_fpdt.offload.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.kernels import BlockKernel, VarlenFlashKernel, accumulation_dtype, make_kernel
@@ -55,6 +64,7 @@ class FPDTPlan:
     kv_index: Optional[Tensor] = None  # (h_r,) this rank's kv head per q head, when the kernels' grouping is not it
     documents: Optional[DocumentBoundaries] = None  # packed documents: per-document causal masking
     varlen: Optional[VarlenFlashKernel] = None  # packed documents on CUDA: a block's segments in one call
+    head_pieces: int = 1  # one chunk of an even split: pieces whose all-to-alls overlap attention (_ulysses_forward)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, stash: ChunkStash, save_for_backward: bool) -> Tensor:
         """The forward loop alone (:func:`fpdt_forward`): what a checkpoint's first pass records."""
@@ -66,176 +76,98 @@ class FPDTPlan:
         return _FPDTAttentionFunction.apply(query, key, value, self, stashes, save, first_pass)
 
 
-def _block_plans(plan: FPDTPlan, q_chunk: int, kv_chunk: int, chunk_len: int) -> Optional[list[BlockPlan]]:
-    """The per-document kernel calls of block ``(q_chunk, kv_chunk)``; ``None``: one plain call (no documents, or
-    one document covering the whole block for every batch item); ``[]``: skip the block."""
-    if plan.documents is None:
-        return None
-    q_range = (q_chunk * chunk_len, (q_chunk + 1) * chunk_len)
-    kv_range = (kv_chunk * chunk_len, (kv_chunk + 1) * chunk_len)
-    block_plans = plan.documents.block_plans(q_range, kv_range)
-    whole_block = (Segment(0, chunk_len, 0, chunk_len, causal=q_chunk == kv_chunk),)
-    if block_plans == [BlockPlan(0, plan.documents.batch_size, whole_block)]:
-        return None  # the whole block lies in one document for every item
-    return block_plans
-
-
-def _kv_chunks_read(plan: FPDTPlan, q_chunk: int, chunk_len: int) -> list[int]:
-    """The kv chunks ``j <= q_chunk`` that q chunk ``q_chunk`` reads: all of them, or (packed documents) those sharing
-    a document with it; the diagonal always. Skipped chunks are neither computed nor fetched from the stash."""
-    return [j for j in range(q_chunk + 1) if _block_plans(plan, q_chunk, j, chunk_len) != []]
-
-
-def _q_chunks_reading(plan: FPDTPlan, kv_chunk: int, chunk_len: int) -> list[int]:
-    """The q chunks ``i >= kv_chunk`` that read kv chunk ``kv_chunk`` (see :func:`_kv_chunks_read`)."""
-    return [i for i in range(kv_chunk, plan.layout.num_chunks) if _block_plans(plan, i, kv_chunk, chunk_len) != []]
-
-
-def _expand_kv(plan: FPDTPlan, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """An uneven split's kv heads for one kernel call: ``(B, hk_r, C, D) -index_select-> (B, h_r, C, D)``, local q
-    head ``i`` reading kv head ``kv_index[i]``; unchanged when the kernels group the q heads over the kv heads
-    themselves (every even split, and the uneven ranks whose heads happen to group evenly)."""
-    if plan.kv_index is None:
-        return k, v
-    return k.index_select(1, plan.kv_index), v.index_select(1, plan.kv_index)
-
-
-def _reduce_kv_grads(plan: FPDTPlan, dk: Tensor, dv: Tensor, kv_heads: int) -> tuple[Tensor, Tensor]:
-    """The backward of :func:`_expand_kv`: ``(B, h_r, C, D) -index_add-> (B, hk_r, C, D)``, each kv head's gradient
-    the sum over the q heads that read it, in the accumulation dtype."""
-    if plan.kv_index is None:
-        return dk, dv
-    acc = accumulation_dtype(dk.dtype)
-    shape = (dk.shape[0], kv_heads, *dk.shape[2:])
-    return tuple(torch.zeros(shape, dtype=acc, device=g.device).index_add_(1, plan.kv_index, g.to(acc))
-                 for g in (dk, dv))
-
-
-def _block_forward(
-    plan: FPDTPlan, q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
-    out: Optional[Tensor], lse: Optional[Tensor],
-) -> tuple[Tensor, Tensor]:
-    """Attend q chunk ``q_chunk`` (B, H/P, C, D) to kv chunk ``kv_chunk`` and merge into the running ``(out, lse)``.
-
-    One kernel call, or (packed documents) one per document segment merged into its q rows; rows a block gives no
-    key keep ``lse = -inf``, ``out = 0`` until a later block does (every row has its own diagonal block).
-    """
-    k, v = _expand_kv(plan, k, v)
-    causal = q_chunk == kv_chunk
-    block_plans = _block_plans(plan, q_chunk, kv_chunk, q.shape[2])
-    if block_plans is None:
-        block_out, block_lse = plan.kernel.forward(q, k, v, causal=causal, scale=plan.scale)
-        return merge_partial(out, lse, block_out, block_lse)
-    assert block_plans, "skipped blocks are not computed"
-    if plan.varlen is not None:
-        return _varlen_block_forward(plan, q, k, v, q_chunk, kv_chunk, out, lse)
-    if out is None:
-        acc = accumulation_dtype(q.dtype)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H/P, C, D)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)  # (B, H/P, C)
-    for items in block_plans:
-        b = slice(items.batch_start, items.batch_end)
-        for seg in items.segments:
-            rows, keys = slice(seg.q_start, seg.q_end), slice(seg.k_start, seg.k_end)
-            seg_out, seg_lse = plan.kernel.forward(
-                q[b, :, rows], k[b, :, keys], v[b, :, keys], causal=seg.causal, scale=plan.scale
-            )
-            out[b, :, rows], lse[b, :, rows] = merge_partial(out[b, :, rows], lse[b, :, rows], seg_out, seg_lse)
-    return out, lse
-
-
-def _block_backward(
-    plan: FPDTPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of block ``(q_chunk, kv_chunk)`` given the final ``out, lse`` (never a skipped block); the
-    kv gradients for the rank's ``hk_r`` kv heads (:func:`_expand_kv`)."""
-    kv_heads = k.shape[1]
-    k, v = _expand_kv(plan, k, v)
-    dq, dk, dv = _block_backward_heads(plan, dout, q, k, v, out, lse, q_chunk, kv_chunk)
-    return (dq, *_reduce_kv_grads(plan, dk, dv, kv_heads))
-
-
-def _block_backward_heads(
-    plan: FPDTPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int,
-    kv_chunk: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_block_backward` for kv heads the kernels group the q heads over.
-
-    Packed documents: each segment's gradients go to its q rows and key rows (fp32 sums; a key row can serve
-    several segments only within one document, never across).
-    """
-    causal = q_chunk == kv_chunk
-    block_plans = _block_plans(plan, q_chunk, kv_chunk, q.shape[2])
-    if block_plans is None:
-        return plan.kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=plan.scale)
-    assert block_plans, "skipped blocks are not computed"
-    if plan.varlen is not None:
-        return _varlen_block_backward(plan, dout, q, k, v, out, lse, q_chunk, kv_chunk)
-    acc = accumulation_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H/P, C, D)
-    dk, dv = (torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2))  # (B, Hkv/P, C, D)
-    for items in block_plans:
-        b = slice(items.batch_start, items.batch_end)
-        for seg in items.segments:
-            rows, keys = slice(seg.q_start, seg.q_end), slice(seg.k_start, seg.k_end)
-            seg_dq, seg_dk, seg_dv = plan.kernel.backward(
-                dout[b, :, rows], q[b, :, rows], k[b, :, keys], v[b, :, keys], out[b, :, rows], lse[b, :, rows],
-                causal=seg.causal, scale=plan.scale,
-            )
-            dq[b, :, rows] += seg_dq
-            dk[b, :, keys] += seg_dk
-            dv[b, :, keys] += seg_dv
-    return dq, dk, dv
-
-
 def _chunk(plan: FPDTPlan, x: Tensor, index: int) -> Tensor:
     return plan.layout.local_chunk(x, index, dim=1)
 
 
-def _packed_rows(plan: FPDTPlan, q: Tensor, q_chunk: int, kv_chunk: int):
-    chunk_len = q.shape[2]
-    return plan.documents.packed_rows((q_chunk * chunk_len, (q_chunk + 1) * chunk_len),
-                                      (kv_chunk * chunk_len, (kv_chunk + 1) * chunk_len), q.device)
+ULYSSES_HEAD_PIECES = 2
+"""Head pieces of the one-chunk path (Ulysses) on several ranks: while one piece's attention computes, the next
+piece's q, k, v arrive and the last one's output leaves, so a layer's all-to-alls wait on the step's path for one
+piece only (one of ``G`` of their time) instead of all of it."""
 
 
-def _varlen_block_forward(
-    plan: FPDTPlan, q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
-    out: Optional[Tensor], lse: Optional[Tensor],
-) -> tuple[Tensor, Tensor]:
-    """All segments of a block, over the whole batch, in one varlen call; rows without a segment get no key."""
-    rows = _packed_rows(plan, q, q_chunk, kv_chunk)
-    # (B, h, C, D) -transpose-> (B, C, h, D) -gather segments' tokens-> (N, h, D)
-    q_packed = q.transpose(1, 2)[rows.q_items, rows.q_rows]
-    k_packed, v_packed = (x.transpose(1, 2)[rows.k_items, rows.k_rows] for x in (k, v))
-    seg_out, seg_lse = plan.varlen.forward(q_packed, k_packed, v_packed, rows.cum_q, rows.cum_k, rows.max_q,
-                                           rows.max_k, causal=rows.causal, scale=plan.scale)  # (N, h, D), (h, N)
-    block_out = torch.zeros_like(q)  # (B, h, C, D)
-    block_lse = torch.full(q.shape[:3], float("-inf"), dtype=seg_lse.dtype, device=q.device)  # (B, h, C)
-    block_out.transpose(1, 2)[rows.q_items, rows.q_rows] = seg_out  # written through the view
-    block_lse.transpose(1, 2)[rows.q_items, rows.q_rows] = seg_lse.t()
-    return merge_partial(out, lse, block_out, block_lse)
+def head_pieces_for(heads: HeadSplit, num_chunks: int) -> int:
+    """The head pieces ``G`` of the one-chunk path: :data:`ULYSSES_HEAD_PIECES` where every rank's query and kv heads
+    split into that many (an even split with one chunk on several ranks), else 1."""
+    if num_chunks != 1 or not heads.even or heads.sp_size == 1:
+        return 1
+    q_heads = heads.num_heads // heads.sp_size
+    kv_heads = heads.num_kv_heads * heads.kv_repeat // heads.sp_size  # after replication: one or more a rank
+    pieces = ULYSSES_HEAD_PIECES
+    return pieces if q_heads % pieces == 0 and kv_heads % pieces == 0 else 1
 
 
-def _varlen_block_backward(
-    plan: FPDTPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward of :func:`_varlen_block_forward` with the final ``out, lse``; zero where no segment reaches."""
-    rows = _packed_rows(plan, q, q_chunk, kv_chunk)
-    q_side = [x.transpose(1, 2)[rows.q_items, rows.q_rows] for x in (dout, q, out)]  # (N, h, D) each
-    lse_packed = lse.transpose(1, 2)[rows.q_items, rows.q_rows].t().contiguous()  # (B, h, C) -> (h, N)
-    k_packed, v_packed = (x.transpose(1, 2)[rows.k_items, rows.k_rows] for x in (k, v))
-    dq_packed, dk_packed, dv_packed = plan.varlen.backward(
-        q_side[0], q_side[1], k_packed, v_packed, q_side[2], lse_packed, rows.cum_q, rows.cum_k, rows.max_q,
-        rows.max_k, causal=rows.causal, scale=plan.scale,
-    )
-    acc = accumulation_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, h, C, D)
-    dk, dv = (torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2))
-    # a block's segments are distinct documents: no token appears twice, plain writes suffice
-    dq.transpose(1, 2)[rows.q_items, rows.q_rows] = dq_packed.to(acc)
-    dk.transpose(1, 2)[rows.k_items, rows.k_rows] = dk_packed.to(acc)
-    dv.transpose(1, 2)[rows.k_items, rows.k_rows] = dv_packed.to(acc)
-    return dq, dk, dv
+def _piece(x: Tensor, piece: int, num_pieces: int) -> Tensor:
+    # (B, h, ...) -> (B, h/G, ...): head piece `piece` of `num_pieces` (a view)
+    return x.unflatten(1, (num_pieces, -1))[:, piece]
+
+
+def _ulysses_forward(q: Tensor, k: Tensor, v: Tensor, plan: FPDTPlan, stash: ChunkStash,
+                     save_for_backward: bool) -> Tensor:
+    """The one-chunk loop of an even split (Ulysses), in ``G`` head pieces (:func:`head_pieces_for`).
+
+    Every piece's all-to-all starts at once; they travel one after another on the communication stream while the
+    pieces before them attend, and each piece's output leaves while the next attends. The stash gets the whole
+    head-sharded ``q, k, v, lse`` (chunk 0) as the chunk loop stashes them, so either backward reads them.
+    """
+    num_pieces, group = plan.head_pieces, plan.group
+    k, v = replicate_kv_heads(k, v, plan.heads.kv_repeat)  # (B, S/P, Hkv, D) -> (B, S/P, P, D) when P > Hkv
+    # (B, S/P, H, D) -piece g of each rank's heads-> (P, B, H/(P·G), S/P, D) -all_to_all-> by source; k, v alike
+    arriving = [seq_to_head_piece([q, k, v], group, g, num_pieces) for g in range(num_pieces)]
+    batch, seq, sp_size = q.shape[0], q.shape[1] * plan.layout.sp_size, plan.layout.sp_size
+    q_heads, k_heads, v_heads = (x.new_empty((batch, x.shape[2] // sp_size, seq, x.shape[3])) for x in (q, k, v))
+    lse_heads: Optional[Tensor] = None  # (B, H/P, S), in the kernel's dtype for it
+    leaving = []
+    for g, exchange in enumerate(arriving):
+        # (P, B, H/(P·G), S/P, D) by source -> (B, H/(P·G), S, D): piece g of this rank's heads, all tokens
+        q_g, k_g, v_g = (place_heads(y, _piece(x, g, num_pieces))
+                         for y, x in zip(exchange.wait(), (q_heads, k_heads, v_heads)))
+        out_g, lse_g = block_forward(plan, q_g, k_g, v_g, 0, 0, None, None)
+        if lse_heads is None:
+            lse_heads = lse_g.new_empty(q_heads.shape[:3])
+        _piece(lse_heads, g, num_pieces).copy_(lse_g)
+        # (B, H/(P·G), S, D) -all_to_all-> (P, B, S/P, H/(P·G), D) by source: back to the tokens' ranks
+        leaving.append(head_to_seq_piece([out_g.to(q.dtype)], group))
+    out_local = torch.empty_like(q)  # (B, S/P, H, D)
+    for g, exchange in enumerate(leaving):
+        place_tokens(exchange.wait()[0], out_local, g, num_pieces)
+    if save_for_backward:
+        for name, x in (("q", q_heads), ("k", k_heads), ("v", v_heads), ("lse", lse_heads)):
+            stash.put((name, 0), x)
+    return out_local
+
+
+def _ulysses_backward(dout: Tensor, out: Tensor, plan: FPDTPlan, stash: ChunkStash, q_meta: Tensor,
+                      kv_meta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of :func:`_ulysses_forward`, in the same head pieces: each piece's ``dout, out`` arrive while the
+    piece before computes, and its ``dq, dk, dv`` leave while the next computes. One block: every gradient is
+    complete from its one kernel call, nothing summed in the accumulation dtype."""
+    num_pieces, group = plan.head_pieces, plan.group
+    arriving = [seq_to_head_piece([dout, out], group, g, num_pieces) for g in range(num_pieces)]
+    names = ("q", "k", "v", "lse")
+    for name in names:
+        stash.prefetch((name, 0))
+    q_heads, k_heads, v_heads, lse_heads = (stash.get((name, 0)) for name in names)
+    repeat = plan.heads.kv_repeat
+    dq_local = torch.empty(q_meta.shape, dtype=q_meta.dtype, device=dout.device)  # (B, S/P, H, D)
+    kv_shape = (*kv_meta.shape[:2], kv_meta.shape[2] * repeat, kv_meta.shape[3])  # replicated kv heads, if any
+    dk_local, dv_local = (torch.empty(kv_shape, dtype=kv_meta.dtype, device=dout.device) for _ in range(2))
+    leaving = []
+    for g, exchange in enumerate(arriving):
+        dout_g, out_g = (place_heads(y, y.new_empty((y.shape[1], y.shape[2], y.shape[0] * y.shape[3], y.shape[4])))
+                         for y in exchange.wait())  # (B, H/(P·G), S, D) each
+        dq, dk, dv = block_backward(plan, dout_g, _piece(q_heads, g, num_pieces), _piece(k_heads, g, num_pieces),
+                                    _piece(v_heads, g, num_pieces), out_g, _piece(lse_heads, g, num_pieces), 0, 0)
+        leaving.append(head_to_seq_piece([dq.to(q_meta.dtype), dk.to(kv_meta.dtype), dv.to(kv_meta.dtype)], group))
+    for name in names:
+        stash.release((name, 0))
+    for g, exchange in enumerate(leaving):
+        for y, x in zip(exchange.wait(), (dq_local, dk_local, dv_local)):
+            place_tokens(y, x, g, num_pieces)
+    for name in names:
+        stash.free((name, 0))
+    dk_local, dv_local = sum_kv_replicas(dk_local, dv_local, repeat)
+    return dq_local, dk_local, dv_local
 
 
 def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: FPDTPlan, stash: ChunkStash, save_for_backward: bool) -> Tensor:
@@ -247,11 +179,13 @@ def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: FPDTPlan, stash: ChunkSt
     :func:`fpdt_backward`).
     While block ``(i, j)`` computes, kv chunk ``j + 1`` (the next one read) is on its way back (double buffer).
     """
+    if plan.layout.num_chunks == 1 and plan.heads.even:
+        return _ulysses_forward(q, k, v, plan, stash, save_for_backward)
     num_chunks = plan.layout.num_chunks
     chunk_len = q.shape[1] // num_chunks * plan.layout.sp_size  # C: global tokens per chunk
     out_local = torch.empty_like(q)  # (B, S/P, H, D)
     for i in range(num_chunks):
-        kv_chunks = _kv_chunks_read(plan, i, chunk_len)  # 0 … i, less the blocks packed documents skip
+        kv_chunks = kv_chunks_read(plan, i, chunk_len)  # 0 … i, less the blocks packed documents skip
         if kv_chunks[0] < i:
             stash.prefetch(("k", kv_chunks[0]))  # overlaps the all-to-all below
             stash.prefetch(("v", kv_chunks[0]))
@@ -271,7 +205,7 @@ def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: FPDTPlan, stash: ChunkSt
                 stash.prefetch(("v", kv_chunks[n + 1]))
             k_j = k_heads if j == i else stash.get(("k", j))
             v_j = v_heads if j == i else stash.get(("v", j))
-            out_acc, lse_acc = _block_forward(plan, q_heads, k_j, v_j, i, j, out_acc, lse_acc)
+            out_acc, lse_acc = block_forward(plan, q_heads, k_j, v_j, i, j, out_acc, lse_acc)
             if j < i:
                 stash.release(("k", j))
                 stash.release(("v", j))
@@ -302,6 +236,8 @@ def fpdt_backward(
     local output: its head-sharded chunks travel in the same all-to-all as ``dout``'s (the forward does not stash
     them, which saves a quarter of the stash: the layer keeps its output anyway, for the output projection).
     """
+    if plan.layout.num_chunks == 1 and plan.heads.even:
+        return _ulysses_backward(dout, out, plan, stash, q_meta, kv_meta)
     num_chunks = plan.layout.num_chunks
     acc = accumulation_dtype(q_meta.dtype)
     # q_meta, kv_meta: meta tensors with the inputs' shapes and dtypes (the inputs themselves are not kept)
@@ -325,7 +261,7 @@ def fpdt_backward(
             stash.prefetch(("v", j + 1))
         dk_acc = torch.zeros(k_j.shape, dtype=acc, device=k_j.device)
         dv_acc = torch.zeros(v_j.shape, dtype=acc, device=v_j.device)
-        q_chunks = _q_chunks_reading(plan, j, chunk_len)  # j … u - 1, less the blocks packed documents skip
+        q_chunks = q_chunks_reading(plan, j, chunk_len)  # j … u - 1, less the blocks packed documents skip
         for n, i in enumerate(q_chunks):
             next_i = q_chunks[n + 1] if n + 1 < len(q_chunks) else None
             if j == 0:  # every chunk's dout, also of q chunks this step skips: later steps read them
@@ -337,7 +273,7 @@ def fpdt_backward(
                 if ("dq", next_i) in dq_store:
                     dq_store.prefetch(("dq", next_i))
             q_i, out_i, lse_i, dout_i = (stash.get((name, i)) for name in Q_SIDE)
-            dq, dk, dv = _block_backward(plan, dout_i, q_i, k_j, v_j, out_i, lse_i, i, j)
+            dq, dk, dv = block_backward(plan, dout_i, q_i, k_j, v_j, out_i, lse_i, i, j)
             for name in Q_SIDE:
                 stash.release((name, i))
             if ("dq", i) in dq_store:
@@ -452,6 +388,7 @@ def make_plan(
         kv_index=_local_kv_index(heads, group_rank(group), query.device),
         documents=documents,
         varlen=varlen_kernel_for(backend, query.device, query.dtype) if documents is not None else None,
+        head_pieces=head_pieces_for(heads, layout.num_chunks),
     )
 
 

@@ -63,8 +63,11 @@ def _cases(sp_size: int) -> list[dict]:
             for seq_len in (sp_size * num_chunks * 3, sp_size * num_chunks * 3 + 1):  # exact and needing padding
                 cases.append(dict(seq_len=seq_len, num_chunks=num_chunks, heads=heads, dtype=torch.float64,
                                   backend="math", seed=len(cases)))
-    # chunks through the host stash (and the partial dQ sums too), every GQA kind
+    # chunks through the host stash (and the partial dQ sums too), every GQA kind; one chunk (the Ulysses loop, in
+    # head pieces where the heads split) through the host stash too
     for heads in HEADS[sp_size]:
+        cases.append(dict(seq_len=sp_size * 3 + 1, num_chunks=1, heads=heads, dtype=torch.float64, backend="math",
+                          seed=70 + len(cases), offload=True))
         cases.append(dict(seq_len=sp_size * 4 * 2 + 1, num_chunks=4, heads=heads, dtype=torch.float64, backend="math",
                           seed=50 + len(cases), offload=True, offload_dq=len(cases) % 2 == 0))
     # the CPU flash op in fp32, on the GQA case with the most blocks

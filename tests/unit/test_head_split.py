@@ -68,3 +68,38 @@ def test_planner_counts_the_busiest_rank():
     assert sizes.attention_heads == 33 and sizes.attn_width == 32 * 128
     assert resolve_sizes(world_size=4, devices_per_node=4, data_parallel_size="auto", sequence_parallel_size="auto",
                          heads=(14, 2)) == (1, 4)
+
+
+@pytest.mark.parametrize(("heads", "sp_size", "num_chunks", "pieces"), [
+    ((32, 8), 4, 1, 2),  # Llama-3-8B on 4 ranks: 8 q and 2 kv heads a rank split in two
+    ((32, 8), 8, 1, 1),  # one kv head a rank: nothing to split it into
+    ((32, 8), 16, 1, 1),  # kv heads replicated: one a rank
+    ((32, 8), 4, 2, 1),  # chunks: the chunk loop, not the one-chunk path
+    ((32, 8), 1, 1, 1),  # one rank: no all-to-all to hide
+    ((14, 2), 4, 1, 1),  # uneven split: the unequal all-to-all, whole
+])
+def test_head_pieces_of_the_one_chunk_path(heads, sp_size, num_chunks, pieces):
+    """The one-chunk path splits every rank's q and kv heads into ULYSSES_HEAD_PIECES where they divide, else 1."""
+    from lightning_fpdt.sequence.fpdt import ULYSSES_HEAD_PIECES, head_pieces_for
+
+    assert ULYSSES_HEAD_PIECES == 2
+    split = HeadSplit(num_heads=heads[0], num_kv_heads=heads[1], sp_size=sp_size)
+    assert head_pieces_for(split, num_chunks) == pieces
+
+
+def test_exchange_life_cycle():
+    """An exchange starts once and is waited for once: misuse raises RuntimeError; one rank returns its blocks."""
+    import torch
+
+    from lightning_fpdt.sequence.all_to_all import Exchange
+
+    block = torch.randn(1, 3, 4)
+    exchange = Exchange([block.transpose(1, 2)], None, 1)
+    with pytest.raises(RuntimeError, match="start it once, wait once"):
+        exchange.wait()
+    (received,) = exchange.start().wait()
+    assert torch.equal(received, block.transpose(1, 2)) and received.is_contiguous()
+    with pytest.raises(RuntimeError, match="wait called on an exchange that is done"):
+        exchange.wait()
+    with pytest.raises(RuntimeError, match="start called on an exchange that is done"):
+        exchange.start()

@@ -23,6 +23,7 @@ from lightning_fpdt.memory import (
     tiled_mlp,
 )
 from lightning_fpdt.memory import tiled_loss as tiled_loss_module
+from lightning_fpdt.memory.tiled_mlp import LinearGradients
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM, LlamaMLP
 from tests.dist.training import LitLM, TokenDataset, full_state, trainer_kwargs
 
@@ -147,6 +148,231 @@ def test_tiled_mlp_finds_llama_mlps_once():
     assert all(getattr(f, "__wrapped__", None) is not None for f in forwards)
     callback.fpdt_transform(model, list(model.model.layers))
     assert [layer.mlp.forward for layer in model.model.layers] == forwards
+
+
+# ---- TiledMLP: Linear gradients summed inside the matmul ------------------------------------------------------------
+# fp64: the matmul path only regroups the sums (per tile, then over tiles) of products that are exact to ~1e-16, so
+# every gradient is the untiled one's to ~1e-15 relative; 1e-12 leaves room for the tile count and nothing else.
+EXACT = 1e-12
+
+
+def assert_exact(got: torch.Tensor, want: torch.Tensor, name: str = "") -> None:
+    error = ((got - want).norm() / want.norm()).item()
+    assert error < EXACT, f"{name}: relative error {error:.2e}"
+
+
+class GatedMLP(nn.Module):
+    """gate/up/down with a trainable scale on the hidden product and a norm inside: parameters of no Linear."""
+
+    def __init__(self, scaled: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.gate_proj, self.up_proj = nn.Linear(16, 40, bias=False), nn.Linear(16, 40, bias=False)
+        self.down_proj = nn.Linear(40, 16, bias=False)
+        self.scale = nn.Parameter(torch.rand(40) + 0.5) if scaled else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x) if self.scale is not None else x
+        hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(hidden * self.scale if self.scale is not None else hidden)
+
+
+class LoraLinear(nn.Module):
+    """A LoRA-adapted Linear: the frozen base plus B(A(x)), A and B plain Linears."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base_layer = nn.Linear(in_features, out_features).requires_grad_(False)
+        self.lora_A = nn.Linear(in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, out_features, bias=False)
+        nn.init.normal_(self.lora_B.weight)  # not zero as at the start of training: every gradient nonzero
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * 2.0
+
+
+class LoraMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = LoraLinear(16, 40), LoraLinear(16, 40), LoraLinear(40, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TwiceMLP(nn.Module):
+    """Calls one Linear twice per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.out = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.inner(torch.tanh(self.inner(x)))))
+
+
+class ReadsWeightMLP(TwiceMLP):
+    """Reads a Linear's weight outside the Linear's forward too (as DoRA reads its adapters' weights)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.inner(x))) * self.inner.weight.norm()
+
+
+class InPlaceMLP(TwiceMLP):
+    """Overwrites a Linear's (3-D, a view) output in place: the output's recorded graph node is replaced."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu_(self.inner(x)))
+
+
+def biased_sequential() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 16))
+
+
+def tiled_against_untiled(mlp: nn.Module, num_tiles: int, monkeypatch, dtype=torch.float64):
+    """Runs ``mlp`` tiled (through apply_tiled_mlp) and an untiled copy on fresh random inputs; returns both
+    modules, both input gradients and how many tiles took the matmul path."""
+    tiles = []
+    accumulate = LinearGradients.accumulate
+    monkeypatch.setattr(LinearGradients, "accumulate", lambda self, *a: tiles.append(1) or accumulate(self, *a))
+    mlp = mlp.to(dtype)
+    ref = copy.deepcopy(mlp)
+    apply_tiled_mlp(mlp, num_tiles=num_tiles, mlp_classes=[type(mlp).__name__])
+    x = torch.randn(2, 7, 16, dtype=dtype, requires_grad=True)  # 14 tokens: 3 and 5 do not divide them
+    x_ref = x.detach().clone().requires_grad_()
+    grad_out = torch.randn(2, 7, 16, dtype=dtype)
+    mlp(x).backward(grad_out)
+    ref(x_ref).backward(grad_out)
+    return mlp, ref, x.grad, x_ref.grad, len(tiles)
+
+
+def assert_grads_exact(mlp: nn.Module, ref: nn.Module) -> None:
+    for (name, p), r in zip(mlp.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (r.grad is None), name
+        if r.grad is not None:
+            assert_exact(p.grad, r.grad, name)
+
+
+@pytest.mark.parametrize("make_mlp", [GatedMLP, biased_sequential], ids=["gated", "sequential"])
+@pytest.mark.parametrize("num_tiles", [3, 5])
+def test_linear_grads_summed_in_matmul_exact(make_mlp, num_tiles, monkeypatch):
+    """Several tiles: every tile takes the matmul path, and the input, weight and bias gradients are the untiled
+    MLP's (fp64)."""
+    mlp, ref, grad_x, grad_x_ref, tiles = tiled_against_untiled(make_mlp(), num_tiles, monkeypatch)
+    assert tiles == num_tiles
+    assert_exact(grad_x, grad_x_ref, "input")
+    assert_grads_exact(mlp, ref)
+
+
+def test_linear_grads_frozen_weight(monkeypatch):
+    """A frozen Linear gets no gradient; the trainable ones equal the untiled MLP's."""
+    mlp = GatedMLP()
+    mlp.up_proj.weight.requires_grad_(False)
+    mlp, ref, grad_x, grad_x_ref, tiles = tiled_against_untiled(mlp, 3, monkeypatch)
+    assert tiles == 3 and mlp.up_proj.weight.grad is None
+    assert_exact(grad_x, grad_x_ref, "input")
+    assert_grads_exact(mlp, ref)
+
+
+def test_linear_grads_lora(monkeypatch):
+    """LoRA-shaped layers: only lora_A and lora_B get gradients (the frozen base none), equal to the untiled."""
+    mlp, ref, grad_x, grad_x_ref, tiles = tiled_against_untiled(LoraMLP(), 3, monkeypatch)
+    assert tiles == 3
+    with_grad = {name for name, p in mlp.named_parameters() if p.grad is not None}
+    assert with_grad == {f"{proj}.lora_{ab}.weight" for proj in ("gate_proj", "up_proj", "down_proj") for ab in "AB"}
+    assert_exact(grad_x, grad_x_ref, "input")
+    assert_grads_exact(mlp, ref)
+
+
+def test_linear_grads_layer_called_twice(monkeypatch):
+    """A Linear called twice in one forward: both calls' products are summed into its gradient, exact."""
+    mlp, ref, grad_x, grad_x_ref, tiles = tiled_against_untiled(TwiceMLP(), 3, monkeypatch)
+    assert tiles == 3
+    assert_exact(grad_x, grad_x_ref, "input")
+    assert_grads_exact(mlp, ref)
+
+
+@pytest.mark.parametrize("make_mlp", [ReadsWeightMLP, InPlaceMLP], ids=["weight-read", "in-place"])
+def test_linear_grads_fall_back_to_autograd(make_mlp, monkeypatch):
+    """A weight used outside its Linear's recorded output: no tile takes the matmul path, autograd's parameter
+    gradients are summed instead, exact."""
+    mlp, ref, grad_x, grad_x_ref, tiles = tiled_against_untiled(make_mlp(), 3, monkeypatch)
+    assert tiles == 0
+    assert_exact(grad_x, grad_x_ref, "input")
+    assert_grads_exact(mlp, ref)
+
+
+def test_linear_grads_with_other_parameters(monkeypatch):
+    """Parameters of no Linear (a norm, a scale vector) keep autograd's gradient per tile; all are exact."""
+    mlp, ref, grad_x, grad_x_ref, tiles = tiled_against_untiled(GatedMLP(scaled=True), 5, monkeypatch)
+    assert tiles == 5
+    assert_exact(grad_x, grad_x_ref, "input")
+    assert_grads_exact(mlp, ref)
+
+
+def test_one_tile_is_plain_autograd_bitwise(monkeypatch):
+    """One tile (bf16): no hooks, no fp32 sums; the gradients are bit for bit autograd's on the whole tile, with or
+    without the Linear layers named."""
+    monkeypatch.setattr(LinearGradients, "__init__", lambda *a: pytest.fail("LinearGradients made for one tile"))
+    mlp = GatedMLP(scaled=True).bfloat16()
+    x = torch.randn(2, 7, 16, dtype=torch.bfloat16)
+    grad_out = torch.randn(2, 7, 16, dtype=torch.bfloat16)
+    results = []
+    for linears in ([m for m in mlp.modules() if isinstance(m, nn.Linear)], ()):
+        mlp.zero_grad(set_to_none=True)
+        x_in = x.clone().requires_grad_()
+        tiled_mlp(mlp, x_in, num_tiles=1, params=list(mlp.parameters()), linears=linears).backward(grad_out)
+        results.append([x_in.grad] + [p.grad for p in mlp.parameters()])
+    mlp.zero_grad(set_to_none=True)
+    x_in = x.clone().requires_grad_()
+    mlp(x_in.view(1, 14, 16)).backward(grad_out.view(1, 14, 16))  # the one tile the tiled MLP runs
+    results.append([x_in.grad] + [p.grad for p in mlp.parameters()])
+    for got in results[:2]:
+        assert all(torch.equal(a, b) for a, b in zip(got, results[2]))
+
+
+def test_linear_grads_bf16_rounded_once():
+    """bf16 over 64 tiles on the matmul path: the weight and bias gradients are as close to the fp64 ones as the
+    untiled MLP's (one matmul, one rounding)."""
+    ref = biased_sequential().double()
+    x = torch.randn(4096, 16, dtype=torch.float64)
+    grad_out = torch.randn(4096, 16, dtype=torch.float64)
+    ref(x).backward(grad_out)
+    errors = {}
+    for num_tiles in (1, 64):
+        mlp = copy.deepcopy(ref).bfloat16()
+        mlp.zero_grad(set_to_none=True)
+        params = list(mlp.parameters())
+        tiled_mlp(mlp, x.bfloat16(), num_tiles=num_tiles, params=params, linears=[mlp[0], mlp[2]]).backward(
+            grad_out.bfloat16())
+        errors[num_tiles] = max(
+            ((p.grad.double() - r.grad).norm() / r.grad.norm()).item() for p, r in zip(params, ref.parameters())
+        )
+    # bf16 has 8 mantissa bits (2^-9 relative rounding); both round each gradient once, from fp32 sums
+    assert errors[64] < 1.5 * errors[1] + 1e-4, errors
+
+
+def test_linear_grads_under_autocast(monkeypatch):
+    """fp32 weights under bf16 autocast: the matmul path runs (its sums outside autocast, the inputs cast as the
+    layers cast them) and its gradients are as close to fp64 as autograd's tile by tile."""
+    tiles = []
+    accumulate = LinearGradients.accumulate
+    monkeypatch.setattr(LinearGradients, "accumulate", lambda self, *a: tiles.append(1) or accumulate(self, *a))
+    mlp = biased_sequential()
+    x, grad_out = torch.randn(2, 300, 16), torch.randn(2, 300, 16)
+    ref = copy.deepcopy(mlp).double()
+    ref(x.double()).backward(grad_out.double())
+    errors = {}
+    for path, linears in (("matmul", [mlp[0], mlp[2]]), ("autograd", [])):
+        mlp.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = tiled_mlp(mlp, x, num_tiles=5, params=list(mlp.parameters()), linears=linears)
+        out.backward(grad_out.bfloat16())
+        errors[path] = max(((p.grad.double() - r.grad).norm() / r.grad.norm()).item()
+                           for p, r in zip(mlp.parameters(), ref.parameters()))
+    assert len(tiles) == 5
+    # bf16 matmul operands (2^-9 relative rounding) set both errors; the matmul path rounds no per-tile product
+    assert errors["matmul"] < 1.5 * errors["autograd"], errors
 
 
 class OddMLP(nn.Module):

@@ -8,20 +8,29 @@ the varlen kernel that takes all of a block's segments in one call). The loops a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import torch
 from torch import Tensor
 
 from lightning_fpdt.sequence.blocks import merge_partial
-from lightning_fpdt.sequence.documents import BlockPlan, Segment
-from lightning_fpdt.sequence.kernels import accumulation_dtype
-
-if TYPE_CHECKING:
-    from lightning_fpdt.sequence.fpdt import FPDTPlan
+from lightning_fpdt.sequence.documents import BlockPlan, DocumentBoundaries, Segment
+from lightning_fpdt.sequence.kernels import BlockKernel, VarlenFlashKernel, accumulation_dtype
+from lightning_fpdt.sequence.layout import SequenceLayout
 
 
-def block_plans_of(plan: "FPDTPlan", q_chunk: int, kv_chunk: int, chunk_len: int) -> Optional[list[BlockPlan]]:
+class BlockCall(Protocol):
+    """What a block reads of its call's plan (:class:`~lightning_fpdt.sequence.fpdt.FPDTPlan`)."""
+
+    layout: SequenceLayout
+    kernel: BlockKernel
+    scale: float
+    kv_index: Optional[Tensor]  # (h_r,) this rank's kv head per q head, when the kernels' grouping is not it
+    documents: Optional[DocumentBoundaries]
+    varlen: Optional[VarlenFlashKernel]
+
+
+def block_plans_of(plan: BlockCall, q_chunk: int, kv_chunk: int, chunk_len: int) -> Optional[list[BlockPlan]]:
     """The per-document kernel calls of block ``(q_chunk, kv_chunk)``; ``None``: one plain call (no documents, or
     one document covering the whole block for every batch item); ``[]``: skip the block."""
     if plan.documents is None:
@@ -35,18 +44,18 @@ def block_plans_of(plan: "FPDTPlan", q_chunk: int, kv_chunk: int, chunk_len: int
     return block_plans
 
 
-def kv_chunks_read(plan: "FPDTPlan", q_chunk: int, chunk_len: int) -> list[int]:
+def kv_chunks_read(plan: BlockCall, q_chunk: int, chunk_len: int) -> list[int]:
     """The kv chunks ``j <= q_chunk`` that q chunk ``q_chunk`` reads: all of them, or (packed documents) those sharing
     a document with it; the diagonal always. Skipped chunks are neither computed nor fetched from the stash."""
     return [j for j in range(q_chunk + 1) if block_plans_of(plan, q_chunk, j, chunk_len) != []]
 
 
-def q_chunks_reading(plan: "FPDTPlan", kv_chunk: int, chunk_len: int) -> list[int]:
+def q_chunks_reading(plan: BlockCall, kv_chunk: int, chunk_len: int) -> list[int]:
     """The q chunks ``i >= kv_chunk`` that read kv chunk ``kv_chunk`` (see :func:`kv_chunks_read`)."""
     return [i for i in range(kv_chunk, plan.layout.num_chunks) if block_plans_of(plan, i, kv_chunk, chunk_len) != []]
 
 
-def _expand_kv(plan: "FPDTPlan", k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+def _expand_kv(plan: BlockCall, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """An uneven split's kv heads for one kernel call: ``(B, hk_r, C, D) -index_select-> (B, h_r, C, D)``, local q
     head ``i`` reading kv head ``kv_index[i]``; unchanged when the kernels group the q heads over the kv heads
     themselves (every even split, and the uneven ranks whose heads happen to group evenly)."""
@@ -55,7 +64,7 @@ def _expand_kv(plan: "FPDTPlan", k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return k.index_select(1, plan.kv_index), v.index_select(1, plan.kv_index)
 
 
-def _reduce_kv_grads(plan: "FPDTPlan", dk: Tensor, dv: Tensor, kv_heads: int) -> tuple[Tensor, Tensor]:
+def _reduce_kv_grads(plan: BlockCall, dk: Tensor, dv: Tensor, kv_heads: int) -> tuple[Tensor, Tensor]:
     """The backward of :func:`_expand_kv`: ``(B, h_r, C, D) -index_add-> (B, hk_r, C, D)``, each kv head's gradient
     the sum over the q heads that read it, in the accumulation dtype."""
     if plan.kv_index is None:
@@ -67,7 +76,7 @@ def _reduce_kv_grads(plan: "FPDTPlan", dk: Tensor, dv: Tensor, kv_heads: int) ->
 
 
 def block_forward(
-    plan: "FPDTPlan", q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
+    plan: BlockCall, q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
     out: Optional[Tensor], lse: Optional[Tensor],
 ) -> tuple[Tensor, Tensor]:
     """Attend q chunk ``q_chunk`` (B, H/P, C, D) to kv chunk ``kv_chunk`` and merge into the running ``(out, lse)``
@@ -103,7 +112,7 @@ def block_forward(
 
 
 def block_backward(
-    plan: "FPDTPlan", dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
+    plan: BlockCall, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of block ``(q_chunk, kv_chunk)`` given the final ``out, lse`` (never a skipped block); the
     kv gradients for the rank's ``hk_r`` kv heads (:func:`_expand_kv`)."""
@@ -114,7 +123,7 @@ def block_backward(
 
 
 def _block_backward_heads(
-    plan: "FPDTPlan", dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int,
+    plan: BlockCall, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int,
     kv_chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`_block_backward` for kv heads the kernels group the q heads over.
@@ -146,14 +155,14 @@ def _block_backward_heads(
     return dq, dk, dv
 
 
-def _packed_rows(plan: "FPDTPlan", q: Tensor, q_chunk: int, kv_chunk: int):
+def _packed_rows(plan: BlockCall, q: Tensor, q_chunk: int, kv_chunk: int):
     chunk_len = q.shape[2]
     return plan.documents.packed_rows((q_chunk * chunk_len, (q_chunk + 1) * chunk_len),
                                       (kv_chunk * chunk_len, (kv_chunk + 1) * chunk_len), q.device)
 
 
 def _varlenblock_forward(
-    plan: "FPDTPlan", q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
+    plan: BlockCall, q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
     out: Optional[Tensor], lse: Optional[Tensor],
 ) -> tuple[Tensor, Tensor]:
     """All segments of a block, over the whole batch, in one varlen call; rows without a segment get no key."""
@@ -171,7 +180,7 @@ def _varlenblock_forward(
 
 
 def _varlenblock_backward(
-    plan: "FPDTPlan", dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
+    plan: BlockCall, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward of :func:`_varlen_block_forward` with the final ``out, lse``; zero where no segment reaches."""
     rows = _packed_rows(plan, q, q_chunk, kv_chunk)

@@ -135,6 +135,17 @@ HEADLINES = (
                dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=seq_len, **{"options.ring_size": 1,
                                                                                       "options.ballast": "full"}))
       for seq_len in (131072, 524288)),
+    *(Headline(f"{seq_len:,} tokens, 8 of 32 layers + full-depth ballast: all-to-alls in head pieces and the tiled "
+               f"MLP's sums in the matmul, against the code before them in the same run",
+               dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=seq_len, commit="50f4731",
+                    profile_step=None),
+               against=dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=seq_len, commit="e979d38",
+                            profile_step=None))
+      for seq_len in (32768, 65536)),
+    Headline("131,072 tokens, the same: the tiled MLP's sums in the matmul, against head pieces alone in the same run",
+             dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=131072, commit="dcf47f2", profile_step=None),
+             against=dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=131072, commit="6661ef2",
+                          profile_step=None)),
     *(Headline(f"the same at {seq_len:,}, ring 2 × Ulysses 2",
                dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=seq_len, **{"options.ring_size": 2}),
                against=dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=seq_len,

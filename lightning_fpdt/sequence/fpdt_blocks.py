@@ -112,7 +112,8 @@ def block_forward(
 
 
 def block_backward(
-    plan: BlockCall, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
+    plan: BlockCall, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int,
+    kv_chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of block ``(q_chunk, kv_chunk)`` given the final ``out, lse`` (never a skipped block); the
     kv gradients for the rank's ``hk_r`` kv heads (:func:`_expand_kv`)."""
@@ -180,7 +181,8 @@ def _varlenblock_forward(
 
 
 def _varlenblock_backward(
-    plan: BlockCall, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int, kv_chunk: int,
+    plan: BlockCall, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int,
+    kv_chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward of :func:`_varlen_block_forward` with the final ``out, lse``; zero where no segment reaches."""
     rows = _packed_rows(plan, q, q_chunk, kv_chunk)

@@ -117,24 +117,31 @@ def test_tiled_mlp_parameter_grads_without_input_grad():
         torch.testing.assert_close(g, grads(ref)[name], **FP64_TOL, msg=lambda m: f"{name}: {m}")
 
 
-def test_tiled_mlp_bf16_weight_gradients_rounded_once():
-    """bf16 MLP over 64 tiles: the weight gradients are summed in fp32 and rounded to bf16 once, so they are as close
-    to the fp64 ones as the untiled MLP's (one matmul, one rounding); summed in a bf16 .grad tile by tile they were
-    several times further off."""
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).double()
-    x = torch.randn(4096, 64, dtype=torch.float64)
-    grad_out = torch.randn(4096, 64, dtype=torch.float64)
+def bf16_gradient_errors(ref: nn.Module, width: int, linears_of=lambda mlp: ()) -> dict[int, float]:
+    """The worst relative error against fp64 of a bf16 copy of ``ref``'s parameter gradients, untiled (1) and over 64
+    tiles, ``linears_of(mlp)`` the layers whose gradients the matmul path sums."""
+    x = torch.randn(4096, width, dtype=torch.float64)
+    grad_out = torch.randn(4096, width, dtype=torch.float64)
     ref(x).backward(grad_out)
     errors = {}
     for num_tiles in (1, 64):
         mlp = copy.deepcopy(ref).bfloat16()
         mlp.zero_grad(set_to_none=True)
         params = list(mlp.parameters())
-        tiled_mlp(mlp, x.bfloat16(), num_tiles=num_tiles, params=params).backward(grad_out.bfloat16())
+        tiled_mlp(mlp, x.bfloat16(), num_tiles=num_tiles, params=params, linears=linears_of(mlp)).backward(
+            grad_out.bfloat16())
         errors[num_tiles] = max(
             ((p.grad.double() - r.grad).norm() / r.grad.norm()).item() for p, r in zip(params, ref.parameters())
         )
+    return errors
+
+
+def test_tiled_mlp_bf16_weight_gradients_rounded_once():
+    """bf16 MLP over 64 tiles: the weight gradients are summed in fp32 and rounded to bf16 once, so they are as close
+    to the fp64 ones as the untiled MLP's (one matmul, one rounding); summed in a bf16 .grad tile by tile they were
+    several times further off."""
+    torch.manual_seed(0)
+    errors = bf16_gradient_errors(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).double(), 64)
     # bf16 has 8 mantissa bits (2^-9 = 2e-3 relative rounding); both paths round each product sum once
     assert errors[64] < 1.5 * errors[1] + 1e-4, errors
 
@@ -334,20 +341,7 @@ def test_one_tile_is_plain_autograd_bitwise(monkeypatch):
 def test_linear_grads_bf16_rounded_once():
     """bf16 over 64 tiles on the matmul path: the weight and bias gradients are as close to the fp64 ones as the
     untiled MLP's (one matmul, one rounding)."""
-    ref = biased_sequential().double()
-    x = torch.randn(4096, 16, dtype=torch.float64)
-    grad_out = torch.randn(4096, 16, dtype=torch.float64)
-    ref(x).backward(grad_out)
-    errors = {}
-    for num_tiles in (1, 64):
-        mlp = copy.deepcopy(ref).bfloat16()
-        mlp.zero_grad(set_to_none=True)
-        params = list(mlp.parameters())
-        tiled_mlp(mlp, x.bfloat16(), num_tiles=num_tiles, params=params, linears=[mlp[0], mlp[2]]).backward(
-            grad_out.bfloat16())
-        errors[num_tiles] = max(
-            ((p.grad.double() - r.grad).norm() / r.grad.norm()).item() for p, r in zip(params, ref.parameters())
-        )
+    errors = bf16_gradient_errors(biased_sequential().double(), 16, lambda mlp: [mlp[0], mlp[2]])
     # bf16 has 8 mantissa bits (2^-9 relative rounding); both round each gradient once, from fp32 sums
     assert errors[64] < 1.5 * errors[1] + 1e-4, errors
 

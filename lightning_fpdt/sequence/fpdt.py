@@ -8,10 +8,13 @@ materialised at full precision at once; the rest sits in a :class:`ChunkStash`. 
 Heads (:class:`~lightning_fpdt.sequence.heads.HeadSplit`): rank ``r`` attends for ``h_r`` query heads (``H/P``, or
 ``⌈H/P⌉``/``⌊H/P⌋`` when ``P`` does not divide ``H``) and the ``hk_r`` kv heads they read; "``H/P``" below is ``h_r``.
 The stash keeps the ``hk_r`` kv heads as received; a block whose q heads do not group evenly over them expands them
-to one per q head for the kernel call only, and sums the kernel's kv gradients back (:func:`_expand_kv`).
+to one per q head for the kernel call only, and sums the kernel's kv gradients back (``fpdt_blocks._expand_kv``).
 
 Packed documents (:class:`~lightning_fpdt.sequence.documents.DocumentBoundaries`): each block is skipped, computed
-whole, or cut into per-document segments (:func:`_block_forward`, :func:`_block_backward`); the loops are unchanged.
+whole, or cut into per-document segments (``fpdt_blocks.block_forward``, ``block_backward``); the loops are unchanged.
+
+One chunk of an even split (Ulysses) runs its own loop (:func:`_ulysses_forward`, :func:`_ulysses_backward`): the
+heads in pieces whose all-to-alls travel while another piece attends.
 
 Three layers: the loops (:func:`fpdt_forward`, :func:`fpdt_backward`), a thin ``autograd.Function`` that only
 handles ``ctx``, and the public ``fpdt_attention`` in :mod:`lightning_fpdt.sequence.attention`, whose one dispatch

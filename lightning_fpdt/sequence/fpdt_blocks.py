@@ -127,7 +127,7 @@ def _block_backward_heads(
     plan: BlockCall, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int,
     kv_chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_block_backward` for kv heads the kernels group the q heads over.
+    """:func:`block_backward` for kv heads the kernels group the q heads over.
 
     Packed documents: each segment's gradients go to its q rows and key rows (fp32 sums; a key row can serve
     several segments only within one document, never across).

@@ -71,7 +71,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="fpdt, fpdt-hf: every memory option \"auto\" (chunks, offload, offload_dq, head_chunks, "
                              "ActivationOffload's recompute_attention, reload_input, prefetch, keep_inputs, "
                              "checkpoint_blocks): the strategy's choice of the fastest configuration that fits; the "
-                             "option flags are ignored but a --keep-inputs or --checkpoint-blocks count")
+                             "option flags are ignored but a --chunks, --keep-inputs or --checkpoint-blocks count")
     parser.add_argument("--cpu-offload-params", action="store_true",
                         help="FSDP2 CPUOffloadPolicy in every system but alst; alst: ZeRO offload_optimizer to the CPU "
                              "with DeepSpeedCPUAdam, and offload_param on one GPU (Llama-3-8B's states do not fit one "

@@ -140,7 +140,7 @@ def plan_fpdt(args: argparse.Namespace, geometry: ModelGeometry, *, num_gpus: in
     full = plan_memory(
         geometry=geometry, **common, gpu_memory_gib=machine.gpu_memory_gib, host_memory_gib=machine.host_memory_gib,
         disk_memory_gib=machine.disk_memory_gib, disk_gbps=machine.disk_gbps,
-        chunks="auto" if auto else args.chunks, offload="auto" if auto else ON_OFF_AUTO[args.offload],
+        chunks=args.chunks, offload="auto" if auto else ON_OFF_AUTO[args.offload],
         offload_dq="auto" if auto else ON_OFF_AUTO[args.offload_dq],
         head_chunks="auto" if auto else args.head_chunks,
         recompute_attention="auto" if auto else args.recompute_attention,

@@ -160,7 +160,7 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
                       if k not in ("sequence_parallel_size", "ring_size", "cpu_offload_params")}
             blocks = dict(planned["ActivationOffload"])
         elif getattr(args, "auto_options", False):  # the strategy chooses every memory option but a count given
-            memory: dict[str, Any] = dict(chunks="auto", offload="auto", offload_dq="auto", head_chunks="auto")
+            memory: dict[str, Any] = dict(chunks=args.chunks, offload="auto", offload_dq="auto", head_chunks="auto")
             blocks: dict[str, Any] = dict(recompute_attention="auto", reload_input="auto", prefetch="auto",
                                           keep_inputs=count_option(args, "keep_inputs"),
                                           checkpoint_blocks=count_option(args, "checkpoint_blocks"))

@@ -215,3 +215,15 @@ def test_a_run_that_never_takes_the_disk_ballast_is_an_error(monkeypatch, tmp_pa
     """A system that trains without calling ``at_first_batch`` would claim a disk it never held: refused."""
     with pytest.raises(RuntimeError, match="disk ballast"):
         _run_full_depth(monkeypatch, tmp_path, lambda *a: ("ok", None, None))
+
+
+def test_auto_options_keep_a_chunk_count_given():
+    """--auto-options leaves the chunks to the planner unless a count is given: then the full depth and the layers run
+    are planned with it (a neighbour of the planner's choice, measured with everything else auto)."""
+    auto, _ = plan_fpdt(_args("--seq-len", str(2**20), "--auto-options"), LLAMA_3B, num_gpus=1, gpus_per_node=1,
+                        gpu_memory_bytes=139 * GIB, available_host=118 * GIB, disk_free=None)
+    chunks = 2 * auto.options.chunks
+    full, run = plan_fpdt(_args("--seq-len", str(2**20), "--auto-options", "--chunks", str(chunks)), LLAMA_3B,
+                          num_gpus=1, gpus_per_node=1, gpu_memory_bytes=139 * GIB, available_host=118 * GIB,
+                          disk_free=None)
+    assert full.options.chunks == run.options.chunks == chunks

@@ -81,11 +81,6 @@ class Exchange:
         return received
 
 
-def _exchange(blocks: list[Tensor], group: Optional[dist.ProcessGroup], sp_size: int) -> list[Tensor]:
-    """One all-to-all over ``blocks`` (:class:`Exchange`), waited for at once."""
-    return Exchange(blocks, group, sp_size).start().wait()
-
-
 def _exchange_uneven(send: list[list[Tensor]], recv_shapes: list[list[tuple[int, ...]]],
                      group: Optional[dist.ProcessGroup]) -> list[list[Tensor]]:
     """One all-to-all of unequal blocks: ``send[p]`` are the tensors for rank ``p`` (any strides: each is copied
@@ -158,23 +153,12 @@ def seq_to_head(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup],
     """``(B, s, h, D)`` each ``-> (B, h/P, P·s, D)``; one collective for all (they must share a dtype).
 
     ``ranges``: per tensor, the heads each rank receives (an uneven :class:`HeadSplit`); rank ``r`` then gets
-    ``(B, h_r, P·s, D)``. ``None``: ``h/P`` heads each, the equal-split collective."""
+    ``(B, h_r, P·s, D)``. ``None``: ``h/P`` heads each, the equal-split collective (one head piece of one)."""
     if ranges is not None:
         return _seq_to_head_uneven(tensors, group, ranges)
-    sp_size = group_size(group)
-    blocks = []
-    for x in tensors:
-        b, s, h, d = x.shape
-        assert h % sp_size == 0, "head counts are validated before the all-to-all"
-        # (B, s, h, D) -reshape-> (B, s, P, h/P, D) -permute-> (P, B, h/P, s, D): block p goes to rank p
-        blocks.append(x.reshape(b, s, sp_size, h // sp_size, d).permute(2, 0, 3, 1, 4))
-    received = _exchange(blocks, group, sp_size)
-    out = []
-    for y in received:
-        p, b, hp, s, d = y.shape
-        # (P, B, h/P, s, D) indexed by source rank -permute-> (B, h/P, P, s, D) -> (B, h/P, P·s, D)
-        out.append(y.permute(1, 2, 0, 3, 4).reshape(b, hp, p * s, d))
-    return out
+    received = seq_to_head_piece(tensors, group, 0, 1).wait()
+    return [place_heads(y, y.new_empty((y.shape[1], y.shape[2], y.shape[0] * y.shape[3], y.shape[4])))
+            for y in received]
 
 
 def head_to_seq(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup],
@@ -183,20 +167,9 @@ def head_to_seq(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup],
     ``r`` sends ``(B, h_r, P·s, D)``; heads that several ranks hold come back as the sum of their copies)."""
     if ranges is not None:
         return _head_to_seq_uneven(tensors, group, ranges)
-    sp_size = group_size(group)
-    blocks = []
-    for x in tensors:
-        b, hp, seq, d = x.shape
-        s = seq // sp_size
-        # (B, h/P, P·s, D) -reshape-> (B, h/P, P, s, D) -permute-> (P, B, s, h/P, D): piece p goes back to rank p
-        blocks.append(x.reshape(b, hp, sp_size, s, d).permute(2, 0, 3, 1, 4))
-    received = _exchange(blocks, group, sp_size)
-    out = []
-    for y in received:
-        p, b, s, hp, d = y.shape
-        # (P, B, s, h/P, D) indexed by source rank (= head block) -permute-> (B, s, P, h/P, D) -> (B, s, h, D)
-        out.append(y.permute(1, 2, 0, 3, 4).reshape(b, s, p * hp, d))
-    return out
+    received = head_to_seq_piece(tensors, group).wait()
+    return [place_tokens(y, y.new_empty((y.shape[1], y.shape[2], y.shape[0] * y.shape[3], y.shape[4])), 0, 1)
+            for y in received]
 
 
 def seq_to_head_piece(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup], piece: int,
@@ -208,11 +181,9 @@ def seq_to_head_piece(tensors: Sequence[Tensor], group: Optional[dist.ProcessGro
     sp_size = group_size(group)
     blocks = []
     for x in tensors:
-        b, s, h, d = x.shape
-        assert h % (sp_size * num_pieces) == 0, "head pieces are chosen to divide every rank's heads"
-        # (B, s, h, D) -reshape-> (B, s, P, G, h/(P·G), D) -piece, permute-> (P, B, h/(P·G), s, D): block p to rank p
-        blocks.append(x.reshape(b, s, sp_size, num_pieces, h // (sp_size * num_pieces), d)[:, :, :, piece]
-                      .permute(2, 0, 3, 1, 4))
+        assert x.shape[2] % (sp_size * num_pieces) == 0, "head counts and pieces are validated before the all-to-all"
+        # (B, s, h, D) -view-> (B, s, P, G, h/(P·G), D) -piece, permute-> (P, B, h/(P·G), s, D): block p to rank p
+        blocks.append(x.unflatten(2, (sp_size, num_pieces, -1))[:, :, :, piece].permute(2, 0, 3, 1, 4))
     return Exchange(blocks, group, sp_size).start()
 
 

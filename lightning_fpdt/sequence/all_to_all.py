@@ -156,9 +156,7 @@ def seq_to_head(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup],
     ``(B, h_r, P·s, D)``. ``None``: ``h/P`` heads each, the equal-split collective (one head piece of one)."""
     if ranges is not None:
         return _seq_to_head_uneven(tensors, group, ranges)
-    received = seq_to_head_piece(tensors, group, 0, 1).wait()
-    return [place_heads(y, y.new_empty((y.shape[1], y.shape[2], y.shape[0] * y.shape[3], y.shape[4])))
-            for y in received]
+    return [place_heads(y) for y in seq_to_head_piece(tensors, group, 0, 1).wait()]
 
 
 def head_to_seq(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup],
@@ -167,9 +165,7 @@ def head_to_seq(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup],
     ``r`` sends ``(B, h_r, P·s, D)``; heads that several ranks hold come back as the sum of their copies)."""
     if ranges is not None:
         return _head_to_seq_uneven(tensors, group, ranges)
-    received = head_to_seq_piece(tensors, group).wait()
-    return [place_tokens(y, y.new_empty((y.shape[1], y.shape[2], y.shape[0] * y.shape[3], y.shape[4])), 0, 1)
-            for y in received]
+    return [place_tokens(y) for y in head_to_seq_piece(tensors, group).wait()]
 
 
 def seq_to_head_piece(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup], piece: int,
@@ -187,10 +183,12 @@ def seq_to_head_piece(tensors: Sequence[Tensor], group: Optional[dist.ProcessGro
     return Exchange(blocks, group, sp_size).start()
 
 
-def place_heads(received: Tensor, heads: Tensor) -> Tensor:
+def place_heads(received: Tensor, heads: Optional[Tensor] = None) -> Tensor:
     """A received piece ``(P, B, h', s, D)`` by source rank -permute-> ``heads`` ``(B, h', P·s, D)`` (one copy, the
-    one :func:`seq_to_head` makes); returns ``heads``."""
+    one :func:`seq_to_head` makes; a new tensor when ``heads`` is ``None``); returns ``heads``."""
     p, b, hp, s, d = received.shape
+    if heads is None:
+        heads = received.new_empty((b, hp, p * s, d))
     heads.view(b, hp, p, s, d).copy_(received.permute(1, 2, 0, 3, 4))
     return heads
 
@@ -204,10 +202,14 @@ def head_to_seq_piece(tensors: Sequence[Tensor], group: Optional[dist.ProcessGro
     return Exchange(blocks, group, sp_size).start()
 
 
-def place_tokens(received: Tensor, tokens: Tensor, piece: int, num_pieces: int) -> Tensor:
+def place_tokens(received: Tensor, tokens: Optional[Tensor] = None, piece: int = 0, num_pieces: int = 1) -> Tensor:
     """A received piece ``(P, B, s, h', D)`` by source rank into its heads of ``tokens`` ``(B, s, H, D)`` (head piece
-    ``piece`` of every rank's ``H/P``); returns ``tokens``."""
+    ``piece`` of every rank's ``H/P``; a new tensor when ``tokens`` is ``None``, the whole heads in one piece);
+    returns ``tokens``."""
     p, b, s, hp, d = received.shape
+    if tokens is None:
+        assert num_pieces == 1, "a new tensor holds the whole heads: one piece"
+        tokens = received.new_empty((b, s, p * hp, d))
     # (B, s, H, D) -view-> (B, s, P, G, h', D) -piece-> (B, s, P, h', D) <-permute- (P, B, s, h', D)
     tokens.view(b, s, p, num_pieces, hp, d)[:, :, :, piece].copy_(received.permute(1, 2, 0, 3, 4))
     return tokens

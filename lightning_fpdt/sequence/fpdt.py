@@ -157,8 +157,7 @@ def _ulysses_backward(dout: Tensor, out: Tensor, plan: FPDTPlan, stash: ChunkSta
     dk_local, dv_local = (torch.empty(kv_shape, dtype=kv_meta.dtype, device=dout.device) for _ in range(2))
     leaving = []
     for g, exchange in enumerate(arriving):
-        dout_g, out_g = (place_heads(y, y.new_empty((y.shape[1], y.shape[2], y.shape[0] * y.shape[3], y.shape[4])))
-                         for y in exchange.wait())  # (B, H/(P·G), S, D) each
+        dout_g, out_g = (place_heads(y) for y in exchange.wait())  # (B, H/(P·G), S, D) each
         dq, dk, dv = block_backward(plan, dout_g, _piece(q_heads, g, num_pieces), _piece(k_heads, g, num_pieces),
                                     _piece(v_heads, g, num_pieces), out_g, _piece(lse_heads, g, num_pieces), 0, 0)
         leaving.append(head_to_seq_piece([dq.to(q_meta.dtype), dk.to(kv_meta.dtype), dv.to(kv_meta.dtype)], group))

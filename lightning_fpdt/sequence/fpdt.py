@@ -69,6 +69,11 @@ class FPDTPlan:
     varlen: Optional[VarlenFlashKernel] = None  # packed documents on CUDA: a block's segments in one call
     head_pieces: int = 1  # one chunk of an even split: pieces whose all-to-alls overlap attention (_ulysses_forward)
 
+    @property
+    def one_chunk(self) -> bool:
+        """One chunk of an even split (Ulysses): the loops are :func:`_ulysses_forward`, :func:`_ulysses_backward`."""
+        return self.layout.num_chunks == 1 and self.heads.even
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, stash: ChunkStash, save_for_backward: bool) -> Tensor:
         """The forward loop alone (:func:`fpdt_forward`): what a checkpoint's first pass records."""
         return fpdt_forward(q, k, v, self, stash, save_for_backward)
@@ -181,7 +186,7 @@ def fpdt_forward(q: Tensor, k: Tensor, v: Tensor, plan: FPDTPlan, stash: ChunkSt
     :func:`fpdt_backward`).
     While block ``(i, j)`` computes, kv chunk ``j + 1`` (the next one read) is on its way back (double buffer).
     """
-    if plan.layout.num_chunks == 1 and plan.heads.even:
+    if plan.one_chunk:
         return _ulysses_forward(q, k, v, plan, stash, save_for_backward)
     num_chunks = plan.layout.num_chunks
     chunk_len = q.shape[1] // num_chunks * plan.layout.sp_size  # C: global tokens per chunk
@@ -238,7 +243,7 @@ def fpdt_backward(
     local output: its head-sharded chunks travel in the same all-to-all as ``dout``'s (the forward does not stash
     them, which saves a quarter of the stash: the layer keeps its output anyway, for the output projection).
     """
-    if plan.layout.num_chunks == 1 and plan.heads.even:
+    if plan.one_chunk:
         return _ulysses_backward(dout, out, plan, stash, q_meta, kv_meta)
     num_chunks = plan.layout.num_chunks
     acc = accumulation_dtype(q_meta.dtype)

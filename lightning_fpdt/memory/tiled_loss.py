@@ -13,7 +13,6 @@ handles ``ctx``, :func:`tiled_cross_entropy` is the public call. Switching a mod
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -22,7 +21,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
-from lightning_fpdt.memory.tiling import auto_loss_tiles, check_num_tiles, tile_bounds
+from lightning_fpdt.memory.tiling import accumulates_in_place, auto_loss_tiles, check_num_tiles, tile_bounds
 from lightning_fpdt.models.ops import FUSED_OPS
 from lightning_fpdt.sequence.loss import IGNORE_INDEX
 
@@ -108,7 +107,7 @@ def _tile_gradients(grad_logits: Tensor, h_tile: Tensor, weight: Tensor, grad_hi
     if grad_weight is not None:
         if weight.dtype == acc:
             grad_weight.addmm_(grad_logits.T, h_tile)  # (V, n) @ (n, hidden)
-        elif _accumulates_in_place(grad_weight.device, weight.dtype, acc):
+        elif accumulates_in_place(grad_weight.device, weight.dtype, acc):
             # cuBLAS adds the low-precision product to the fp32 buffer in its epilogue: no rounded temporary, no
             # separate (mixed-dtype, unvectorised) add kernel per vocabulary slice
             torch.addmm(grad_weight, grad_logits.T, h_tile, acc, out=grad_weight)
@@ -117,21 +116,6 @@ def _tile_gradients(grad_logits: Tensor, h_tile: Tensor, weight: Tensor, grad_hi
             for v0 in range(0, weight.shape[0], vocab_slice):
                 v1 = v0 + vocab_slice
                 grad_weight[v0:v1].add_(grad_logits[:, v0:v1].T @ h_tile)  # fp32 sum of low-precision products
-
-
-@functools.lru_cache(maxsize=None)
-def _accumulates_in_place(device: torch.device, dtype: torch.dtype, acc: torch.dtype) -> bool:
-    """Whether ``torch.addmm(c, a, b, acc, out=c)`` (``a, b`` in ``dtype``, ``c`` in ``acc``) runs here: CUDA builds
-    of torch >= 2.8 have it; CPU builds do not."""
-    if device.type != "cuda":
-        return False
-    a = torch.ones(8, 8, dtype=dtype, device=device)
-    c = torch.ones(8, 8, dtype=acc, device=device)
-    try:
-        torch.addmm(c, a, a, acc, out=c)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-    return bool((c == 9).all())
 
 
 def tiled_cross_entropy_forward(

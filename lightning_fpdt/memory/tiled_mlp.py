@@ -29,8 +29,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from lightning_fpdt.memory.block_offload import in_plain_block, mlp_value_unused
 from lightning_fpdt.memory.forwards import replace_forward
 from lightning_fpdt.memory.surgery import find_mlps
-from lightning_fpdt.memory.tiled_loss import _accumulates_in_place
-from lightning_fpdt.memory.tiling import auto_mlp_tiles, check_num_tiles, tile_bounds
+from lightning_fpdt.memory.tiling import accumulates_in_place, auto_mlp_tiles, check_num_tiles, tile_bounds
 
 TILED_MLP = "_fpdt_tiled_mlp"
 """Marks an MLP whose forward runs over token tiles (listed with every other attribute the package sets on user
@@ -58,7 +57,7 @@ def tiled_mlp_forward(fn: Callable[[Tensor], Tensor], x: Tensor, num_tiles: int)
 
 def _add_product(total: Optional[Tensor], a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
     """``total + a @ b`` summed in ``acc`` (fp32 at least), written into ``total`` (a new buffer when ``None``)."""
-    if a.dtype != acc and _accumulates_in_place(a.device, a.dtype, acc):
+    if a.dtype != acc and accumulates_in_place(a.device, a.dtype, acc):
         # cuBLAS adds the low-precision product to the fp32 buffer in its epilogue: no rounded product, no add pass
         return torch.mm(a, b, out_dtype=acc) if total is None else torch.addmm(total, a, b, out_dtype=acc, out=total)
     if a.dtype != acc and a.is_cuda:

@@ -1,9 +1,13 @@
-"""Tile rules of the tiled MLP and the tiled loss: how many token tiles, and where each tile starts and ends."""
+"""Tile rules of the tiled MLP and the tiled loss: how many token tiles, where each tile starts and ends, and whether
+a tile's weight-gradient matmul can add into the fp32 sum itself."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal, Union
+
+import torch
 
 from lightning_fpdt.flops import is_count
 
@@ -58,3 +62,18 @@ def auto_mlp_tiles(num_tokens: int, intermediate_size: int, element_size: int) -
 def auto_loss_tiles(num_tokens: int, vocab_size: int) -> int:
     """Tiles such that one tile's fp32 logits (``tokens × vocab × 4`` bytes) stay under 1 GiB; at least 1."""
     return max(1, math.ceil(num_tokens * vocab_size * 4 / LOSS_TILE_BYTES))
+
+
+@functools.lru_cache(maxsize=None)
+def accumulates_in_place(device: torch.device, dtype: torch.dtype, acc: torch.dtype) -> bool:
+    """Whether ``torch.addmm(c, a, b, acc, out=c)`` (``a, b`` in ``dtype``, ``c`` in ``acc``) runs here: CUDA builds
+    of torch >= 2.8 have it; CPU builds do not. Both tiled ops sum their tiles' weight gradients this way."""
+    if device.type != "cuda":
+        return False
+    a = torch.ones(8, 8, dtype=dtype, device=device)
+    c = torch.ones(8, 8, dtype=acc, device=device)
+    try:
+        torch.addmm(c, a, a, acc, out=c)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool((c == 9).all())

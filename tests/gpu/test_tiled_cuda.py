@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_fpdt.memory import tiled_loss, tiled_mlp
+from lightning_fpdt.memory import tiled_mlp
+from lightning_fpdt.memory.tiling import accumulates_in_place
 from lightning_fpdt.memory.tiled_loss import tiled_cross_entropy_forward
 from lightning_fpdt.memory.tiled_mlp import LinearGradients, _add_product
 
@@ -23,7 +24,7 @@ def test_lm_head_gradient_accumulates_in_fp32_on_cuda():
     """bf16 hidden states and lm_head over 16 tiles: both gradients match fp64 from the same bf16 values; the fp32
     buffer is added to by cuBLAS (the fast path runs)."""
     device = torch.device("cuda")
-    assert tiled_loss._accumulates_in_place(device, torch.bfloat16, torch.float32)
+    assert accumulates_in_place(device, torch.bfloat16, torch.float32)
     gen = torch.Generator(device="cuda").manual_seed(0)
     n, hidden, vocab = 4096, 256, 5000
     h = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen)
@@ -45,7 +46,7 @@ def test_matmul_adds_into_fp32_buffer_on_cuda():
     """addmm with out_dtype=fp32 into its own bf16-operand input adds the product to the buffer (acc after = acc
     before + product), and the tiled MLP's helper uses it in place; mm with out_dtype makes a first fp32 sum."""
     device = torch.device("cuda")
-    assert tiled_loss._accumulates_in_place(device, torch.bfloat16, torch.float32)
+    assert accumulates_in_place(device, torch.bfloat16, torch.float32)
     gen = torch.Generator(device="cuda").manual_seed(1)
     dy = torch.randn(3000, 512, device=device, generator=gen).bfloat16()  # (n, out)
     x = torch.randn(3000, 256, device=device, generator=gen).bfloat16()  # (n, in)

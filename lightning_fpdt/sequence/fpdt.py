@@ -232,13 +232,14 @@ Q_SIDE = ("q", "out", "lse", "dout")
 
 
 def fpdt_backward(
-    dout: Tensor, out: Tensor, plan: FPDTPlan, stash: ChunkStash, dq_store: ChunkStash, q_meta: Tensor, kv_meta: Tensor
+    dout: Tensor, out: Tensor, plan: FPDTPlan, stash: ChunkStash, stashes: StashFactory, q_meta: Tensor, kv_meta: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward chunk loop: outer over kv chunks ``j``, inner over q chunks ``i >= j``.
 
     ``dK_j, dV_j`` are complete after the inner loop; ``dQ_j`` after outer step ``j`` (it needs only kv chunks
     ``<= j``), so all three go back in one all-to-all per step and the stashed chunks of ``j`` are freed. The
-    partial ``dQ_i`` of later chunks wait in ``dq_store`` (device memory, or host memory under a tight budget).
+    partial ``dQ_i`` of later chunks wait in ``stashes``' partial-dQ store (device memory, or host memory under a tight
+    budget); the one-chunk loop has none.
     While block ``(i, j)`` computes, the q-side chunks of ``i + 1`` are on their way back. ``out`` is the forward's
     local output: its head-sharded chunks travel in the same all-to-all as ``dout``'s (the forward does not stash
     them, which saves a quarter of the stash: the layer keeps its output anyway, for the output projection).
@@ -247,6 +248,7 @@ def fpdt_backward(
         return _ulysses_backward(dout, out, plan, stash, q_meta, kv_meta)
     num_chunks = plan.layout.num_chunks
     acc = accumulation_dtype(q_meta.dtype)
+    dq_store = stashes.partial_dq(dout.device)
     # q_meta, kv_meta: meta tensors with the inputs' shapes and dtypes (the inputs themselves are not kept)
     dq_local = torch.empty(q_meta.shape, dtype=q_meta.dtype, device=dout.device)
     dk_local, dv_local = (torch.empty(kv_meta.shape, dtype=kv_meta.dtype, device=dout.device) for _ in range(2))
@@ -350,8 +352,7 @@ class _FPDTAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: Tensor):
         (out,) = ctx.saved_tensors
-        dq_store = ctx.stashes.partial_dq(dout.device)
-        dq, dk, dv = fpdt_backward(dout.contiguous(), out, ctx.plan, ctx.stash, dq_store, ctx.q_meta, ctx.kv_meta)
+        dq, dk, dv = fpdt_backward(dout.contiguous(), out, ctx.plan, ctx.stash, ctx.stashes, ctx.q_meta, ctx.kv_meta)
         ctx.stash = None
         return dq, dk, dv, None, None, None, None
 

@@ -146,6 +146,13 @@ HEADLINES = (
              dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=131072, commit="dcf47f2", profile_step=None),
              against=dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=131072, commit="6661ef2",
                           profile_step=None)),
+    *(Headline(f"{seq_len:,} tokens, 8 of 32 layers, against {name} on the same machine, one after the other",
+               dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=seq_len, commit="6dd06da",
+                    profile_step=None),
+               against=dict(system=system, card=H200_79, gpus=4, layers=8, seq_len=seq_len, commit="6dd06da"))
+      for system, name, lengths in (("ring", "torch's ring context parallelism", (32768, 65536)),
+                                    ("alst", "DeepSpeed ALST", (32768, 65536, 131072)))
+      for seq_len in lengths),
     *(Headline(f"the same at {seq_len:,}, ring 2 × Ulysses 2",
                dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=seq_len, **{"options.ring_size": 2}),
                against=dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=seq_len,

@@ -43,6 +43,11 @@ HF_GEOMETRIES: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm2-360m-12h": ("llama", dict(
         hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=12, num_key_value_heads=4,
         head_dim=80, vocab_size=49152, rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    # Llama-3-8B with 4 kv heads: one kv head a rank on 4 GPUs, as Llama-3-8B's 8 have on 8 GPUs (the one-chunk path's
+    # head pieces then share the kv head); k and v are half as wide: 134 M parameters fewer of 8.0 B
+    "llama3-8b-4kv": ("llama", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
 }
 """Named geometries of other Hugging Face families (``fpdt-hf`` only): ``name -> (model_type, config fields)``;
 the family's config class comes from ``lightning_fpdt.integrations.families``."""

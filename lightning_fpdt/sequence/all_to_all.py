@@ -169,18 +169,23 @@ def head_to_seq(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup],
 
 
 def seq_to_head_piece(tensors: Sequence[Tensor], group: Optional[dist.ProcessGroup], piece: int,
-                      num_pieces: int) -> Exchange:
+                      num_pieces: int, *, whole: Sequence[Tensor] = ()) -> Exchange:
     """:func:`seq_to_head` of head piece ``piece`` of ``num_pieces`` (even split), started: ``wait`` gives each
     tensor's ``(P, B, h/(P·G), s, D)`` by source rank, for :func:`place_heads`. Rank ``r`` receives heads
     ``r·h/P + piece·h/(P·G) …`` of every source's ``s`` tokens: the pieces of one tensor together are
-    :func:`seq_to_head`'s result, so one piece's attention can run while the next piece travels."""
+    :func:`seq_to_head`'s result, so one piece's attention can run while the next piece travels. ``whole``: tensors
+    that travel in the same collective with all of each rank's heads (``(P, B, h/P, s, D)``, after ``tensors``'
+    pieces), as kv heads that every piece reads do."""
     sp_size = group_size(group)
-    blocks = []
-    for x in tensors:
-        assert x.shape[2] % (sp_size * num_pieces) == 0, "head counts and pieces are validated before the all-to-all"
-        # (B, s, h, D) -view-> (B, s, P, G, h/(P·G), D) -piece, permute-> (P, B, h/(P·G), s, D): block p to rank p
-        blocks.append(x.unflatten(2, (sp_size, num_pieces, -1))[:, :, :, piece].permute(2, 0, 3, 1, 4))
+    blocks = [_head_piece(x, sp_size, piece, num_pieces) for x in tensors]
+    blocks += [_head_piece(x, sp_size, 0, 1) for x in whole]
     return Exchange(blocks, group, sp_size).start()
+
+
+def _head_piece(x: Tensor, sp_size: int, piece: int, num_pieces: int) -> Tensor:
+    assert x.shape[2] % (sp_size * num_pieces) == 0, "head counts and pieces are validated before the all-to-all"
+    # (B, s, h, D) -view-> (B, s, P, G, h/(P·G), D) -piece, permute-> (P, B, h/(P·G), s, D): block p to rank p
+    return x.unflatten(2, (sp_size, num_pieces, -1))[:, :, :, piece].permute(2, 0, 3, 1, 4)
 
 
 def place_heads(received: Tensor, heads: Optional[Tensor] = None) -> Tensor:

@@ -70,6 +70,12 @@ class FPDTPlan:
     head_pieces: int = 1  # one chunk of an even split: pieces whose all-to-alls overlap attention (_ulysses_forward)
 
     @property
+    def kv_pieces(self) -> int:
+        """Head pieces of this rank's kv heads: :attr:`head_pieces` where they split as evenly as the q heads, else 1
+        (the pieces share this rank's one kv head: it travels with the first, and its gradient is their sum)."""
+        return self.head_pieces if _rank_kv_heads(self.heads) % self.head_pieces == 0 else 1
+
+    @property
     def one_chunk(self) -> bool:
         """One chunk of an even split (Ulysses): the loops are :func:`_ulysses_forward`, :func:`_ulysses_backward`."""
         return self.layout.num_chunks == 1 and self.heads.even
@@ -95,14 +101,19 @@ piece only (one of ``G`` of their time) instead of all of it."""
 
 
 def head_pieces_for(heads: HeadSplit, num_chunks: int) -> int:
-    """The head pieces ``G`` of the one-chunk path: :data:`ULYSSES_HEAD_PIECES` where every rank's query and kv heads
-    split into that many (an even split with one chunk on several ranks), else 1."""
+    """The head pieces ``G`` of the one-chunk path: :data:`ULYSSES_HEAD_PIECES` where every rank's query heads split
+    into that many and its kv heads either split as well or are one (a kv head the pieces share: Llama-3-8B on eight
+    ranks); an even split with one chunk on several ranks. Else 1."""
     if num_chunks != 1 or not heads.even or heads.sp_size == 1:
         return 1
-    q_heads = heads.num_heads // heads.sp_size
-    kv_heads = heads.num_kv_heads * heads.kv_repeat // heads.sp_size  # after replication: one or more a rank
+    q_heads, kv_heads = heads.num_heads // heads.sp_size, _rank_kv_heads(heads)
     pieces = ULYSSES_HEAD_PIECES
-    return pieces if q_heads % pieces == 0 and kv_heads % pieces == 0 else 1
+    return pieces if q_heads % pieces == 0 and (kv_heads % pieces == 0 or kv_heads == 1) else 1
+
+
+def _rank_kv_heads(heads: HeadSplit) -> int:
+    """An even split's kv heads a rank, after replication (one or more)."""
+    return heads.num_kv_heads * heads.kv_repeat // heads.sp_size
 
 
 def _piece(x: Tensor, piece: int, num_pieces: int) -> Tensor:
@@ -119,17 +130,23 @@ def _ulysses_forward(q: Tensor, k: Tensor, v: Tensor, plan: FPDTPlan, stash: Chu
     head-sharded ``q, k, v, lse`` (chunk 0) as the chunk loop stashes them, so either backward reads them.
     """
     num_pieces, group = plan.head_pieces, plan.group
+    shared_kv = plan.kv_pieces == 1 < num_pieces  # this rank's one kv head: it comes with piece 0, every piece reads it
     k, v = replicate_kv_heads(k, v, plan.heads.kv_repeat)  # (B, S/P, Hkv, D) -> (B, S/P, P, D) when P > Hkv
-    # (B, S/P, H, D) -piece g of each rank's heads-> (P, B, H/(P·G), S/P, D) -all_to_all-> by source; k, v alike
-    arriving = [seq_to_head_piece([q, k, v], group, g, num_pieces) for g in range(num_pieces)]
+    # (B, S/P, H, D) -piece g of each rank's heads-> (P, B, H/(P·G), S/P, D) -all_to_all-> by source; k, v alike, or
+    # (shared) whole with piece 0
+    arriving = [seq_to_head_piece([q] if shared_kv else [q, k, v], group, g, num_pieces,
+                                  whole=[k, v] if shared_kv and g == 0 else ()) for g in range(num_pieces)]
     batch, seq, sp_size = q.shape[0], q.shape[1] * plan.layout.sp_size, plan.layout.sp_size
     q_heads, k_heads, v_heads = (x.new_empty((batch, x.shape[2] // sp_size, seq, x.shape[3])) for x in (q, k, v))
     lse_heads: Optional[Tensor] = None  # (B, H/P, S), in the kernel's dtype for it
     leaving = []
     for g, exchange in enumerate(arriving):
         # (P, B, H/(P·G), S/P, D) by source -> (B, H/(P·G), S, D): piece g of this rank's heads, all tokens
-        q_g, k_g, v_g = (place_heads(y, _piece(x, g, num_pieces))
-                         for y, x in zip(exchange.wait(), (q_heads, k_heads, v_heads)))
+        q_y, *kv_y = exchange.wait()
+        q_g = place_heads(q_y, _piece(q_heads, g, num_pieces))
+        if kv_y:  # piece g's kv heads, or (shared) all of them, read by the pieces after it too
+            k_g, v_g = (place_heads(y, x if shared_kv else _piece(x, g, num_pieces))
+                        for y, x in zip(kv_y, (k_heads, v_heads)))
         out_g, lse_g = block_forward(plan, q_g, k_g, v_g, 0, 0, None, None)
         if lse_heads is None:
             lse_heads = lse_g.new_empty(q_heads.shape[:3])
@@ -149,8 +166,10 @@ def _ulysses_backward(dout: Tensor, out: Tensor, plan: FPDTPlan, stash: ChunkSta
                       kv_meta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The backward of :func:`_ulysses_forward`, in the same head pieces: each piece's ``dout, out`` arrive while the
     piece before computes, and its ``dq, dk, dv`` leave while the next computes. One block: every gradient is
-    complete from its one kernel call, nothing summed in the accumulation dtype."""
+    complete from its one kernel call, nothing summed in the accumulation dtype; but a kv head the pieces share
+    (:attr:`FPDTPlan.kv_pieces`), whose gradient is the sum of theirs and leaves after the last."""
     num_pieces, group = plan.head_pieces, plan.group
+    shared_kv = plan.kv_pieces == 1 < num_pieces
     arriving = [seq_to_head_piece([dout, out], group, g, num_pieces) for g in range(num_pieces)]
     names = ("q", "k", "v", "lse")
     for name in names:
@@ -160,17 +179,32 @@ def _ulysses_backward(dout: Tensor, out: Tensor, plan: FPDTPlan, stash: ChunkSta
     dq_local = torch.empty(q_meta.shape, dtype=q_meta.dtype, device=dout.device)  # (B, S/P, H, D)
     kv_shape = (*kv_meta.shape[:2], kv_meta.shape[2] * repeat, kv_meta.shape[3])  # replicated kv heads, if any
     dk_local, dv_local = (torch.empty(kv_shape, dtype=kv_meta.dtype, device=dout.device) for _ in range(2))
-    leaving = []
+    leaving = []  # (exchange, the tensors its pieces go into, piece, pieces)
+    dk_sum = dv_sum = None  # shared kv: the pieces' gradients of it, in the accumulation dtype
     for g, exchange in enumerate(arriving):
         dout_g, out_g = (place_heads(y) for y in exchange.wait())  # (B, H/(P·G), S, D) each
-        dq, dk, dv = block_backward(plan, dout_g, _piece(q_heads, g, num_pieces), _piece(k_heads, g, num_pieces),
-                                    _piece(v_heads, g, num_pieces), out_g, _piece(lse_heads, g, num_pieces), 0, 0)
-        leaving.append(head_to_seq_piece([dq.to(q_meta.dtype), dk.to(kv_meta.dtype), dv.to(kv_meta.dtype)], group))
+        k_g, v_g = (x if shared_kv else _piece(x, g, num_pieces) for x in (k_heads, v_heads))
+        dq, dk, dv = block_backward(plan, dout_g, _piece(q_heads, g, num_pieces), k_g, v_g, out_g,
+                                    _piece(lse_heads, g, num_pieces), 0, 0)
+        if not shared_kv:
+            leaving.append((head_to_seq_piece([dq.to(q_meta.dtype), dk.to(kv_meta.dtype), dv.to(kv_meta.dtype)],
+                                              group), (dq_local, dk_local, dv_local), g, num_pieces))
+            continue
+        leaving.append((head_to_seq_piece([dq.to(q_meta.dtype)], group), (dq_local,), g, num_pieces))
+        if dk_sum is None:
+            acc = accumulation_dtype(kv_meta.dtype)
+            dk_sum, dv_sum = dk.to(acc), dv.to(acc)
+        else:
+            dk_sum.add_(dk)
+            dv_sum.add_(dv)
+    if shared_kv:  # the shared kv heads' gradients leave whole, after the last piece
+        leaving.append((head_to_seq_piece([dk_sum.to(kv_meta.dtype), dv_sum.to(kv_meta.dtype)], group),
+                        (dk_local, dv_local), 0, 1))
     for name in names:
         stash.release((name, 0))
-    for g, exchange in enumerate(leaving):
-        for y, x in zip(exchange.wait(), (dq_local, dk_local, dv_local)):
-            place_tokens(y, x, g, num_pieces)
+    for exchange, targets, g, pieces in leaving:
+        for y, x in zip(exchange.wait(), targets):
+            place_tokens(y, x, g, pieces)
     for name in names:
         stash.free((name, 0))
     dk_local, dv_local = sum_kv_replicas(dk_local, dv_local, repeat)

@@ -42,10 +42,13 @@ def _check(rank: int, world: int, heads: tuple[int, int], seq_len: int, offload:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least 2 GPUs")
 def test_ulysses_head_pieces_nccl_bf16_match_fp32_attention():
-    """Head pieces under NCCL: output and q/k/v gradients within bf16 rounding of fp32 attention, padded lengths and
-    the host stash included."""
+    """Head pieces under NCCL: output and q/k/v gradients within bf16 rounding of fp32 attention, padded lengths, the
+    host stash and a kv head the pieces share included."""
     world = 4 if torch.cuda.device_count() >= 4 else 2
     heads = (32, 8) if world == 4 else (16, 4)  # Llama-3-8B's heads on 4 GPUs: 8 q, 2 kv a rank, two pieces
+    # one kv head a rank, which the two pieces share (as Llama-3-8B on 8 GPUs): scattered, then replicated
+    shared, replicated = ((32, 4), (32, 2)) if world == 4 else ((16, 2), (16, 1))
     # 8192 tokens: the fp32 reference holds (H, S, S) scores, 8 GiB for 32 heads
-    cases = [dict(heads=heads, seq_len=8192, offload=False), dict(heads=heads, seq_len=4096 - 6, offload=True)]
+    cases = [dict(heads=heads, seq_len=8192, offload=False), dict(heads=heads, seq_len=4096 - 6, offload=True),
+             dict(heads=shared, seq_len=8192, offload=False), dict(heads=replicated, seq_len=4096 - 6, offload=True)]
     run_on_gpus(_check, world, cases)

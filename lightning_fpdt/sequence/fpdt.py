@@ -73,7 +73,7 @@ class FPDTPlan:
     def kv_pieces(self) -> int:
         """Head pieces of this rank's kv heads: :attr:`head_pieces` where they split as evenly as the q heads, else 1
         (the pieces share this rank's one kv head: it travels with the first, and its gradient is their sum)."""
-        return self.head_pieces if _rank_kv_heads(self.heads) % self.head_pieces == 0 else 1
+        return self.head_pieces if self.heads.max_kv_heads % self.head_pieces == 0 else 1
 
     @property
     def one_chunk(self) -> bool:
@@ -106,14 +106,9 @@ def head_pieces_for(heads: HeadSplit, num_chunks: int) -> int:
     ranks); an even split with one chunk on several ranks. Else 1."""
     if num_chunks != 1 or not heads.even or heads.sp_size == 1:
         return 1
-    q_heads, kv_heads = heads.num_heads // heads.sp_size, _rank_kv_heads(heads)
+    q_heads, kv_heads = heads.max_heads, heads.max_kv_heads  # an even split's: every rank's, after replication
     pieces = ULYSSES_HEAD_PIECES
     return pieces if q_heads % pieces == 0 and (kv_heads % pieces == 0 or kv_heads == 1) else 1
-
-
-def _rank_kv_heads(heads: HeadSplit) -> int:
-    """An even split's kv heads a rank, after replication (one or more)."""
-    return heads.num_kv_heads * heads.kv_repeat // heads.sp_size
 
 
 def _piece(x: Tensor, piece: int, num_pieces: int) -> Tensor:

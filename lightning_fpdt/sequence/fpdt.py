@@ -70,10 +70,10 @@ class FPDTPlan:
     head_pieces: int = 1  # one chunk of an even split: pieces whose all-to-alls overlap attention (_ulysses_forward)
 
     @property
-    def kv_pieces(self) -> int:
-        """Head pieces of this rank's kv heads: :attr:`head_pieces` where they split as evenly as the q heads, else 1
-        (the pieces share this rank's one kv head: it travels with the first, and its gradient is their sum)."""
-        return self.head_pieces if self.heads.max_kv_heads % self.head_pieces == 0 else 1
+    def shared_kv(self) -> bool:
+        """Whether the head pieces share this rank's one kv head (it does not split into them): it travels with the
+        first piece, every piece reads it, and its gradient is their sum."""
+        return self.heads.max_kv_heads % self.head_pieces != 0
 
     @property
     def one_chunk(self) -> bool:
@@ -125,7 +125,7 @@ def _ulysses_forward(q: Tensor, k: Tensor, v: Tensor, plan: FPDTPlan, stash: Chu
     head-sharded ``q, k, v, lse`` (chunk 0) as the chunk loop stashes them, so either backward reads them.
     """
     num_pieces, group = plan.head_pieces, plan.group
-    shared_kv = plan.kv_pieces == 1 < num_pieces  # this rank's one kv head: it comes with piece 0, every piece reads it
+    shared_kv = plan.shared_kv  # this rank's one kv head: it comes with piece 0, every piece reads it
     k, v = replicate_kv_heads(k, v, plan.heads.kv_repeat)  # (B, S/P, Hkv, D) -> (B, S/P, P, D) when P > Hkv
     # (B, S/P, H, D) -piece g of each rank's heads-> (P, B, H/(P·G), S/P, D) -all_to_all-> by source; k, v alike, or
     # (shared) whole with piece 0
@@ -162,9 +162,9 @@ def _ulysses_backward(dout: Tensor, out: Tensor, plan: FPDTPlan, stash: ChunkSta
     """The backward of :func:`_ulysses_forward`, in the same head pieces: each piece's ``dout, out`` arrive while the
     piece before computes, and its ``dq, dk, dv`` leave while the next computes. One block: every gradient is
     complete from its one kernel call, nothing summed in the accumulation dtype; but a kv head the pieces share
-    (:attr:`FPDTPlan.kv_pieces`), whose gradient is the sum of theirs and leaves after the last."""
+    (:attr:`FPDTPlan.shared_kv`), whose gradient is the sum of theirs and leaves after the last."""
     num_pieces, group = plan.head_pieces, plan.group
-    shared_kv = plan.kv_pieces == 1 < num_pieces
+    shared_kv = plan.shared_kv
     arriving = [seq_to_head_piece([dout, out], group, g, num_pieces) for g in range(num_pieces)]
     names = ("q", "k", "v", "lse")
     for name in names:

@@ -70,17 +70,17 @@ def test_planner_counts_the_busiest_rank():
                          heads=(14, 2)) == (1, 4)
 
 
-@pytest.mark.parametrize(("heads", "sp_size", "num_chunks", "pieces", "kv_pieces"), [
-    ((32, 8), 4, 1, 2, 2),  # Llama-3-8B on 4 ranks: 8 q and 2 kv heads a rank split in two
-    ((32, 8), 8, 1, 2, 1),  # one kv head a rank: the q heads split, the pieces share the kv head
-    ((32, 8), 16, 1, 2, 1),  # kv heads replicated: one a rank, shared
-    ((32, 2), 32, 1, 1, 1),  # one q head a rank: nothing to split
-    ((24, 6), 2, 1, 1, 1),  # 12 q and 3 kv heads a rank: the kv heads neither split in two nor are one
-    ((32, 8), 4, 2, 1, 1),  # chunks: the chunk loop, not the one-chunk path
-    ((32, 8), 1, 1, 1, 1),  # one rank: no all-to-all to hide
-    ((14, 2), 4, 1, 1, 1),  # uneven split: the unequal all-to-all, whole
+@pytest.mark.parametrize(("heads", "sp_size", "num_chunks", "pieces", "shared_kv"), [
+    ((32, 8), 4, 1, 2, False),  # Llama-3-8B on 4 ranks: 8 q and 2 kv heads a rank split in two
+    ((32, 8), 8, 1, 2, True),  # one kv head a rank: the q heads split, the pieces share the kv head
+    ((32, 8), 16, 1, 2, True),  # kv heads replicated: one a rank, shared
+    ((32, 2), 32, 1, 1, False),  # one q head a rank: nothing to split
+    ((24, 6), 2, 1, 1, False),  # 12 q and 3 kv heads a rank: the kv heads neither split in two nor are one
+    ((32, 8), 4, 2, 1, False),  # chunks: the chunk loop, not the one-chunk path
+    ((32, 8), 1, 1, 1, False),  # one rank: no all-to-all to hide
+    ((14, 2), 4, 1, 1, False),  # uneven split: the unequal all-to-all, whole
 ])
-def test_head_pieces_of_the_one_chunk_path(heads, sp_size, num_chunks, pieces, kv_pieces):
+def test_head_pieces_of_the_one_chunk_path(heads, sp_size, num_chunks, pieces, shared_kv):
     """The one-chunk path splits every rank's q heads into ULYSSES_HEAD_PIECES where they divide and its kv heads
     either divide too or are one (shared by the pieces), else 1."""
     from lightning_fpdt.sequence.fpdt import ULYSSES_HEAD_PIECES, FPDTPlan, head_pieces_for
@@ -89,7 +89,7 @@ def test_head_pieces_of_the_one_chunk_path(heads, sp_size, num_chunks, pieces, k
     split = HeadSplit(num_heads=heads[0], num_kv_heads=heads[1], sp_size=sp_size)
     assert head_pieces_for(split, num_chunks) == pieces
     plan = FPDTPlan(group=None, layout=None, kernel=None, scale=1.0, heads=split, head_pieces=pieces)
-    assert plan.kv_pieces == kv_pieces
+    assert plan.shared_kv is shared_kv
 
 
 def test_exchange_life_cycle():

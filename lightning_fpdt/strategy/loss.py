@@ -3,6 +3,7 @@ a non-finite loss stops every rank together, a step without any target is named 
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -54,8 +55,10 @@ def check_training_loss(loss: Optional[Tensor], no_target: Tensor, trainer: Any,
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     nonfinite, targetless = (bool(flag) for flag in flags.tolist())
     if nonfinite:
+        value = loss.item()
+        where = f"{value} on rank {rank}" if not math.isfinite(value) else f"on another rank than {rank}"
         raise FloatingPointError(
-            f"non-finite loss ({loss.item()} on rank {rank}) at global step {trainer.global_step} "
+            f"non-finite loss ({where}) at global step {trainer.global_step} "
             f"(epoch {trainer.current_epoch}): training stopped; lower the learning rate, check the data, or "
             f"pass FPDTStrategy(nonfinite_loss='ignore') to train on"
         )

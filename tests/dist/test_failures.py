@@ -99,6 +99,51 @@ def test_nonfinite_loss_stops_every_rank_with_the_step(dist_pool):
     torch.manual_seed(0)
 
 
+class NaNInWindowLM(LitLM):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        # the first of the two micro-batches of global step 1, on one rank only
+        return loss * float("inf") if self.global_step == 1 and batch_idx == 2 and dist.get_rank() == 0 else loss
+
+
+class Weights(L.Callback):
+    """Every rank's shards of the weights the optimizer steps, as global step 1 starts (``before``) and where fit
+    ends (``after``); read from the optimizer, which holds the sharded parameters whether or not FSDP2 has the module
+    gathered at that moment."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 2:
+            self.before = self._read(trainer)
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.after = self._read(trainer)
+
+    @staticmethod
+    def _read(trainer):
+        params = [p for group in trainer.optimizers[0].param_groups for p in group["params"]]
+        return {i: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for i, p in enumerate(params)}
+
+
+def nonfinite_in_window_changes_nothing() -> int:
+    weights = Weights()
+    trainer = L.Trainer(strategy=FPDTStrategy(sequence_parallel_size=1, data_parallel_size=2), devices=2,
+                        max_steps=4, accumulate_grad_batches=2, callbacks=[weights], **trainer_kwargs())
+    with pytest.raises(FloatingPointError, match=r"non-finite loss \((inf on rank 0|on another rank than 1)\) "
+                                                 r"at global step 1"):
+        trainer.fit(NaNInWindowLM("llama", seed=0, lr=0.1), DataLoader(TokenDataset(16, 16, seed=0), batch_size=2))
+    assert trainer.global_step == 1
+    for name, before in weights.before.items():
+        assert torch.equal(weights.after[name], before), f"parameter {name} changed in the step whose loss was not finite"
+    return len(weights.before)
+
+
+def test_nonfinite_loss_early_in_a_window_stops_before_the_optimizer_step(dist_pool):
+    """The loss is checked once per optimizer step, before it: an infinite loss in the first micro-batch of global
+    step 1's accumulation window (one rank) stops both ranks at that step, with no weight changed by it."""
+    assert all(count > 0 for count in dist_pool(2).run(nonfinite_in_window_changes_nothing))
+    torch.manual_seed(0)
+
+
 class BrokenEverywhereLM(LitLM):
     def training_step(self, batch, batch_idx):
         if self.global_step == 1:  # the same mistake on every rank (its message differs only in a number)

@@ -260,12 +260,15 @@ class StepProfiler:
     """Profiles step ``step`` of a run: ``start(i)`` / ``stop(i)`` around every step, acting only at ``step``.
 
     ``stop`` without a matching ``start`` raises ``RuntimeError``. Rank 0 writes ``{out_prefix}.json`` (the summary)
-    and, when ``trace``, ``{out_prefix}.trace.json``; every rank puts its summary in ``sink["profile"]`` if given."""
+    and, when ``trace``, ``{out_prefix}.trace.json``; every rank puts its summary in ``sink["profile"]`` if given.
+    ``python``: rank 0's host Python under cProfile too (:func:`python_hotspots`). It slows every Python call of the
+    step several times over, so where the host launches barely ahead of the device (a short sequence) the device
+    then waits for it: the step's gaps are the profiler's, not the run's. Off by default."""
 
     def __init__(self, step: Optional[int], out_prefix: str, *, device: torch.device, rank: int,
-                 trace: bool = False, sink: Optional[dict] = None) -> None:
+                 trace: bool = False, sink: Optional[dict] = None, python: bool = False) -> None:
         self.step, self.out_prefix, self.device, self.rank, self.trace = step, out_prefix, device, rank, trace
-        self.sink = sink
+        self.sink, self.python = sink, python
         self._profile: Optional[profile] = None
         self._python: Optional[cProfile.Profile] = None
         self._start = 0.0
@@ -280,7 +283,7 @@ class StepProfiler:
         # stack tracing and cProfile (the host's Python time, below) exclude each other. The step is timed apart.
         self._profile = profile(activities=activities, record_shapes=True)
         self._profile.__enter__()
-        if self.rank == 0:
+        if self.rank == 0 and self.python:
             self._python = cProfile.Profile()
             try:
                 self._python.enable()

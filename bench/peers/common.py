@@ -110,4 +110,5 @@ def step_profiler(args: argparse.Namespace, device: torch.device, info: dict[str
     prefix = os.path.join(os.path.dirname(os.path.abspath(args.out)),
                           f"profile-{args.system}-{args.seq_len}-{args.layers or 'all'}layers")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return StepProfiler(args.profile_step, prefix, device=device, rank=rank, trace=args.profile_trace, sink=info)
+    return StepProfiler(args.profile_step, prefix, device=device, rank=rank, trace=args.profile_trace, sink=info,
+                        python=args.profile_python)

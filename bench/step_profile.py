@@ -262,8 +262,8 @@ class StepProfiler:
     ``stop`` without a matching ``start`` raises ``RuntimeError``. Rank 0 writes ``{out_prefix}.json`` (the summary)
     and, when ``trace``, ``{out_prefix}.trace.json``; every rank puts its summary in ``sink["profile"]`` if given.
     ``python``: rank 0's host Python under cProfile too (:func:`python_hotspots`). It slows every Python call of the
-    step several times over, so where the host launches barely ahead of the device (a short sequence) the device
-    then waits for it: the step's gaps are the profiler's, not the run's. Off by default."""
+    step, so where the host launches only a little ahead of the device (a short sequence) the device then waits for
+    it: those gaps are the profiler's, not the run's. Off by default."""
 
     def __init__(self, step: Optional[int], out_prefix: str, *, device: torch.device, rank: int,
                  trace: bool = False, sink: Optional[dict] = None, python: bool = False) -> None:

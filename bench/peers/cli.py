@@ -118,8 +118,8 @@ def _add_system_options(parser: argparse.ArgumentParser) -> None:
                              "kind, busy fraction, top kernels (bench/step_profile.py), in the record and beside --out")
     parser.add_argument("--profile-trace", action="store_true", help="with --profile-step: a Chrome trace too")
     parser.add_argument("--profile-python", action="store_true",
-                        help="with --profile-step: rank 0's host Python under cProfile too (slows the host several "
-                             "times over: the step's gaps are then partly the profiler's)")
+                        help="with --profile-step: rank 0's host Python under cProfile too (it slows the host: the "
+                             "step's gaps are then partly the profiler's)")
     parser.add_argument("--out", default="peers.jsonl", help="JSONL file the records are appended to")
     parser.add_argument("--attempt-id", default=None, help=argparse.SUPPRESS)  # set by the --max-length search
 

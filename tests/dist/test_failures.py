@@ -99,7 +99,7 @@ def test_nonfinite_loss_stops_every_rank_with_the_step(dist_pool):
     torch.manual_seed(0)
 
 
-class NaNInWindowLM(LitLM):
+class InfInWindowLM(LitLM):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         # the first of the two micro-batches of global step 1, on one rank only
@@ -130,16 +130,16 @@ def nonfinite_in_window_changes_nothing() -> int:
                         max_steps=4, accumulate_grad_batches=2, callbacks=[weights], **trainer_kwargs())
     with pytest.raises(FloatingPointError, match=r"non-finite loss \((inf on rank 0|on another rank than 1)\) "
                                                  r"at global step 1"):
-        trainer.fit(NaNInWindowLM("llama", seed=0, lr=0.1), DataLoader(TokenDataset(16, 16, seed=0), batch_size=2))
+        trainer.fit(InfInWindowLM("llama", seed=0, lr=0.1), DataLoader(TokenDataset(16, 16, seed=0), batch_size=2))
     assert trainer.global_step == 1
     for name, before in weights.before.items():
-        assert torch.equal(weights.after[name], before), f"parameter {name} changed in the step whose loss was not finite"
+        assert torch.equal(weights.after[name], before), f"parameter {name} changed in the step of the infinite loss"
     return len(weights.before)
 
 
 def test_nonfinite_loss_early_in_a_window_stops_before_the_optimizer_step(dist_pool):
-    """The loss is checked once per optimizer step, before it: an infinite loss in the first micro-batch of global
-    step 1's accumulation window (one rank) stops both ranks at that step, with no weight changed by it."""
+    """An infinite loss in the first micro-batch of global step 1's accumulation window (one rank) stops both ranks at
+    that step, before the optimizer changes any weight; the rank whose own loss is finite says the other had it."""
     assert all(count > 0 for count in dist_pool(2).run(nonfinite_in_window_changes_nothing))
     torch.manual_seed(0)
 

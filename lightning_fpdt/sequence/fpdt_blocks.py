@@ -95,7 +95,7 @@ def block_forward(
         return merge_partial(out, lse, block_out, block_lse)
     assert block_plans, "skipped blocks are not computed"
     if plan.varlen is not None:
-        return _varlenblock_forward(plan, q, k, v, q_chunk, kv_chunk, out, lse)
+        return _varlen_block_forward(plan, q, k, v, q_chunk, kv_chunk, out, lse)
     if out is None:
         acc = accumulation_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H/P, C, D)
@@ -138,7 +138,7 @@ def _block_backward_heads(
         return plan.kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=plan.scale)
     assert block_plans, "skipped blocks are not computed"
     if plan.varlen is not None:
-        return _varlenblock_backward(plan, dout, q, k, v, out, lse, q_chunk, kv_chunk)
+        return _varlen_block_backward(plan, dout, q, k, v, out, lse, q_chunk, kv_chunk)
     acc = accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H/P, C, D)
     dk, dv = (torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2))  # (B, Hkv/P, C, D)
@@ -162,7 +162,7 @@ def _packed_rows(plan: BlockCall, q: Tensor, q_chunk: int, kv_chunk: int):
                                       (kv_chunk * chunk_len, (kv_chunk + 1) * chunk_len), q.device)
 
 
-def _varlenblock_forward(
+def _varlen_block_forward(
     plan: BlockCall, q: Tensor, k: Tensor, v: Tensor, q_chunk: int, kv_chunk: int,
     out: Optional[Tensor], lse: Optional[Tensor],
 ) -> tuple[Tensor, Tensor]:
@@ -180,7 +180,7 @@ def _varlenblock_forward(
     return merge_partial(out, lse, block_out, block_lse)
 
 
-def _varlenblock_backward(
+def _varlen_block_backward(
     plan: BlockCall, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunk: int,
     kv_chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor]:

@@ -197,7 +197,7 @@ class InBackwardStep:
         self._pending: list[Future] = []
         self._landed: list[Tensor] = []
         self._shadow: Optional[torch.optim.Optimizer] = None
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]  # frozen: none
         self._handles: list[RemovableHandle] = [p.register_post_accumulate_grad_hook(self._hand_over) for p in params]
 
     @property

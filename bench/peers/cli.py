@@ -79,6 +79,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-step-after-backward", action="store_true",
                         help="fpdt, fpdt-hf with --cpu-offload-params: FPDTStrategy(host_step_in_backward=False), the "
                              "host's optimizer step after the backward instead of during it")
+    parser.add_argument("--device-step-after-backward", action="store_true",
+                        help="fpdt, fpdt-hf with the states on the GPU: FPDTStrategy(device_step_in_backward=False), the "
+                             "optimizer step after the backward instead of in FSDP2's gradient hooks during it")
     parser.add_argument("--gpu-memory-gib", type=float, default=None,
                         help="cap each process's GPU memory here (torch.cuda.set_per_process_memory_fraction; the "
                              "fpdt planner follows the cap): an 80 GB card's 79 GiB run on a larger card")

@@ -50,7 +50,8 @@ DEPTH = Section(
 
 def placement(record: Record) -> str:
     """Where the run kept the parameters' states: ``"GPU"``, or ``"host"`` with ``--cpu-offload-params``, where
-    fpdt's record says when the host stepped: ``"host, step in backward"`` or ``"host, step after backward"``; with
+    fpdt's record says when the host stepped: ``"host, step in backward"`` or ``"host, step after backward"`` (on the
+    GPU only the latter is named: ``"GPU, step after backward"``); with
     partial residency, how many block inputs it kept (``"GPU, 7 block inputs kept"``); and the sequence layout where
     it is not the default (:func:`layout`)."""
     options = record.get("options") or {}
@@ -58,7 +59,7 @@ def placement(record: Record) -> str:
     inputs = f", {kept} block inputs kept" if isinstance(kept, int) or str(kept).isdigit() else ""
     inputs += layout(record)
     if not options.get("cpu_offload_params"):
-        return "GPU" + inputs
+        return ("GPU, step after backward" if options.get("device_step") else "GPU") + inputs
     return (f"host, step {options['host_step']}" if options.get("host_step") else "host") + inputs
 
 

@@ -54,6 +54,7 @@ TRAINER_ONLY_OPTIONS = {
     "cpu_offload_params": "the host-resident states and their in-backward step run inside the Trainer's optimizer step",
     "host_step_in_backward": "the host-resident states and their in-backward step run inside the Trainer's optimizer "
                              "step",
+    "device_step_in_backward": "the in-backward step runs inside the Trainer's optimizer step",
     "nonfinite_loss": "your loop holds the loss: check torch.isfinite(loss) there",
     "heartbeat_timeout": "the rank watchdog is part of the Trainer's run",
     "preemption": "the Trainer saves and exits on SIGTERM; in your loop, save with fabric.save",

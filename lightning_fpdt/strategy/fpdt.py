@@ -44,12 +44,14 @@ from lightning_fpdt.strategy.host_optimizer import (
     fuse_optimizers,
     host_step,
     host_threads,
+    prepare_device_step,
     prepare_host_step,
 )
 from lightning_fpdt.strategy.loss import TrainingLossCheck, unwrap_loss, with_loss
 from lightning_fpdt.strategy.materialize import has_meta_parameters
 from lightning_fpdt.strategy.mesh import MeshSizes, build_mesh
 from lightning_fpdt.strategy.parallelize import (
+    EarlyGathers,
     ParallelizeConfig,
     declared_transforms,
     no_gradient_sync,
@@ -92,6 +94,10 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
         host_step_in_backward: with ``cpu_offload_params``, step each parameter on the host as soon as its gradient
             lands there, during the backward (``strategy/host_optimizer.py``); with gradient clipping, several
             optimizers or one other than Adam, AdamW or SGD the step runs after the backward (a note says why).
+        device_step_in_backward: with the states on the GPU (no ``cpu_offload_params``), step each parameter as
+            soon as FSDP2 has reduce-scattered its gradient, on that reduce-scatter's stream, beside the backward of
+            the layers below; the same update, under the same conditions as ``host_step_in_backward``, from the
+            second optimizer step on (the first allocates the optimizer's states and steps after the backward).
         pad_to_multiple: right-pad sequences to a multiple of sequence_parallel_size × chunks (labels -100);
             ``False`` raises instead.
         nonfinite_loss: ``"raise"`` stops training on every rank at the first NaN/inf loss, naming the step;
@@ -157,6 +163,7 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
         layer_classes: Optional[list[str]] = None,
         cpu_offload_params: bool = False,
         host_step_in_backward: bool = True,
+        device_step_in_backward: bool = True,
         pad_to_multiple: bool = True,
         nonfinite_loss: Literal["raise", "ignore"] = "raise",
         pad_token_id: int = 0,
@@ -188,7 +195,9 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
         self._layer_classes = layer_classes
         self.cpu_offload_params = cpu_offload_params
         self._host_step_in_backward = host_step_in_backward
+        self._device_step_in_backward = device_step_in_backward
         self._in_backward: Optional[InBackwardStep] = None
+        self._early_gathers: Optional[EarlyGathers] = None
         self._geometry: Optional[AttentionGeometry] = None
         self._vocabulary: Optional[tokens.Vocabulary] = None  # read once at setup; every batch's ids are checked
         self._checkpoint_size: Optional[storage.CheckpointSize] = None  # counted at setup, named when a save fails
@@ -290,6 +299,7 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
             rank=self.global_rank, data=trainer.datamodule)
         if not self.cpu_offload_params:
             super().model_to_device()
+        self._early_gathers = EarlyGathers(model, self._layer_classes)
         self.memory.attach(attention=self._context.attention, geometry=self._geometry)
         self.memory.guard_host_memory()
         on_gpu = self.root_device.type == "cuda"
@@ -303,8 +313,11 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
         if self.cpu_offload_params:
             self._in_backward = prepare_host_step(self.optimizers, trainer, in_backward=self._host_step_in_backward,
                                                   threads=host_threads(self.num_processes), replaces=self._in_backward)
-        elif self.root_device.type == "cuda" and self.fused_ops is not False:
-            fuse_optimizers(self.optimizers, "cuda")  # one pass per tensor instead of foreach's eight
+        else:
+            if self.root_device.type == "cuda" and self.fused_ops is not False:
+                fuse_optimizers(self.optimizers, "cuda")  # one pass per tensor instead of foreach's eight
+            self._in_backward = prepare_device_step(self.optimizers, trainer, in_backward=self._device_step_in_backward,
+                                                    replaces=self._in_backward)
         self.memory.attach(attention=self._context.attention, optimizers=self.optimizers)
 
     def _parallelize_config(self, trainer: "pl.Trainer") -> ParallelizeConfig:
@@ -333,6 +346,9 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
         tokens, ``position_ids`` and the globally shifted ``labels``/``shift_labels``. A packed batch
         (``document_ids``, or ``position_ids`` restarting at 0) turns on per-document masking (docs/packing.md)."""
         tokens.check_token_ids(batch, self._vocabulary)  # before the move: one min/max on the host, no device sync
+        trainer = budget.attached_trainer(self.lightning_module)
+        if self._early_gathers is not None and trainer is not None and trainer.training:
+            self._early_gathers.start()  # the step's first all-gathers run while the host shards this batch
         batch = super().batch_to_device(batch, device, dataloader_idx)
         check_batch(batch)
         if self._pending_rng_states is not None:
@@ -377,6 +393,8 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = self._sequence_parallel_output(super().training_step(*args, **kwargs))
+        if self._early_gathers is not None:
+            self._early_gathers.ready = True  # FSDP2 has set up its streams in the first forward
         if self._loss_check is not None:
             self._loss_check(output, self.batch_plan.targetless, self.lightning_module.trainer, rank=self.global_rank)
         return output
@@ -435,6 +453,8 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
+        if self._early_gathers is not None:
+            self._early_gathers.drop()  # a batch whose step did not run (a hook ended the epoch) left its gathers
         keep_trained_adapters(self.lightning_module)  # collective: every rank ends fit here, and none saves later
 
     @override
@@ -464,6 +484,8 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
         path = Path(self.broadcast(checkpoint_path))
         checkpointing.check_checkpoint_complete(path)
         checkpointing.verify_checksums(path, self.global_rank, self.world_size)
+        if self._early_gathers is not None:
+            self._early_gathers.drop()  # the next forward gathers the loaded parameters
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         # applied at the next batch: creating the dataloader iterator in between draws from the torch generator
         self._pending_rng_states = checkpointing.restored_rng_state(checkpoint, self.world_size, self.global_rank)

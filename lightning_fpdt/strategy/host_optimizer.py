@@ -18,6 +18,11 @@ gradient and copied it to host memory, during the backward, on a worker thread, 
 of the layers below. After the backward only the parameters whose gradients came last (the embedding's) are left to
 step. It needs an update that treats every parameter on its own (Adam, AdamW, SGD) and nothing that changes the
 gradients after the backward: :func:`in_backward_refusal` names what stands in the way.
+
+With the states where the model trains (the GPU) the same class steps each parameter inside FSDP2's gradient hook, on
+the stream that hook runs on: the reduce-scatter's, after the gradient and before the event the backward's end waits
+for. The update then runs beside the backward of the layers below instead of after the last reduce-scatter
+(:func:`prepare_device_step`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.optim.optimizer import _global_optimizer_pre_hooks  # torch.optim.register_optimizer_step_pre_hook's
 from torch.utils.hooks import RemovableHandle
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW)
@@ -137,6 +143,22 @@ def prepare_host_step(optimizers: Sequence[torch.optim.Optimizer], trainer: Any,
     return InBackwardStep(optimizers[0], threads - 1)
 
 
+def prepare_device_step(optimizers: Sequence[torch.optim.Optimizer], trainer: Any, *, in_backward: bool,
+                        replaces: Optional["InBackwardStep"] = None) -> Optional["InBackwardStep"]:
+    """With the states on the device the model trains on: the :class:`InBackwardStep` of the one optimizer, stepping
+    each parameter in FSDP2's gradient hook, or ``None`` (``in_backward`` off, or a note naming what keeps the step
+    after the backward). ``replaces``: the one of an earlier fit, closed first."""
+    if replaces is not None:
+        replaces.close()
+    if not in_backward:
+        return None
+    refusal = in_backward_refusal(optimizers, trainer)
+    if refusal is not None:
+        rank_zero_info(f"fpdt: the parameters step after the backward, not during it: {refusal}")
+        return None
+    return InBackwardStep(optimizers[0], None)
+
+
 def in_backward_refusal(optimizers: Sequence[torch.optim.Optimizer], trainer: Any) -> Optional[str]:
     """Why the parameters cannot step during the backward (``None``: they can): the step must be one per-parameter
     update of one optimizer, and nothing may read all gradients before it (clipping) or change them."""
@@ -154,6 +176,8 @@ def in_backward_refusal(optimizers: Sequence[torch.optim.Optimizer], trainer: An
     readers = [type(c).__name__ for c in [module, *trainer.callbacks] if is_overridden("on_before_optimizer_step", c)]
     if readers:
         return f"on_before_optimizer_step of {', '.join(readers)} (it may change gradients that have already stepped)"
+    if optimizer._optimizer_step_pre_hooks or _global_optimizer_pre_hooks:
+        return "an optimizer step pre-hook (it may change gradients that have already stepped)"
     return None
 
 
@@ -179,21 +203,26 @@ def hidden_grads(params: Sequence[Tensor]) -> Iterator[None]:
 
 
 class InBackwardStep:
-    """Steps one optimizer's parameters on the host during the backward, each as its gradient arrives.
+    """Steps one optimizer's parameters during the backward, each as its gradient arrives.
 
-    FSDP2 calls a sharded parameter's post-accumulate-grad hooks once its gradient is reduce-scattered and queued
-    for the copy to host memory. While a step runs (:meth:`run`) the hook hands the parameter to a worker thread,
-    which waits for the copy and steps that parameter alone: a shallow copy of the optimizer (the same state, no
-    step hooks) whose groups hold just it. After the backward :meth:`run` waits for the worker and calls the
-    optimizer's own step, with its hooks, over the parameters the backward did not hand over, the others' gradients
-    hidden from it. Outside :meth:`run` (validation, the batches of an accumulation window before its last, which
-    reduce-scatter only with ``sync_every_batch`` and then add into the gradients on the host) the hooks do nothing.
+    FSDP2 calls a sharded parameter's post-accumulate-grad hooks once its gradient is reduce-scattered (and, with
+    host-resident states, queued for the copy to host memory). While a step runs (:meth:`run`) the hook steps that
+    parameter alone: a shallow copy of the optimizer (the same state, no step hooks) whose groups hold just it. With
+    host-resident states (``threads``: the worker's intra-op threads) a worker thread takes the parameter, waits for
+    the copy and steps it; with the states on the device (``threads=None``) the hook steps it itself, on the stream
+    FSDP2 runs the hook on: after the reduce-scatter that made the gradient, before the event the backward's end
+    waits for. After the backward :meth:`run` waits for the worker and calls the optimizer's own step, with its hooks,
+    over the parameters the backward did not hand over, the others' gradients hidden from it. Outside :meth:`run`
+    (validation, the batches of an accumulation window before its last, which reduce-scatter only with
+    ``sync_every_batch`` and then add into the gradients) the hooks do nothing; so they do in a step whose optimizer
+    has no state yet (the first), which then steps after the backward: its states are allocated on the default
+    stream, not on the reduce-scatter's.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, threads: int) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, threads: Optional[int]) -> None:
         self.optimizer = optimizer
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="fpdt-host-step", initializer=torch.set_num_threads,
-                                            initargs=(max(1, threads),))
+        self._executor = None if threads is None else ThreadPoolExecutor(
+            1, thread_name_prefix="fpdt-host-step", initializer=torch.set_num_threads, initargs=(max(1, threads),))
         self._pending: list[Future] = []
         self._landed: list[Tensor] = []
         self._shadow: Optional[torch.optim.Optimizer] = None
@@ -209,7 +238,8 @@ class InBackwardStep:
         """``closure()`` (forward, backward, and what runs before the optimizer step) with the parameters stepping
         as their gradients land, then the optimizer's step over the rest with ``threads`` intra-op threads."""
         self._landed, self._pending = [], []
-        self._shadow = copy.copy(self.optimizer)  # shares the state; Optimizer.__getstate__ leaves the hooks out
+        if self._executor is not None or self.optimizer.state:
+            self._shadow = copy.copy(self.optimizer)  # shares the state; Optimizer.__getstate__ leaves the hooks out
         try:
             with torch.enable_grad():  # as the optimizer's own step runs its closure
                 result = closure()
@@ -224,13 +254,17 @@ class InBackwardStep:
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._executor.shutdown(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
     def _hand_over(self, param: Tensor) -> None:
         if self._shadow is None or param.grad is None:
             return
         self._landed.append(param)
-        self._pending.append(self._executor.submit(self._step, self._shadow, param, copy_done_event()))
+        if self._executor is None:
+            self._step(self._shadow, param, None)
+        else:
+            self._pending.append(self._executor.submit(self._step, self._shadow, param, copy_done_event()))
 
     def _step(self, shadow: torch.optim.Optimizer, param: Tensor, copied: Optional[torch.cuda.Event]) -> None:
         if copied is not None:

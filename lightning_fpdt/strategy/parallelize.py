@@ -158,6 +158,44 @@ def parallelize_model(
     return geometry, vocabulary
 
 
+class EarlyGathers:
+    """The all-gathers a training step's forward starts with (the root unit's, which holds the embeddings, then the
+    first block's), started when the step's batch is sharded: the device gathers while the host runs Lightning's
+    hooks and the step's first launches, where it otherwise waited at the forward's start.
+
+    FSDP2's pre-forward waits for a unit's pending gather (``FSDPModule.unshard(async_op=True)``). A gather no
+    forward took is dropped (waited and the unit resharded) before the next starts and before anything may change the
+    sharded parameters from outside a step (a checkpoint's load, the end of a fit), so a forward never reads a gather
+    older than the parameters. Nothing starts before the first forward, where FSDP2 sets up its streams.
+    """
+
+    def __init__(self, module: nn.Module, layer_classes: Optional[Sequence[str]]) -> None:
+        root = next((m for m in module.modules() if isinstance(m, FSDPModule)), None)
+        if layer_classes:  # FSDP2 has subclassed each block's class (FSDP<name>): matched by the classes it derives
+            names = set(layer_classes)
+            blocks = [m for m in module.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+        else:
+            blocks = find_blocks(find_model(module))
+        self.units: list[FSDPModule] = [root] if root is not None else []
+        if blocks and isinstance(blocks[0], FSDPModule) and blocks[0] is not root:
+            self.units.append(blocks[0])
+        self.ready = False
+        """Set after the first forward."""
+        self._started: list[tuple[FSDPModule, Any]] = []
+
+    def start(self) -> None:
+        if not self.ready:
+            return
+        self.drop()
+        self._started = [(unit, unit.unshard(async_op=True)) for unit in self.units]
+
+    def drop(self) -> None:
+        for unit, handle in self._started:
+            handle.wait()  # nothing where the forward took it
+            unit.reshard()
+        self._started = []
+
+
 def unsharded_children(module: nn.Module) -> list[nn.Module]:
     """The children of ``module`` that hold parameters no FSDP2 unit holds yet; a container that has no forward of
     its own (``nn.ModuleList``, ``nn.ModuleDict``: FSDP2 refuses them) stands for its own such children. A model in

@@ -40,6 +40,29 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_rank(group)
 
 
+WIDE = torch.complex128
+"""The widest element torch copies (16 bytes): a layout copy moves its tensors' bytes as these where it can."""
+
+
+def copy_wide(dst: Tensor, src: Tensor) -> Tensor:
+    """``dst.copy_(src)`` for two tensors of one dtype and shape, moved as 16-byte elements where both strides allow
+    it (:func:`widens`); the bytes are the same either way. A copy between permuted layouts (the blocks of an
+    all-to-all) computes every element's address from its index, and on 2-byte elements that arithmetic, not the
+    memory, bounds it: a sixteenth as many addresses to compute moves the same bytes several times faster."""
+    if dst.dtype == src.dtype and dst.shape == src.shape and widens(dst) and widens(src):
+        dst.view(WIDE).copy_(src.view(WIDE))  # (…, D) -view-> (…, D·itemsize/16)
+        return dst
+    return dst.copy_(src)
+
+
+def widens(x: Tensor) -> bool:
+    """Whether ``x`` can be viewed as 16-byte elements: its last dim contiguous and whole 16-byte runs long, every other
+    stride and its offset whole runs."""
+    ratio = WIDE.itemsize // x.element_size()
+    return (x.dim() > 0 and x.element_size() < WIDE.itemsize and x.stride(-1) == 1 and x.shape[-1] % ratio == 0
+            and x.storage_offset() % ratio == 0 and all(stride % ratio == 0 for stride in x.stride()[:-1]))
+
+
 class Exchange:
     """One equal-split all-to-all over ``blocks``, each ``(P, …)`` indexed by destination (any strides: each is copied
     once, straight into the send buffer). ``start`` queues it on the communication stream and returns at once;
@@ -64,7 +87,7 @@ class Exchange:
         sizes = [b[0].numel() for b in blocks]
         send = blocks[0].new_empty((self._sp_size, sum(sizes)))  # (P, sum n_t)
         for piece, block in zip(send.split(sizes, dim=1), blocks):
-            piece.view(block.shape).copy_(block)
+            copy_wide(piece.view(block.shape), block)
         recv = torch.empty_like(send)
         self._work = dist.all_to_all_single(recv, send, group=self._group, async_op=True)
         self._received = [r.view(b.shape) for r, b in zip(recv.split(sizes, dim=1), blocks)]
@@ -194,7 +217,7 @@ def place_heads(received: Tensor, heads: Optional[Tensor] = None) -> Tensor:
     p, b, hp, s, d = received.shape
     if heads is None:
         heads = received.new_empty((b, hp, p * s, d))
-    heads.view(b, hp, p, s, d).copy_(received.permute(1, 2, 0, 3, 4))
+    copy_wide(heads.view(b, hp, p, s, d), received.permute(1, 2, 0, 3, 4))
     return heads
 
 
@@ -216,7 +239,7 @@ def place_tokens(received: Tensor, tokens: Optional[Tensor] = None, piece: int =
         assert num_pieces == 1, "a new tensor holds the whole heads: one piece"
         tokens = received.new_empty((b, s, p * hp, d))
     # (B, s, H, D) -view-> (B, s, P, G, h', D) -piece-> (B, s, P, h', D) <-permute- (P, B, s, h', D)
-    tokens.view(b, s, p, num_pieces, hp, d)[:, :, :, piece].copy_(received.permute(1, 2, 0, 3, 4))
+    copy_wide(tokens.view(b, s, p, num_pieces, hp, d)[:, :, :, piece], received.permute(1, 2, 0, 3, 4))
     return tokens
 
 

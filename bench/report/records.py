@@ -67,11 +67,15 @@ def of_kind(records: Iterable[dict[str, Any]], kind: str) -> list[dict[str, Any]
 
 
 def latest(records: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Hashable]) -> list[dict[str, Any]]:
-    """The last record of each ``key(record)``, in the order the keys first appear."""
+    """The record of each ``key(record)`` from the newest code: the last run of the latest commit
+    (:func:`by_commit_age`: runs side by side may run an older commit after the newer), in the order the keys first
+    appear."""
+    records = list(records)
+    order = list(dict.fromkeys(key(record) for record in records))
     chosen: dict[Any, dict[str, Any]] = {}
-    for record in records:
+    for record in sorted(records, key=by_commit_age):
         chosen[key(record)] = record
-    return list(chosen.values())
+    return [chosen[k] for k in order]
 
 
 def fits(record: dict[str, Any]) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from bench.report.markdown import NONE, gib, length, number, percent, percent_change, ratio, table
-from bench.report.records import card_name, model_name, of_kind
+from bench.report.records import by_commit_age, card_name, model_name, of_kind
 
 PAGES = ("README.md", "docs/planner.md", "docs/head_chunks.md")
 """The pages, relative to the repository root, whose figures come from the records."""
@@ -64,7 +64,7 @@ def _field(record: dict[str, Any], name: str) -> Any:
 def _latest_run(records: list[dict[str, Any]], match: dict[str, Any]) -> Optional[dict[str, Any]]:
     found = [r for r in of_kind(records, "run") if r.get("status") == "ok"
              and all(_field(r, name) == value for name, value in match.items())]
-    return found[-1] if found else None
+    return max(found, key=by_commit_age) if found else None  # the newest code's last run
 
 
 H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"

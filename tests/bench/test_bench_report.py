@@ -743,3 +743,15 @@ def test_neighbours_are_set_against_the_cost_model():
     assert [row[5] for row in rows] == ["chunks 1, offload off, 16 of 16 blocks checkpointed",
                                         "chunks 2, offload on, 16 of 16 blocks checkpointed"]
     assert [row[8] for row in rows] == ["+0.0%", "+20.0%"] and [row[9] for row in rows] == ["4.00", "4.80"]
+
+
+def test_the_figure_shown_is_the_newest_codes_when_an_older_commit_ran_last(monkeypatch):
+    """Runs side by side: the older commit's run came after the newer's; the table shows the newer commit's run, in
+    the order the settings first appear."""
+    ages = {"new1234": "2026-01-02T00:00:00+00:00", "old1234": "2026-01-01T00:00:00+00:00"}
+    monkeypatch.setattr(shown, "commit_time", lambda commit: ages.get(commit, ""))
+    runs = [dict(setting="a", commit="new1234", time="t1", step=1.0), dict(setting="a", commit="old1234", time="t2",
+                                                                            step=2.0),
+            dict(setting="b", commit="old1234", time="t3", step=3.0)]
+    chosen = shown.latest(runs, key=lambda r: r["setting"])
+    assert [(r["setting"], r["commit"]) for r in chosen] == [("a", "new1234"), ("b", "old1234")]

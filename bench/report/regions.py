@@ -153,6 +153,20 @@ HEADLINES = (
       for system, name, lengths in (("ring", "torch's ring context parallelism", (32768, 65536)),
                                     ("alst", "DeepSpeed ALST", (32768, 65536, 131072)))
       for seq_len in lengths),
+    *(Headline(f"{seq_len:,} tokens, the same: {what}, against the code before {it} in the same run",
+               dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=seq_len, commit=new, profile_step=None,
+                    **steps),
+               against=dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=seq_len, commit=old,
+                            profile_step=None, **steps))
+      for what, it, new, old, lengths, steps in (
+          ("the GPU's optimizer step in the backward and the first all-gathers started with the batch", "them",
+           "f2ea3ae", "2ebad40", (32768,), dict(steps=12)),
+          ("the all-to-all's layout copies 16 bytes wide", "it", "38d34bd", "f2ea3ae", (32768, 65536), {}))
+      for seq_len in lengths),
+    Headline("32,768 tokens, the same, against torch's ring context parallelism in the same run (fpdt's second step "
+             "profiled)",
+             dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=32768, commit="38d34bd"),
+             against=dict(system="ring", card=H200_79, gpus=4, layers=8, seq_len=32768, commit="38d34bd")),
     *(Headline(f"the same at {seq_len:,}, ring 2 × Ulysses 2",
                dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=seq_len, **{"options.ring_size": 2}),
                against=dict(system="fpdt", card=H200_79, gpus=4, layers=8, seq_len=seq_len,

@@ -134,13 +134,7 @@ def prepare_host_step(optimizers: Sequence[torch.optim.Optimizer], trainer: Any,
     if replaces is not None:
         replaces.close()
     prepare_host_optimizers(optimizers)
-    if not in_backward:
-        return None
-    refusal = in_backward_refusal(optimizers, trainer)
-    if refusal is not None:
-        rank_zero_info(f"fpdt: cpu_offload_params: the parameters step after the backward, not during it: {refusal}")
-        return None
-    return InBackwardStep(optimizers[0], threads - 1)
+    return _in_backward_step(optimizers, trainer, in_backward, threads - 1, "cpu_offload_params: ")
 
 
 def prepare_device_step(optimizers: Sequence[torch.optim.Optimizer], trainer: Any, *, in_backward: bool,
@@ -150,13 +144,18 @@ def prepare_device_step(optimizers: Sequence[torch.optim.Optimizer], trainer: An
     after the backward). ``replaces``: the one of an earlier fit, closed first."""
     if replaces is not None:
         replaces.close()
+    return _in_backward_step(optimizers, trainer, in_backward, None, "")
+
+
+def _in_backward_step(optimizers: Sequence[torch.optim.Optimizer], trainer: Any, in_backward: bool,
+                      threads: Optional[int], where: str) -> Optional["InBackwardStep"]:
     if not in_backward:
         return None
     refusal = in_backward_refusal(optimizers, trainer)
     if refusal is not None:
-        rank_zero_info(f"fpdt: the parameters step after the backward, not during it: {refusal}")
+        rank_zero_info(f"fpdt: {where}the parameters step after the backward, not during it: {refusal}")
         return None
-    return InBackwardStep(optimizers[0], None)
+    return InBackwardStep(optimizers[0], threads)
 
 
 def in_backward_refusal(optimizers: Sequence[torch.optim.Optimizer], trainer: Any) -> Optional[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -31,6 +31,9 @@ from lightning_fpdt.models.module import LlamaLM
 from bench.peers.hf_llama import named_vocab
 from lightning_fpdt.sequence.layout import SequenceLayout
 from lightning_fpdt.sequence.loss import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from bench.step_profile import StepProfiler
 
 SYSTEMS = ("fpdt", "fpdt-hf", "modelparallel", "ring", "alst")
 FPDT_SYSTEMS = ("fpdt", "fpdt-hf")

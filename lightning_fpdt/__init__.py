@@ -7,13 +7,14 @@ Lightning. Where Lightning is installed, importing this package also imports the
 """
 
 from lightning_fpdt.flops import PEAK_FLOPS, ModelGeometry, flops_per_step, flops_per_token, peak_flops
+from lightning_fpdt.integrations.audit import allow_local_attention
 from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, fpdt_attention, ulysses_attention
 
 __version__ = "0.1.0"
 
 LIGHTNING_NAMES = ("ActivationOffload", "FPDTFabricStrategy", "FPDTStrategy", "GradientCheck", "LongContextEval", "MFUMonitor",
                    "SequenceLengthCurriculum", "StepProgress", "TiledLoss", "TiledMLP", "apply_fpdt", "sequence_loss",
-                   "tiled_cross_entropy")
+                   "sequence_mean", "sequence_sum", "tiled_cross_entropy")
 """The public names that need Lightning."""
 
 try:
@@ -38,7 +39,7 @@ if LIGHTNING_AVAILABLE:
         tiled_cross_entropy,
     )
     from lightning_fpdt.strategy import FPDTFabricStrategy, FPDTStrategy, apply_fpdt  # registers "fpdt" with Lightning
-    from lightning_fpdt.strategy.loss import sequence_loss
+    from lightning_fpdt.strategy.loss import sequence_loss, sequence_mean, sequence_sum
 else:
     def __getattr__(name: str) -> object:
         if name in LIGHTNING_NAMES:
@@ -63,11 +64,14 @@ __all__ = [
     "SequenceLengthCurriculum",
     "SequenceLayout",
     "StepProgress",
+    "allow_local_attention",
     "apply_fpdt",
     "flops_per_step",
     "flops_per_token",
     "fpdt_attention",
     "peak_flops",
     "sequence_loss",
+    "sequence_mean",
+    "sequence_sum",
     "ulysses_attention",
 ]

@@ -114,7 +114,14 @@ class ActivationOffload(Callback):
         self.keep_inputs = keep_inputs
         self.checkpoint_blocks = checkpoint_blocks
         self.stashes = StashFactory(offload=offload, pin_memory=pin_memory, what="the checkpointed block inputs")
-        self._owner: Optional[BlockCheckpoints] = None
+        self._owners: dict[int, BlockCheckpoints] = {}
+        """The block owner of each model transformed (by the model's id): a trained policy beside a trained value
+        model has two."""
+
+    @property
+    def _owner(self) -> Optional[BlockCheckpoints]:
+        """The block owner of the first model transformed (the only one of a run with one model)."""
+        return next(iter(self._owners.values()), None)
 
     @property
     def host_bytes(self) -> int:
@@ -148,11 +155,11 @@ class ActivationOffload(Callback):
         explicit value stays; the strategy plans with it)."""
         self._chosen = dict(recompute_attention=recompute_attention, reload_input=reload_input, prefetch=prefetch,
                             keep_inputs=keep_inputs, checkpoint_blocks=checkpoint_blocks)
-        if self._owner is not None:
-            self._owner.configure(recompute_attention=self.resolved("recompute_attention"),
-                                  reload_input=self.resolved("reload_input") and self.stashes.offload,
-                                  prefetch=self.resolved("prefetch"), keep_inputs=self._count("keep_inputs"),
-                                  checkpoint_blocks=self._count("checkpoint_blocks"))
+        for owner in self._owners.values():
+            owner.configure(recompute_attention=self.resolved("recompute_attention"),
+                            reload_input=self.resolved("reload_input") and self.stashes.offload,
+                            prefetch=self.resolved("prefetch"), keep_inputs=self._count("keep_inputs"),
+                            checkpoint_blocks=self._count("checkpoint_blocks"))
 
     def _count(self, name: str) -> Optional[int]:
         """``keep_inputs`` or ``checkpoint_blocks`` in force as the blocks' owner takes it: ``None`` for all."""
@@ -168,7 +175,7 @@ class ActivationOffload(Callback):
         check_keep_inputs(self.keep_inputs, num_blocks=len(blocks))
         check_checkpoint_blocks(self.checkpoint_blocks, num_blocks=len(blocks))
         # the attentions record their first pass (and do not run again) unless the recompute runs them
-        self._owner = apply_block_offload(
+        self._owners[id(model)] = apply_block_offload(
             blocks, stashes=self.stashes, prefetch=self.resolved("prefetch"), attentions=shared_attentions(model),
             unused_mlp_values=residual_mlps(blocks), reload_input=self.resolved("reload_input"),
             recompute_attention=self.resolved("recompute_attention"), keep_inputs=self._count("keep_inputs"),

@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from lightning_fpdt.memory.surgery import find_blocks, find_model
+from lightning_fpdt.integrations.discovery import planned_model
+from lightning_fpdt.memory.surgery import find_blocks
 from lightning_fpdt.planner.search import step_estimate
 
 log = logging.getLogger("lightning_fpdt")
@@ -62,8 +64,10 @@ def describe(position: StepPosition, num_blocks: int, now: float, expected: Opti
 class StepProgress(pl.Callback):
     """Shows where a long optimizer step is while it runs: forward or backward, block ``i`` of ``L``, tokens so far,
     and an estimate of the step's end (the previous step's duration; for the first, the planner's estimate where
-    the strategy has a memory plan). In the training progress bar's postfix when there is one, else in the log (every
-    ``log_every_seconds``). Rank 0 only; no synchronisation in the step.
+    the strategy has a memory plan). On a terminal in the training progress bar (TQDM's postfix, or after Rich's
+    description), else in the log every ``log_every_seconds``: the ``lightning_fpdt`` logger where logging is
+    configured for it, else Lightning's, which prints by default (to a redirected log file too). Rank 0 only; no
+    synchronisation in the step.
 
     Args:
         after_seconds: show nothing for steps shorter than this.
@@ -97,7 +101,7 @@ class StepProgress(pl.Callback):
     def install(self, module: Any) -> None:
         """Put the hooks on the blocks of ``module``'s network."""
         self.remove()
-        blocks = find_blocks(find_model(module), self.layer_classes)
+        blocks = find_blocks(planned_model(module), self.layer_classes)
         self.num_blocks = len(blocks)
         for index, block in enumerate(blocks):
             self._handles.append(block.register_forward_pre_hook(self._forward_hook(index)))
@@ -156,6 +160,7 @@ class StepProgress(pl.Callback):
         if trainer.is_global_zero and p.running and trainer.global_step != p.step:  # the optimizer stepped
             self.previous_seconds = time.monotonic() - p.started
             p.running = False
+            clear_rich_bar(trainer.progress_bar_callback)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop.set()
@@ -186,7 +191,53 @@ class StepProgress(pl.Callback):
         if on_terminal and bar._train_progress_bar is not None:
             bar.train_progress_bar.set_postfix_str(text, refresh=True)
             return
+        if show_in_rich_bar(bar, text):
+            return
         now = time.monotonic()
         if now - self._last_log >= self.log_every_seconds:
             self._last_log = now
-            log.info(text)
+            if log.isEnabledFor(logging.INFO) and has_handler(log):
+                log.info(text)  # where the user's logging configuration sends it
+            else:
+                rank_zero_info(text)  # Lightning's logger, which prints by default (to a log file too)
+
+
+def show_in_rich_bar(bar: Any, text: str) -> bool:
+    """Show ``text`` after the training task's description of a ``RichProgressBar`` that draws on a terminal (it
+    refreshes itself); returns whether it did. Lightning sets the description again at each epoch's start, and
+    :func:`clear_rich_bar` restores it at each step's end."""
+    if not isinstance(bar, RichProgressBar) or bar.is_disabled or bar.progress is None:
+        return False
+    task_id = bar.train_progress_bar_id
+    if task_id is None or not bar.progress.console.is_terminal:
+        return False
+    task = bar.progress.tasks[task_id]
+    base = task.fields.setdefault(RICH_BASE, task.description)
+    bar.progress.update(task_id, description=f"{base} · {text}")
+    bar.progress.refresh()  # now: the bar's own refresh may come after the step
+    return True
+
+
+def clear_rich_bar(bar: Any) -> None:
+    """The training task's description as Lightning set it (:func:`show_in_rich_bar`)."""
+    if not isinstance(bar, RichProgressBar) or bar.progress is None or bar.train_progress_bar_id is None:
+        return
+    task = bar.progress.tasks[bar.train_progress_bar_id]
+    base = task.fields.pop(RICH_BASE, None)
+    if base is not None:
+        bar.progress.update(bar.train_progress_bar_id, description=base)
+
+
+RICH_BASE = "fpdt_description"
+"""The field of a Rich training task that keeps its description while :func:`show_in_rich_bar` extends it."""
+
+
+def has_handler(logger: logging.Logger) -> bool:
+    """Whether a record of ``logger`` reaches a handler (its own, or an ancestor's it propagates to): otherwise Python
+    prints only warnings and errors."""
+    current: Optional[logging.Logger] = logger
+    while current is not None:
+        if current.handlers:
+            return True
+        current = current.parent if current.propagate else None
+    return False

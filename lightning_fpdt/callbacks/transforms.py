@@ -19,7 +19,8 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_fpdt.callbacks.gradient_check import add_gradient_check
-from lightning_fpdt.memory.surgery import find_blocks, find_model, has_parameters
+from lightning_fpdt.integrations.discovery import language_models, transform_targets
+from lightning_fpdt.memory.surgery import find_blocks, has_parameters
 
 
 def strategy_applies_transforms(trainer: "pl.Trainer") -> bool:
@@ -34,12 +35,13 @@ def transform_without_fpdt(callback: Any, trainer: "pl.Trainer", pl_module: "pl.
     (:class:`~lightning_fpdt.callbacks.gradient_check.GradientCheck`, as the fpdt strategy does)."""
     if strategy_applies_transforms(trainer):
         return
-    model = find_model(pl_module)
-    if require_parameters and not has_parameters(model):
+    models = language_models(pl_module)
+    if require_parameters and not any(has_parameters(model) for model in models):
         raise ValueError(
             f"{type(callback).__name__} transforms the model at setup when the strategy is not 'fpdt', but "
             f"{type(pl_module).__name__} has no parameters yet (built in configure_model?): build the model in "
             f"__init__, or train with strategy='fpdt', which applies the transform after configure_model"
         )
-    callback.fpdt_transform(model, find_blocks(model, layer_classes))
+    for model in transform_targets(callback.fpdt_transform_slot, models):
+        callback.fpdt_transform(model, find_blocks(model, layer_classes))
     add_gradient_check(trainer)

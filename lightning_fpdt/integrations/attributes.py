@@ -51,6 +51,12 @@ STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 """Replaced on a LightningModule that holds the network's parts itself (nanoGPT style) and so is FSDP2's root unit:
 wrapped by ``torch.distributed.fsdp.register_fsdp_forward_method``, so each step gathers the root's parameters as a
 forward would (``lightning_fpdt.strategy.parallelize``)."""
+LOCAL_ATTENTION = "_fpdt_local_attention"
+"""Marks a module the user declared to attend within each rank's tokens on purpose
+(``lightning_fpdt.allow_local_attention``): the attention check (audit.py) skips it and what it holds."""
+ATTENTION_AUDIT = "_fpdt_attention_audit"
+"""On the LightningModule (or Fabric's model): the :class:`~lightning_fpdt.integrations.audit.AttentionAudit` that
+checks the first forward of its blocks and attention-like modules."""
 APPLIED = "_fpdt_applied"
 """Marks the LightningModule ``apply_fpdt`` made sequence-parallel (idempotence)."""
 DEVICE_MESH = "_device_mesh"

@@ -30,6 +30,13 @@ class SequenceParallelContext:
     """Set when the current batch's loss was reduced to the group mean (:meth:`reduce`), so the strategy does not
     re-weight it again; written only here."""
 
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks one sequence is split over (1 without a process group)."""
+        if self.group is None or not dist.is_available() or not dist.is_initialized():
+            return 1
+        return dist.get_world_size(self.group)
+
     def begin_batch(self, plan: Any, *, offload: bool, offload_dq: bool) -> None:
         """A new batch, from its plan (a :class:`~lightning_fpdt.strategy.batch.BatchPlan`): the attention's layout,
         documents and offload, the batch's positions and token mask, its loss not reduced yet (the one hand-off of a

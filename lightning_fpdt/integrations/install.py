@@ -11,7 +11,7 @@ from torch import nn
 from lightning_fpdt.flops import attention_heads, text_config
 from lightning_fpdt.integrations.attributes import TILED_LOSS
 from lightning_fpdt.integrations.context import SequenceParallelContext, installed_attentions
-from lightning_fpdt.integrations.families import FAMILIES, family_of, is_attention, residual_mlp_blocks
+from lightning_fpdt.integrations.families import FAMILIES, check_model, family_of, is_attention, residual_mlp_blocks
 from lightning_fpdt.integrations.head_groups import HeadGroupedAttention
 from lightning_fpdt.integrations.huggingface import (
     install_hf_model,
@@ -56,6 +56,27 @@ def supports_head_groups(model: nn.Module) -> bool:
     )
 
 
+POOLING_HEADS = ("ForSequenceClassification", "ForQuestionAnswering")
+"""Hugging Face heads that pick tokens of the whole sequence (the last non-pad token, a span's ends): under sequence
+parallelism those tokens sit on one rank, and each rank would pick from its own shard."""
+
+
+def check_family(model: nn.Module) -> None:
+    """Before any model changes: ``ValueError`` for a Hugging Face model the fpdt attention cannot compute exactly
+    (its family's refusals, ``families/``) or whose head pools over the sequence (:data:`POOLING_HEADS`)."""
+    if not is_hf_model(model):
+        return
+    name = type(model).__name__
+    if name.endswith(POOLING_HEADS):
+        raise ValueError(
+            f"{name} picks tokens of the whole sequence in its head (a classifier's last token, a span's ends), which "
+            f"under sequence parallelism sit on one rank: hold the base model (AutoModel) instead, apply the head to "
+            f"every token's hidden state, and pool with lightning_fpdt.sequence_sum(self, values, mask) (the mask "
+            f"selecting the token to pool), which sums over the sequence group"
+        )
+    check_model(model)
+
+
 def install(model: nn.Module, blocks: list[nn.Module], context: SequenceParallelContext) -> str:
     """Install the FPDT attention and loss in ``model`` by its kind; returns the kind's name."""
     if is_reference_llama(model):
@@ -77,6 +98,11 @@ def install(model: nn.Module, blocks: list[nn.Module], context: SequenceParallel
         )
     install_sdpa_interception(blocks, context.attention)
     return "sdpa-interception"
+
+
+def can_tile_loss(model: nn.Module) -> bool:
+    """Whether :func:`apply_tiled_loss` covers ``model``: the reference Llama or a Hugging Face ``*ForCausalLM``."""
+    return is_reference_llama(model) or is_hf_causal_lm(model)
 
 
 def apply_tiled_loss(model: nn.Module, *, num_tiles: Union[Literal["auto"], int] = "auto") -> nn.Module:

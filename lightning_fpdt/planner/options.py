@@ -77,11 +77,20 @@ class PlanOptions:
     trainable_parameters: Optional[int] = None
     """Parameters that train (``requires_grad``): only they have gradients and optimizer states (LoRA adapters, a
     frozen embedding); ``None``: every parameter of the model."""
+    other_parameters: int = 0
+    """Parameters held beside the planned model (a frozen reference model, a value head): their sharded weights are
+    counted."""
+    other_trainable_parameters: int = 0
+    """Those of :attr:`other_parameters` that train: their gradients and optimizer states are counted too."""
 
     def __post_init__(self) -> None:
         if self.trainable_parameters is not None and not is_count(self.trainable_parameters, least=0):
             raise ValueError(f"trainable_parameters must be a count of parameters >= 0 or None (all of them), got "
                              f"{self.trainable_parameters!r}")
+        if not is_count(self.other_parameters, least=0) or not is_count(self.other_trainable_parameters, least=0) \
+                or self.other_trainable_parameters > self.other_parameters:
+            raise ValueError(f"other_parameters ({self.other_parameters!r}) and other_trainable_parameters "
+                             f"({self.other_trainable_parameters!r}) must be counts, the trainable ones at most all")
         if self.activation_offload and not self.activation_checkpointing:
             raise ValueError("activation_offload checkpoints the blocks: set activation_checkpointing=True with it")
         if self.recompute_attention and not self.activation_checkpointing:
@@ -132,6 +141,8 @@ class PlanOptions:
             + (f" accumulate_grad_batches={self.accumulate_grad_batches}" if self.accumulate_grad_batches > 1 else "")
             + (" sync_every_batch" if self.accumulate_grad_batches > 1 and self.sync_every_batch else "")
             + (f" trainable_parameters={self.trainable_parameters:,}" if self.trainable_parameters is not None else "")
+            + (f" other_parameters={self.other_parameters:,} ({self.other_trainable_parameters:,} trained)"
+               if self.other_parameters else "")
         )
 
 

@@ -66,6 +66,7 @@ def plan_memory(request: Optional[PlanRequest] = None, /, **keywords: Any) -> Me
         tiled_loss=features.tiled_loss, precision=request.precision, optimizer=request.optimizer,
         cpu_offload_params=request.cpu_offload_params, gpu_memory_bytes=machine.gpu_memory_bytes,
         accumulate_grad_batches=request.accumulate_grad_batches, trainable_parameters=request.trainable_parameters,
+        other_parameters=request.other_parameters, other_trainable_parameters=request.other_trainable_parameters,
         **{name: value for name, value in neutral.items() if name != "head_chunks"},
     )
     base = dataclasses.replace(base, head_chunks=neutral["head_chunks"])

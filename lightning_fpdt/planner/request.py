@@ -127,6 +127,10 @@ class PlanRequest:
     trainable_parameters: Optional[int] = None
     """The parameters that train (LoRA's adapters, a model with frozen parts): only they have gradients and optimizer
     states; ``None``: all."""
+    other_parameters: int = 0
+    """Parameters outside the planned model (a frozen reference model, a value head): their weights are counted."""
+    other_trainable_parameters: int = 0
+    """Those of ``other_parameters`` that train: their gradients and optimizer states are counted too."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.geometry, ModelGeometry):

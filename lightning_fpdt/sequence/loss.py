@@ -6,6 +6,9 @@
 - :func:`ignore_document_ends`: in a packed sequence the last token of a document predicts nothing.
 - :func:`token_loss_sum` is the one token cross-entropy (fp32 at least); :func:`token_cross_entropy` its mean.
 - :func:`sequence_parallel_loss` turns each rank's local token mean into the sequence group's token mean.
+- :func:`sequence_sum` and :func:`sequence_mean`: per-sequence sums and means of per-token values (log-probabilities
+  for DPO, a value head's output) over the group, as one process computes them.
+- :func:`is_sequence_level`: whether a loss was built from the group's values (then it is not reduced again).
 """
 
 from __future__ import annotations
@@ -77,4 +80,111 @@ def sequence_parallel_loss(
     n_group = stats[1].clamp(min=1)
     contribution = local_sum * (sp_size / n_group.to(local_sum.dtype))
     # value: the group mean; gradient: P times this rank's share of it
-    return contribution + (stats[0] / n_group - contribution.detach()).to(contribution.dtype)
+    return SequenceLevel.apply(contribution + (stats[0] / n_group - contribution.detach()).to(contribution.dtype))
+
+
+class SequenceLevel(torch.autograd.Function):
+    """The identity, marking its output as a value of the whole sequence (the group's, equal on every rank): a loss
+    whose graph passes through it is not reduced again (:func:`is_sequence_level`).
+
+    | tensor | shape | sharded | saved |
+    |---|---|---|---|
+    | value (in, out) | any | no: equal on every rank of the group | nothing |
+    """
+
+    @staticmethod
+    def forward(ctx, value: Tensor) -> Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad
+
+
+SEQUENCE_LEVEL_SEARCH = 256
+"""Autograd nodes :func:`is_sequence_level` visits at most, nearest the loss first. A loss built from the group's
+values reaches them within a few nodes (its last ops combine them); a local loss's graph is the whole model's, which
+is never walked."""
+
+
+def is_sequence_level(loss: Tensor) -> bool:
+    """Whether ``loss``'s graph passes through a :class:`SequenceLevel` value within :data:`SEQUENCE_LEVEL_SEARCH`
+    nodes of it: a model's own loss (:func:`sequence_parallel_loss`), a DPO loss of :func:`sequence_sum` values. The
+    same on every rank of a group (the same code built the same graph)."""
+    queue, seen = [loss.grad_fn], set()
+    while queue and len(seen) < SEQUENCE_LEVEL_SEARCH:
+        node = queue.pop(0)
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "SequenceLevelBackward":
+            return True
+        queue.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+class _GroupSum(torch.autograd.Function):
+    """Sum over the sequence-parallel group; the gradient reaching each rank's share is ``P`` times the sum's (data
+    parallelism averages gradients over all ``dp·P`` ranks, so the average over a group is the sum's gradient, as
+    :func:`sequence_parallel_loss`).
+
+    | tensor | shape | sharded | saved |
+    |---|---|---|---|
+    | local (in) | (B, …) | no: this rank's partial sums | nothing |
+    | out | (B, …) | no: equal on every rank | nothing |
+    """
+
+    @staticmethod
+    def forward(ctx, local: Tensor, group: Optional[dist.ProcessGroup], scale: float) -> Tensor:
+        ctx.scale = scale
+        out = local.clone()
+        if scale > 1:
+            dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        return grad * ctx.scale, None, None
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    """Ranks of ``group`` (1 without an initialised process group)."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def token_sums(values: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    """``values (B, S, …)`` summed over the tokens ``mask (B, S)`` counts (``None``: all) -> ``(B, …)``, in the values'
+    dtype, fp32 at least: one process's per-sequence sums, and each rank's part of the group's."""
+    terms = values.to(torch.promote_types(values.dtype, torch.float32))
+    if mask is not None:
+        if mask.shape != values.shape[:2]:
+            raise ValueError(f"mask {tuple(mask.shape)} must be (batch, tokens) {tuple(values.shape[:2])}: one flag per "
+                             f"token")
+        terms = torch.where(mask.reshape(*mask.shape, *([1] * (values.dim() - 2))).bool(), terms,
+                            terms.new_zeros(()))
+    return terms.sum(dim=1)
+
+
+def token_counts(values: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    """The tokens ``mask`` counts in each sequence, shaped to divide :func:`token_sums` (fp32)."""
+    counts = torch.ones(values.shape[:2], device=values.device) if mask is None else mask.to(torch.float32)
+    return counts.sum(dim=1).reshape(-1, *([1] * (values.dim() - 2)))
+
+
+def sequence_sum(values: Tensor, mask: Optional[Tensor] = None, *, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """Per-sequence sums of per-token values over the sequence-parallel ``group`` (``None``: the default group):
+    ``values (B, S/P, …)`` of this rank's tokens, ``mask (B, S/P)`` which of them count (``None``: all) ->
+    ``(B, …)``, on every rank what one process computes over the whole sequence (:func:`token_sums`). Differentiable:
+    each rank's gradient is its share, scaled as :func:`sequence_parallel_loss`'s. A loss built from the result is the
+    sequence's (:func:`is_sequence_level`)."""
+    return SequenceLevel.apply(_GroupSum.apply(token_sums(values, mask), group, group_size(group)))
+
+
+def sequence_mean(values: Tensor, mask: Optional[Tensor] = None, *, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """Per-sequence means of per-token values over the sequence-parallel ``group`` (:func:`sequence_sum` divided by
+    the number of tokens that count in each sequence; 0 for a sequence where none counts)."""
+    total = token_counts(values, mask)
+    if group_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return sequence_sum(values, mask, group=group) / total.clamp(min=1).to(torch.promote_types(values.dtype,
+                                                                                                torch.float32))

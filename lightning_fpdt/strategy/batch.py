@@ -37,8 +37,8 @@ class BatchPlan:
     targetless: Tensor
     """Whether no token of the global batch has a target (a device flag, read with the loss check)."""
     token_mask: Optional[Tensor] = None
-    """``(B, S/P)``: which of this rank's tokens are the batch's own (``False`` for the padding added here); ``None``
-    when nothing is padded."""
+    """``(B, S/P)``: which of this rank's tokens are the batch's own (``False`` for the padding added here and the
+    right padding an ``attention_mask`` drops); ``None`` when nothing is padded."""
 
     @property
     def padded_len(self) -> int:
@@ -121,7 +121,8 @@ def shard_batch(
     continued; ``pad_to_multiple=False`` raises instead). The result holds ``input_ids``, the global ``position_ids``
     of the local tokens, ``labels`` = ``shift_labels`` (already shifted on the global sequence), ``document_ids``
     when given, and every other ``(B, S, ...)`` tensor sharded alike; other values pass unchanged. An
-    ``attention_mask`` with zeros is refused (the attention is causal over the whole sequence).
+    ``attention_mask`` that right-pads is dropped, its padding without targets (:func:`right_padding`); other zeros
+    are refused (the attention is causal over the whole sequence).
     """
     check_batch(batch)
     input_ids = batch["input_ids"]
@@ -129,17 +130,16 @@ def shard_batch(
     padded = layout.padded_length(seq_len)
     if padded != seq_len and not pad_to_multiple:
         layout.check_divisible(seq_len)
-    attention_mask = batch.get("attention_mask")
-    if attention_mask is not None and not bool(attention_mask.bool().all()):
-        raise ValueError(
-            "batch['attention_mask'] has zeros: the fpdt attention is causal over the whole sequence and takes no "
-            f"padding mask; right-pad instead and set the padded labels to {IGNORE_INDEX}"
-        )
+    real = right_padding(batch.get("attention_mask"), input_ids.shape)
     position_ids = batch.get("position_ids")
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch_size, -1)
     documents, document_starts = packed_documents(batch.get("document_ids"), position_ids, input_ids.shape)
+    if real is not None and "labels" not in batch and "shift_labels" not in batch:
+        batch = {**batch, "labels": input_ids.masked_fill(~real, IGNORE_INDEX)}  # the padding is no target
     targets = global_targets(batch, document_starts)
+    if real is not None:
+        check_padding_targets(targets, real)
 
     sharded: dict[str, Any] = {}
     for key, value in batch.items():
@@ -162,10 +162,55 @@ def shard_batch(
         documents=documents.padded(padded) if documents is not None else None,
         position_ids=sharded["position_ids"], valid_tokens=(local_targets != IGNORE_INDEX).sum(),
         targetless=(targets == IGNORE_INDEX).all(),
-        token_mask=None if padded == seq_len else layout.shard(
-            (torch.arange(padded, device=input_ids.device) < seq_len).expand(batch_size, -1)),
+        token_mask=own_tokens(layout, real, batch_size=batch_size, seq_len=seq_len, device=input_ids.device),
     )
     return sharded, plan
+
+
+def right_padding(attention_mask: Any, shape: torch.Size) -> Optional[Tensor]:
+    """The tokens an ``attention_mask`` keeps, ``(B, S)`` bool, when it right-pads (each row ones, then zeros);
+    ``None`` when it keeps every token (or there is none). Under causal attention no kept token attends to a token
+    after it, so dropping a right-padding mask is exact: the kept tokens' outputs are one process's with the mask.
+    Zeros anywhere else (left padding, holes) are refused: they hide tokens from the tokens after them."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(f"batch['attention_mask'] must be a tensor shaped like input_ids {tuple(shape)}, got "
+                         f"{tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask)}")
+    kept = attention_mask.bool()
+    if bool(kept.all()):
+        return None
+    if not bool((kept[:, 1:] <= kept[:, :-1]).all()):
+        raise ValueError(
+            "batch['attention_mask'] has zeros before kept tokens (left padding, or holes): the fpdt attention is "
+            "causal over the whole sequence and takes no padding mask, so only right padding (each row ones, then "
+            f"zeros) can be dropped exactly: right-pad instead and set the padded labels to {IGNORE_INDEX}"
+        )
+    return kept
+
+
+def check_padding_targets(targets: Tensor, kept: Tensor) -> None:
+    """``ValueError`` where ``targets`` give a target to the padding a right-padding mask drops
+    (:func:`right_padding`): its tokens' outputs differ from one process's with the mask."""
+    if bool((targets[~kept] != IGNORE_INDEX).any()):
+        raise ValueError(
+            f"batch['attention_mask'] has zeros where the labels give targets: a right-padding mask is dropped "
+            f"exactly only when its padding has no target, so set the labels to {IGNORE_INDEX} wherever "
+            f"attention_mask is 0 (the padded tokens' outputs are the mask's to hide)"
+        )
+
+
+def own_tokens(layout: SequenceLayout, kept: Optional[Tensor], *, batch_size: int, seq_len: int,
+               device: torch.device) -> Optional[Tensor]:
+    """``(B, S/P)``: which of this rank's tokens are the batch's own, not padding (the strategy's, or the right
+    padding an ``attention_mask`` drops); ``None`` when every token is."""
+    padded = layout.padded_length(seq_len)
+    if padded == seq_len and kept is None:
+        return None
+    own = (torch.arange(padded, device=device) < seq_len).expand(batch_size, -1)
+    if kept is not None:
+        own = own & layout.pad(kept, dim=1, value=False)
+    return layout.shard(own)
 
 
 def padding_message(plan: BatchPlan) -> str:

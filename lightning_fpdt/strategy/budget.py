@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_fpdt.flops import is_count
 from lightning_fpdt.integrations import supports_head_groups
-from lightning_fpdt.memory.surgery import find_model
+from lightning_fpdt.integrations.discovery import other_parameters, planned_model
 from lightning_fpdt.offload.disk import DiskTier, SpillDirectory, check_free_space, stale_directories
 from lightning_fpdt.offload.host_memory import HostAllocator, HostMemoryGuard
 from lightning_fpdt.offload.host_stash import StashFactory
@@ -66,8 +66,9 @@ class RunFacts:
     and binds the budget to it (:meth:`MemoryBudget.bind`)."""
 
     model: Optional[torch.nn.Module]
-    """The module whose network (:func:`find_model`) trains: its config is planned, its parameters counted
-    (``None``: no model yet, nothing planned)."""
+    """The module that trains: its planned model's config is planned (:func:`planned_model`), its parameters
+    counted, and the parameters beside it (a frozen reference model, a head) counted too (``None``: no model yet,
+    nothing planned)."""
     device: torch.device
     world_size: int
     local_processes: int
@@ -85,7 +86,7 @@ class RunFacts:
 
     @property
     def network(self) -> Optional[torch.nn.Module]:
-        return None if self.model is None else find_model(self.model)
+        return None if self.model is None else planned_model(self.model)
 
 
 def checked_offload_dir(offload_dir: Any) -> Optional[str]:
@@ -316,6 +317,7 @@ class MemoryBudget:
         except ValueError:
             return None  # a config the planner cannot read: nothing to check against
         options = self.options
+        others, other_trainable = other_parameters(facts.model)
         held = self.pinned_bytes() + host_state_bytes(self.optimizers, facts.model)
         machine = machine_limits(num_gpus=facts.world_size, gpus_per_node=facts.local_processes,
                                  device=facts.device, local_processes=facts.local_processes, held_host_bytes=held,
@@ -327,6 +329,7 @@ class MemoryBudget:
             ring_size=facts.ring_size, precision=facts.precision, cpu_offload_params=facts.cpu_offload_params,
             head_chunks=self.head_chunks_for_planning(), accumulate_grad_batches=facts.accumulate_grad_batches,
             sync_every_batch=facts.sync_every_batch, trainable_parameters=trainable_parameters(network),
+            other_parameters=others, other_trainable_parameters=other_trainable,
         )
 
     def plan_length(self, seq_len: int, batch_size: int, *, collective: bool) -> None:

@@ -40,6 +40,7 @@ from lightning_fpdt.strategy import budget, noise, tokens
 from lightning_fpdt.strategy import checkpoint as checkpointing
 from lightning_fpdt.strategy.batch import BatchPlan, BatchStep, check_batch
 from lightning_fpdt.strategy.materialize import has_meta_parameters
+from lightning_fpdt.strategy.loss import group_sums, is_reduced
 from lightning_fpdt.strategy.mesh import MeshSizes, build_mesh
 from lightning_fpdt.strategy.parallelize import (
     ParallelizeConfig,
@@ -301,15 +302,23 @@ class FPDTFabricStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy)
         if self._context is None or self.batch_plan is None:
             raise RuntimeError("reduce_loss before a batch was sharded: iterate a loader from "
                                "fabric.setup_dataloaders, or call fabric.strategy.shard_batch(batch)")
-        if self._context.loss_reduced:
+        if is_reduced(loss, self._context):
             return loss
         return self._context.reduce(loss, self.batch_plan.valid_tokens)
+
+    def sequence_sum(self, values: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        """Per-sequence sums over the sequence group (``lightning_fpdt.sequence_sum``). Collective."""
+        return group_sums(self._context, values, mask, mean=False)
+
+    def sequence_mean(self, values: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        """Per-sequence means over the sequence group (``lightning_fpdt.sequence_mean``). Collective."""
+        return group_sums(self._context, values, mask, mean=True)
 
     @override
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         """The backward of the sequence group's token-mean loss: a loss the loop computed from local logits and did
         not reduce (:meth:`reduce_loss`) is reduced first, so every rank's gradient is its share of the sequence's."""
-        if self._context is not None and self.batch_plan is not None and not self._context.loss_reduced:
+        if self._context is not None and self.batch_plan is not None and not is_reduced(tensor, self._context):
             tensor = self.reduce_loss(tensor)
         super().backward(tensor, module, *args, **kwargs)
 

@@ -27,9 +27,8 @@ from lightning_fpdt.flops import attention_heads
 from lightning_fpdt.integrations import SequenceParallelContext
 from lightning_fpdt.integrations.adapters import keep_trained_adapters
 from lightning_fpdt.integrations.attributes import DEVICE_MESH
-from lightning_fpdt.integrations.huggingface import train_mode_for_fit
+from lightning_fpdt.integrations.discovery import train_modes_for_fit
 from lightning_fpdt.lightning_private import evaluate_under_no_grad, wrapped_closure
-from lightning_fpdt.memory.surgery import find_model
 from lightning_fpdt.models.ops import FUSED_OPS
 from lightning_fpdt.offload.host_memory import HostMemoryError
 from lightning_fpdt.sequence.kernels import AttentionBackend
@@ -47,7 +46,7 @@ from lightning_fpdt.strategy.host_optimizer import (
     prepare_device_step,
     prepare_host_step,
 )
-from lightning_fpdt.strategy.loss import TrainingLossCheck, unwrap_loss, with_loss
+from lightning_fpdt.strategy.loss import TrainingLossCheck, group_sums, is_reduced, unwrap_loss, with_loss
 from lightning_fpdt.strategy.materialize import has_meta_parameters
 from lightning_fpdt.strategy.mesh import MeshSizes, build_mesh
 from lightning_fpdt.strategy.parallelize import (
@@ -277,9 +276,9 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
         add_preemption_checkpoint(trainer, self._preemption)
         if trainer.state.fn == TrainerFn.FITTING:  # a parameter that gets no gradient stops the run
             add_gradient_check(trainer)
-            if train_mode_for_fit(find_model(self.lightning_module)):
-                rank_zero_info("fpdt: the Hugging Face model was in eval mode (as from_pretrained returns it): put in "
-                               "training mode for fit")
+            for name in train_modes_for_fit(self.lightning_module):
+                rank_zero_info(f"fpdt: the Hugging Face model {name} was in eval mode (as from_pretrained returns it): "
+                               f"put in training mode for fit")
         noise.steps_only_epochs(trainer)
 
     @override
@@ -383,10 +382,19 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
         to log (``lightning_fpdt.sequence_loss``). A step that returns it is not reduced again. Collective."""
         return self._context.reduce(loss, self.batch_plan.valid_tokens)
 
+    def sequence_sum(self, values: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        """Per-sequence sums over the sequence group (``lightning_fpdt.sequence_sum``). Collective."""
+        return group_sums(self._context, values, mask, mean=False)
+
+    def sequence_mean(self, values: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        """Per-sequence means over the sequence group (``lightning_fpdt.sequence_mean``). Collective."""
+        return group_sums(self._context, values, mask, mean=True)
+
     def _sequence_parallel_output(self, output: Any) -> Any:
-        """A loss a model computed itself (local token mean) becomes the group's token mean (docs/design.md §5)."""
+        """A loss a model computed itself (local token mean) becomes the group's token mean (docs/design.md §5); one
+        built from the group's values stays (``strategy/loss.py``, ``is_reduced``)."""
         loss = unwrap_loss(output)
-        if loss is None or self._context.loss_reduced:
+        if loss is None or is_reduced(loss, self._context):
             return output
         return with_loss(output, self.reduce_loss(loss))
 

@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_fpdt.sequence.loss import IGNORE_INDEX
+from lightning_fpdt.sequence.loss import IGNORE_INDEX, is_sequence_level, token_counts, token_sums
+from lightning_fpdt.sequence.loss import sequence_mean as group_sequence_mean
+from lightning_fpdt.sequence.loss import sequence_sum as group_sequence_sum
 
 
 def unwrap_loss(output: object) -> Optional[Tensor]:
@@ -27,6 +29,62 @@ def with_loss(output: Any, loss: Tensor) -> Any:
     return loss if isinstance(output, Tensor) else {**output, "loss": loss}
 
 
+def fpdt_strategy_of(owner: Any) -> Optional[Any]:
+    """The fpdt strategy behind ``owner``: a LightningModule attached to a Trainer (its ``trainer.strategy``), a
+    ``Fabric`` (its ``strategy``) or a strategy itself, when it reduces over a sequence group (``reduce_loss``);
+    ``None`` otherwise (one process holds the whole sequence)."""
+    try:
+        strategy = owner.trainer.strategy
+    except (AttributeError, RuntimeError):  # not a LightningModule, or one not attached to a Trainer
+        strategy = getattr(owner, "strategy", owner)
+    return strategy if callable(getattr(strategy, "reduce_loss", None)) else None
+
+
+def is_reduced(loss: Tensor, context: Any) -> bool:
+    """Whether a step's ``loss`` is the sequence's already, so the strategy leaves it: a loss with a graph when it is
+    built from the group's values (:func:`~lightning_fpdt.sequence.loss.is_sequence_level`: a model's own loss, a DPO
+    loss of ``sequence_sum`` values), whatever else the step reduced; one without (evaluation) when the batch's loss
+    was reduced (``context.loss_reduced``)."""
+    if loss.grad_fn is not None:
+        return is_sequence_level(loss)
+    return bool(context.loss_reduced)
+
+
+def counted_tokens(context: Any, values: Tensor, mask: Optional[Tensor]) -> Optional[Tensor]:
+    """``mask`` without the padding the strategy added to the batch (``context.token_mask``): what a per-sequence sum
+    or mean counts."""
+    padding = getattr(context, "token_mask", None)
+    if padding is None or padding.shape != values.shape[:2]:
+        return mask
+    return padding if mask is None else mask.bool() & padding
+
+
+def sequence_sum(owner: Any, values: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    """Per-sequence sums of per-token values over the whole sequence, on every rank: ``values (B, S/P, …)`` of this
+    rank's tokens (log-probabilities of the targets, a value head's output), ``mask (B, S/P)`` which tokens count
+    (``None``: every token of the batch; the strategy's padding never counts) -> ``(B, …)``, what one process computes
+    over ``(B, S, …)``. ``owner``: the LightningModule (or a ``Fabric``). Differentiable, and a loss built from it is
+    the sequence's (the strategy does not reduce it again). Under another strategy the local sum (one process holds
+    the sequence). Collective: call it on every rank::
+
+        logp = -F.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")  # (B, S/P); -100: 0
+        chosen = lightning_fpdt.sequence_sum(self, logp, batch["labels"] != -100)             # (B,)
+    """
+    strategy = fpdt_strategy_of(owner)
+    if strategy is None:
+        return token_sums(values, mask)
+    return strategy.sequence_sum(values, mask)
+
+
+def sequence_mean(owner: Any, values: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    """Per-sequence means of per-token values over the whole sequence, on every rank (:func:`sequence_sum` divided
+    by the tokens that count; 0 where none does)."""
+    strategy = fpdt_strategy_of(owner)
+    if strategy is None:
+        return token_sums(values, mask) / token_counts(values, mask).clamp(min=1)
+    return strategy.sequence_mean(values, mask)
+
+
 def sequence_loss(module: nn.Module, loss: Tensor) -> Tensor:
     """The token-mean loss of the whole sequence from this rank's token mean (over ``batch["labels"] != -100``):
     what to log from a ``training_step``, and what it may return. Under a strategy other than ``"fpdt"``, or outside
@@ -36,12 +94,15 @@ def sequence_loss(module: nn.Module, loss: Tensor) -> Tensor:
         loss = lightning_fpdt.sequence_loss(self, F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()))
         self.log("train_loss", loss)
     """
-    try:
-        strategy = module.trainer.strategy
-    except RuntimeError:  # not attached to a Trainer: one process, the loss is the sequence's
-        return loss
-    reduce = getattr(strategy, "reduce_loss", None)
-    return reduce(loss) if callable(reduce) else loss
+    strategy = fpdt_strategy_of(module)
+    return loss if strategy is None else strategy.reduce_loss(loss)
+
+
+def group_sums(context: Any, values: Tensor, mask: Optional[Tensor], *, mean: bool) -> Tensor:
+    """What both fpdt strategies' ``sequence_sum``/``sequence_mean`` compute over the batch's ``context``: the sums
+    (or means) over the sequence group of the tokens ``mask`` counts, the strategy's padding left out."""
+    reduce = group_sequence_mean if mean else group_sequence_sum
+    return reduce(values, counted_tokens(context, values, mask), group=context.group)
 
 
 def check_training_loss(loss: Optional[Tensor], no_target: Tensor, trainer: Any, *, rank: int) -> bool:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_fpdt.lightning_private import _materialize_distributed_module
-from lightning_fpdt.memory.surgery import find_model
+from lightning_fpdt.integrations.discovery import language_models
 
 
 def has_meta_parameters(module: nn.Module) -> bool:
@@ -20,18 +20,31 @@ def has_meta_parameters(module: nn.Module) -> bool:
 
 def materialize(module: nn.Module, device: torch.device, *, rank: int) -> None:
     """Allocate the meta parameters and buffers of ``module`` on ``device`` (FSDP2 DTensors: each rank only its
-    shards) and initialise them: with the model's own ``reset_parameters`` when it has one (the reference Llama's
-    N(0, initializer_range) and norms at 1; per submodule, ``nn.Linear`` would give its Kaiming init instead), else
-    with each submodule's (Lightning's ``_materialize_distributed_module``)."""
-    model = find_model(module)
-    reset = getattr(model, "reset_parameters", None)
+    shards) and initialise them: each language model with its own ``reset_parameters`` where it has one (the reference
+    Llama's N(0, initializer_range) and norms at 1; per submodule, ``nn.Linear`` would give its Kaiming init instead),
+    everything else with each submodule's (Lightning's ``_materialize_distributed_module``)."""
+    models = language_models(module)
+    resets = [model for model in models if callable(getattr(model, "reset_parameters", None))]
     with _distinct_shard_draws(device, rank=rank):
-        if callable(reset):
-            module.to_empty(device=device)  # on the root, as Lightning's helper: nothing left on meta
-            reset()
-        else:
+        if not resets:
             _materialize_distributed_module(module, device)
-    model.apply(_retie_weights)
+        else:
+            module.to_empty(device=device)  # on the root, as Lightning's helper: nothing left on meta
+            for model in resets:
+                model.reset_parameters()
+            _reset_the_rest(module, {id(m) for model in resets for m in model.modules()})
+    for model in models:
+        model.apply(_retie_weights)
+
+
+def _reset_the_rest(module: nn.Module, done: set[int]) -> None:
+    """Each submodule outside ``done`` that holds parameters or buffers of its own gets its ``reset_parameters`` (a
+    head beside the model)."""
+    for sub in module.modules():
+        holds = any(True for _ in sub.parameters(recurse=False)) or any(True for _ in sub.buffers(recurse=False))
+        reset = getattr(sub, "reset_parameters", None)
+        if id(sub) not in done and holds and callable(reset):
+            reset()
 
 
 def _retie_weights(module: nn.Module) -> None:

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -19,9 +20,12 @@ from torch.distributed.fsdp import (
 )
 
 from lightning_fpdt.integrations import SequenceParallelContext, attention_geometry, check_router_loss, install
-from lightning_fpdt.integrations.attributes import APPLIED, STEP_METHODS
+from lightning_fpdt.integrations.attributes import APPLIED, ATTENTION_AUDIT, STEP_METHODS
+from lightning_fpdt.integrations.audit import AttentionAudit
+from lightning_fpdt.integrations.discovery import language_models, planned_model, transform_targets
+from lightning_fpdt.integrations.install import check_family
 from lightning_fpdt.integrations.head_loss import loss_head
-from lightning_fpdt.memory.surgery import find_blocks, find_model, has_parameters
+from lightning_fpdt.memory.surgery import find_blocks
 from lightning_fpdt.sequence.attention import FPDTAttention
 from lightning_fpdt.sequence.options import FPDTOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry
@@ -70,7 +74,9 @@ def declared_transforms(callbacks: Iterable[Any]) -> dict[str, list[ModelTransfo
 
 
 def apply_fpdt(module: nn.Module, mesh: DeviceMesh, *, config: ParallelizeConfig) -> nn.Module:
-    """Make ``module`` (a LightningModule or any ``nn.Module``) sequence-parallel in place; idempotent."""
+    """Make ``module`` (a LightningModule or any ``nn.Module``) sequence-parallel in place; idempotent. Every language
+    model it holds (``integrations/discovery.py``: a policy and a frozen reference, a model beside a head) is
+    installed and transformed; what is not a language model runs on this rank's tokens as it is."""
     if getattr(module, APPLIED, False):
         return module  # fit then validate must not wrap twice
     own = [name for name, _ in module.named_parameters(recurse=False)]
@@ -79,23 +85,29 @@ def apply_fpdt(module: nn.Module, mesh: DeviceMesh, *, config: ParallelizeConfig
             f"{type(module).__name__} holds parameters {own} directly; FSDP2 shards submodules (never the "
             f"LightningModule itself, whose training_step Lightning calls): move them into a submodule"
         )
-    model = find_model(module)
-    blocks = find_blocks(model, config.layer_classes)
+    models = language_models(module)
+    blocks = {id(model): find_blocks(model, config.layer_classes) for model in models}
 
     without_grad = [name for name, transforms in (("ActivationOffload", config.activation_checkpointing),
                                                   ("TiledMLP", config.tiled_mlp)) if transforms]
-    check_router_loss(model, forward_without_grad=without_grad)
+    for model in models:  # every model checked before any is changed
+        check_router_loss(model, forward_without_grad=without_grad)
+        check_family(model)
     # 1. the attention (and loss) swap first: later wrappers (tiling, checkpointing, FSDP2) wrap the swapped modules
-    install(model, blocks, config.context)
-    # 2. tiled MLP inside the blocks, before checkpointing wraps them
-    for transform in config.tiled_mlp:
-        transform(model, blocks)
-    # 3. tiled loss on the model's forward, which FSDP2's root unit wraps
-    for transform in config.tiled_loss:
-        transform(model, blocks)
-    # 4. activation checkpointing + host offload: its wrappers hold the tiled MLP and must be in place before FSDP2
-    for transform in config.activation_checkpointing:
-        transform(model, blocks)
+    for model in models:
+        install(model, blocks[id(model)], config.context)
+    #    then every block and attention-like module is watched: its first forward must run the swapped attention
+    audit = AttentionAudit(module, blocks=[block for model in models for block in blocks[id(model)]],
+                           attention=config.context.attention,
+                           sequence_parallel_size=config.context.sequence_parallel_size)
+    setattr(module, ATTENTION_AUDIT, audit)
+    # 2. tiled MLP inside the blocks, before checkpointing wraps them; 3. tiled loss on the model's forward, which
+    # FSDP2's root unit wraps; 4. activation checkpointing + host offload: its wrappers hold the tiled MLP and must
+    # be in place before FSDP2. Each in the models it applies to (transform_targets: checkpointing where they train)
+    for slot in SLOTS:
+        for model in transform_targets(slot, models):
+            for transform in getattr(config, slot):
+                transform(model, blocks[id(model)])
     # 5. FSDP2 (plain gradient averaging over all ranks, see sequence_parallel_loss): each block its own unit
     #    (gathered just in time), then one root unit for what remains (embeddings, final norm, head; tied weights
     #    stay in one unit): the network's own module, or, when the parts sit on the module given (nanoGPT style, or
@@ -106,16 +118,22 @@ def apply_fpdt(module: nn.Module, mesh: DeviceMesh, *, config: ParallelizeConfig
         # page-locked by the strategy itself, each shard exactly its size (host_states.register_host_states): FSDP2's
         # own pinning rounds every shard up to a power of two
         fsdp["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
-    for block in find_blocks(model, config.layer_classes):  # again: a transform may have wrapped the blocks
-        fully_shard(block, **fsdp)
-    #    an output head that computes the tiled loss in its own forward is a unit too: its all-gather then overlaps
-    #    the last block's forward, it is not held gathered through the blocks' forward and backward, and its
-    #    gradient's reduce-scatter (with host-resident states: its step, strategy/host_optimizer.py) overlaps the
-    #    blocks' backward instead of waiting with the embedding's at the end; gathered from its forward to its
-    #    backward, which follows at once
-    head = loss_head(model)
-    if head is not None:
-        fully_shard(head, reshard_after_forward=False, **fsdp)
+    for model in models:
+        for block in find_blocks(model, config.layer_classes):  # again: a transform may have wrapped the blocks
+            fully_shard(block, **fsdp)
+        #    an output head that computes the tiled loss in its own forward is a unit too: its all-gather then
+        #    overlaps the last block's forward, it is not held gathered through the blocks' forward and backward,
+        #    and its gradient's reduce-scatter (with host-resident states: its step, strategy/host_optimizer.py)
+        #    overlaps the blocks' backward instead of waiting with the embedding's at the end; gathered from its
+        #    forward to its backward, which follows at once
+        head = loss_head(model)
+        if head is not None:
+            fully_shard(head, reshard_after_forward=False, **fsdp)
+    if len(models) > 1:
+        #    several models: each its own root unit, gathered for its own forward (a frozen reference's embeddings
+        #    are not held beside the policy's through the step)
+        for model in models:
+            fully_shard(model, **fsdp)
     rest = unsharded_children(module)
     if len(rest) == 1:
         fully_shard(rest[0], **fsdp)
@@ -148,7 +166,7 @@ def parallelize_model(
     sized with and the model's vocabulary, which every batch's token ids are checked against."""
     on_meta = has_meta_parameters(module)
     apply_fpdt(module, mesh, config=config)
-    geometry = attention_geometry(find_model(module), precision)
+    geometry = attention_geometry(planned_model(module), precision)
     vocabulary = tokens.model_vocabulary(module)
     tokens.check_pad_token(pad_token_id, vocabulary)
     tokens.check_data_vocabulary(data, vocabulary)
@@ -175,7 +193,7 @@ class EarlyGathers:
             names = set(layer_classes)
             blocks = [m for m in module.modules() if any(c.__name__ in names for c in type(m).__mro__)]
         else:
-            blocks = find_blocks(find_model(module))
+            blocks = find_blocks(planned_model(module))
         self.units: list[FSDPModule] = [root] if root is not None else []
         if blocks and isinstance(blocks[0], FSDPModule) and blocks[0] is not root:
             self.units.append(blocks[0])
@@ -196,6 +214,11 @@ class EarlyGathers:
         self._started = []
 
 
+def has_unsharded_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` holds a parameter no FSDP2 unit manages yet (``fully_shard`` makes its own DTensors)."""
+    return any(not isinstance(p, DTensor) for p in module.parameters())
+
+
 def unsharded_children(module: nn.Module) -> list[nn.Module]:
     """The children of ``module`` that hold parameters no FSDP2 unit holds yet; a container that has no forward of
     its own (``nn.ModuleList``, ``nn.ModuleDict``: FSDP2 refuses them) stands for its own such children. A model in
@@ -203,7 +226,7 @@ def unsharded_children(module: nn.Module) -> list[nn.Module]:
     a head held directly) gives the embeddings and the head."""
     found = []
     for child in module.children():
-        if isinstance(child, FSDPModule) or not has_parameters(child):
+        if isinstance(child, FSDPModule) or not has_unsharded_parameters(child):
             continue
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
             found += unsharded_children(child)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.memory.surgery import find_model
+from lightning_fpdt.integrations.discovery import language_models
 from lightning_fpdt.sequence.loss import IGNORE_INDEX
 
 
@@ -31,10 +31,15 @@ class Vocabulary:
 
 
 def model_vocabulary(model: nn.Module) -> Optional[Vocabulary]:
-    """The vocabulary of the network inside ``model``: its input embedding's rows (``get_input_embeddings()``, as
-    Hugging Face models have), else its ``config.vocab_size``; ``None`` when it has neither (then nothing is
-    checked)."""
-    network = find_model(model)
+    """The vocabulary every language model inside ``model`` accepts (``integrations/discovery.py``; a policy beside
+    a reference model: the smaller of theirs): a network's input embedding rows (``get_input_embeddings()``, as
+    Hugging Face models have), else its ``config.vocab_size``; ``None`` when none says (then nothing is checked)."""
+    found = [v for v in map(network_vocabulary, language_models(model)) if v is not None]
+    return min(found, key=lambda v: v.size) if found else None
+
+
+def network_vocabulary(network: nn.Module) -> Optional[Vocabulary]:
+    """One network's vocabulary (:func:`model_vocabulary`)."""
     name = type(network).__name__
     get_embeddings = getattr(network, "get_input_embeddings", None)
     embedding = get_embeddings() if callable(get_embeddings) else None

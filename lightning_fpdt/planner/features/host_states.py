@@ -44,6 +44,15 @@ class HostStates(MemoryFeature):
                       formula=f"{OPTIMIZER_STATES[s.o.optimizer]} x sharded master of the trainable parameters",
                       pageable_bytes=moments if on_host else 0),
         ]
+        if s.o.other_parameters:
+            # the models beside the planned one (a frozen reference, a value head): their weights, and for what of
+            # them trains its gradients and optimizer states, all sharded alike
+            other = (d["master"] * s.o.other_parameters + (d["grad"] + OPTIMIZER_STATES[s.o.optimizer] * d["master"])
+                     * s.o.other_trainable_parameters) // W
+            parts.append(Component("other models' states", 0 if on_host else other,
+                                   formula="sharded weights beside the planned model (+ gradients and optimizer "
+                                           "states of what of them trains)",
+                                   pageable_bytes=other if on_host else 0))
         if accumulating:
             return parts  # the gradients of an accumulation window: features/accumulation.py
         parts += [Component(f"root gradients ({phase})", 0 if on_host else root_grads, phase=phase,

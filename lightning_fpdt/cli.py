@@ -12,8 +12,11 @@ so YAML can name them by their short class name (``model: LlamaLM``, ``data: Ret
 
 from __future__ import annotations
 
+import os
+import re
 import statistics
 import sys
+import traceback
 from typing import Any, Optional
 
 from jsonargparse import ArgumentParser
@@ -91,7 +94,48 @@ def main(args: ArgsType = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, (list, tuple)) and argv[:1] == ["plan"]:
         raise SystemExit(plan_main(list(argv[1:])))
-    FPDTCLI(args=args)
+    try:
+        FPDTCLI(args=args)
+    except ValueError as error:
+        mistake = package_error(error)
+        if mistake is None or os.environ.get(TRACEBACK_VARIABLE):
+            raise
+        print(f"lightning-fpdt: error: {mistake}\n(the whole traceback: {TRACEBACK_VARIABLE}=1)", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+TRACEBACK_VARIABLE = "FPDT_TRACEBACK"
+"""Set (to anything) to see a user mistake's whole traceback instead of its message."""
+
+
+def package_error(error: BaseException) -> Optional[str]:
+    """What to tell of a ``ValueError`` a class of a config raised for a user mistake (an option out of range, a batch
+    the strategy cannot shard): the innermost such error this package raised behind ``error``, or, where jsonargparse
+    kept only the messages (a class given for a union type: "Does not validate against any of the Union subtypes"
+    beside "Expected a <class 'str'>" and the whole namespace), the class's own message with its ``class_path``;
+    ``None`` when it holds neither."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    seen: set[int] = set()
+    current: Optional[BaseException] = error
+    found = None
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        frames = traceback.extract_tb(current.__traceback__)
+        if isinstance(current, ValueError) and frames and os.path.abspath(frames[-1].filename).startswith(package):
+            found = str(current)  # the innermost such error says it best
+        current = current.__cause__ or current.__context__
+    if found is not None:
+        return found
+    text = str(error)
+    if "\nErrors:" not in text:
+        return None
+    listed = text.split("\nErrors:", 1)[1].split("\nGiven value", 1)[0]
+    reasons = [line.strip()[2:] for line in listed.splitlines()
+               if line.strip().startswith("- ") and not line.strip().startswith("- Expected a ")]
+    if not reasons:
+        return None
+    where = re.search(r"class_path='([^']+)'", text)
+    return (f"{where.group(1)}: " if where else "") + "; ".join(reasons)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,23 @@ def test_strategy_by_class_path_with_options(tmp_path):
     assert isinstance(cli.trainer.strategy, FPDTStrategy) and cli.trainer.strategy.num_chunks_for(256) == 2
 
 
+def test_an_option_out_of_range_is_one_line(tmp_path, capsys, monkeypatch):
+    """chunks: 0 in a YAML ends with the strategy's own message on one line (exit status 2), not LightningCLI's
+    traceback with the message buried; FPDT_TRACEBACK=1 shows the whole traceback."""
+    config = (CONFIGS / "demo_cpu.yaml").read_text().replace("chunks: 2 ", "chunks: 0 ")
+    (tmp_path / "chunks0.yaml").write_text(config)
+    args = ["fit", "--config", str(tmp_path / "chunks0.yaml"), "--trainer.logger", "false"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == ("lightning-fpdt: error: lightning_fpdt.FPDTStrategy: chunks must be 'auto' or a "
+                                   "positive int, got 0") and "Traceback" not in err
+    monkeypatch.setenv("FPDT_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="chunks must be 'auto' or a positive int, got 0"):
+        main(args)
+
+
 @pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_example_configs_parse(config, capsys):
     """Every example config parses (GPU ones too: --print_config instantiates nothing)."""

@@ -283,6 +283,16 @@ def test_offload_dir_that_cannot_be_created_or_written(tmp_path, monkeypatch):
         prepare_offload_dir(str(read_only))
 
 
+def test_offload_dir_that_is_a_file_says_so(tmp_path):
+    """An offload_dir that is a file is named as a file, not as a directory that does not exist."""
+    spill = tmp_path / "spill"
+    spill.write_text("")
+    with pytest.raises(ValueError, match=rf"offload_dir '{spill}' is a file, not a directory"):
+        prepare_offload_dir(str(spill))
+    with pytest.raises(ValueError, match=rf"'{spill}' is a file, not a directory"):
+        prepare_offload_dir(str(spill / "below"))
+
+
 def test_too_little_free_space_names_the_bytes(tmp_path, monkeypatch):
     """A directory whose file system has less free space than the plan puts there is a ValueError naming the
     directory, the bytes needed and the bytes free."""

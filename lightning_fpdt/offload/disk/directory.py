@@ -77,6 +77,13 @@ def prepare_offload_dir(offload_dir: str) -> str:
     """The absolute ``offload_dir``, created if missing; ``ValueError`` naming it when it cannot be created or
     written (the check the strategy runs at setup, before any step)."""
     path = os.path.abspath(os.fspath(offload_dir))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"offload_dir {path!r} is a file, not a directory: give a directory on a local disk (it is "
+                         f"created if missing), or offload_dir=None")
+    blocker = next((parent for parent in _parents(path) if os.path.exists(parent) and not os.path.isdir(parent)), None)
+    if blocker is not None:
+        raise ValueError(f"offload_dir {path!r} does not exist and cannot be created: {blocker!r} is a file, not a "
+                         f"directory; give a directory on a local disk, or offload_dir=None")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as error:
@@ -100,6 +107,15 @@ def prepare_offload_dir(offload_dir: str) -> str:
             f"there; give a writable directory on a local disk, or offload_dir=None"
         ) from error
     return path
+
+
+def _parents(path: str) -> list[str]:
+    """The folders above ``path``, nearest first."""
+    parents, current = [], os.path.dirname(path)
+    while current and current != os.path.dirname(current):
+        parents.append(current)
+        current = os.path.dirname(current)
+    return parents
 
 
 def check_free_space(offload_dir: str, needed_bytes: int, what: str = "") -> None:

@@ -41,6 +41,7 @@ from lightning_fpdt.data.needle import (
     synthetic_filler,
 )
 from lightning_fpdt.data.retrieval import RetrievalTask
+from lightning_fpdt.callbacks.heatmap import heatmap, labelled_heatmap  # noqa: F401  (heatmap: the grid alone)
 from lightning_fpdt.sequence.loss import IGNORE_INDEX, shift_labels
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -325,7 +326,7 @@ class LongContextEval(pl.Callback):
     # ---- logging ------------------------------------------------------------------------------------------------
     def _log(self, trainer: pl.Trainer, scores: LongContextScores) -> None:
         metrics = scores.metrics(self.prefix)
-        image = heatmap(scores.exact_match)  # (3, H, W) uint8
+        image = labelled_heatmap(scores.exact_match, scores.lengths, scores.depths)  # (3, H, W) uint8
         tag = f"{self.prefix}/heatmap"
         without_images = []
         for logger in trainer.loggers:
@@ -388,28 +389,6 @@ def _keep_batch_plan(strategy: Any) -> Iterator[None]:
     finally:
         if plan is not None:
             strategy.batch_plan = plan
-
-
-# ---- the heatmap -----------------------------------------------------------------------------------------------------
-_RED, _YELLOW, _GREEN = torch.tensor([200.0, 40, 40]), torch.tensor([235.0, 200, 60]), torch.tensor([40.0, 170, 70])
-
-
-def heatmap(exact_match: Tensor, *, cell: int = 24) -> Tensor:
-    """``(3, H, W)`` uint8 image of a ``(lengths, depths)`` table: lengths left to right, depths top to bottom, each
-    cell ``cell`` pixels square with a 1-pixel grey grid, red (0) through yellow (0.5) to green (1). Plain torch: no
-    plotting library needed."""
-    values = exact_match.detach().double().clamp(0, 1).T  # (depths, lengths): rows are depths
-    low = (values * 2).clamp(max=1).unsqueeze(-1)
-    high = (values * 2 - 1).clamp(min=0).unsqueeze(-1)
-    colors = torch.where(values.unsqueeze(-1) <= 0.5, _RED + (_YELLOW - _RED) * low,
-                         _YELLOW + (_GREEN - _YELLOW) * high)  # (depths, lengths, 3)
-    rows, cols = values.shape
-    image = torch.full((3, rows * (cell + 1) + 1, cols * (cell + 1) + 1), 128, dtype=torch.uint8)
-    for r in range(rows):
-        for c in range(cols):
-            top, left = 1 + r * (cell + 1), 1 + c * (cell + 1)
-            image[:, top:top + cell, left:left + cell] = colors[r, c].round().to(torch.uint8)[:, None, None]
-    return image
 
 
 def validation_stream(datamodule: Any, needed: int) -> Tensor:

@@ -204,3 +204,21 @@ def test_filler_from_the_validation_data():
         assert ids[:4] == [10, 11, *ids[-2:]]
         assert any(flat[s:s + len(filler)] == filler for s in range(len(flat)))
         assert filler == flat[index * 32:index * 32 + len(filler)]
+
+
+def test_the_logged_heatmap_has_axes_and_a_legend():
+    """The image logged holds the grid, the column labels (lengths, in K where whole), the row labels (depths), the
+    axis titles and a colour bar from red (0) to green (1)."""
+    from lightning_fpdt.callbacks.heatmap import GLYPHS, depth_label, labelled_heatmap, length_label
+
+    assert [length_label(n) for n in (64, 4096, 65536, 3000, 2**20)] == ["64", "4K", "64K", "3000", "1M"]
+    assert [depth_label(d) for d in (0.0, 0.25, 0.5, 1.0)] == ["0", ".25", ".5", "1"]
+    scores = torch.tensor([[0.0, 1.0], [0.5, 1.0], [1.0, 0.0]])
+    image = labelled_heatmap(scores, [64, 128, 65536], [0.0, 1.0], cell=24)
+    pixels = image.permute(1, 2, 0).reshape(-1, 3).tolist()
+    assert [200, 40, 40] in pixels and [40, 170, 70] in pixels and [235, 200, 60] in pixels  # the cells
+    assert [0, 0, 0] in pixels  # ink of the labels
+    bar = image[:, -30:, :]  # the legend's colour bar sits below the grid
+    colors = {tuple(c) for c in bar.permute(1, 2, 0).reshape(-1, 3).tolist()}
+    assert (200, 40, 40) in colors and (40, 170, 70) in colors
+    assert all(len(glyph.split("|")) == 5 for glyph in GLYPHS.values())

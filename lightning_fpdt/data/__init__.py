@@ -1,7 +1,6 @@
 """Data for long-context training: a synthetic retrieval task (the demo's) and packed token files."""
 
 from lightning_fpdt.data.base import LongContextDataModule
-from lightning_fpdt.data.metrics import TokenAccuracy, TokenPerplexity
 from lightning_fpdt.data.needle import KeyValueNeedle, PasskeyNeedle
 from lightning_fpdt.data.retrieval import RetrievalDataModule, RetrievalDataset, RetrievalTask
 from lightning_fpdt.data.token_file import PackedTokenDataset, TokenFile, TokenFileDataModule, write_token_file
@@ -14,9 +13,7 @@ __all__ = [
     "RetrievalDataModule",
     "RetrievalDataset",
     "RetrievalTask",
-    "TokenAccuracy",
     "TokenFile",
     "TokenFileDataModule",
-    "TokenPerplexity",
     "write_token_file",
 ]

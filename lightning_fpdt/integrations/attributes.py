@@ -46,7 +46,7 @@ HEAD_LOSS = "_fpdt_head_loss"
 TILED_NORM = "_fpdt_tiled_norm"
 """Marks a Hugging Face RMSNorm whose forward runs over token tiles."""
 FUSED_MLP = "_fpdt_fused_mlp"
-"""Marks a Hugging Face SiLU-gated MLP whose product runs through ``lightning_fpdt.models.ops.swiglu``."""
+"""Marks a Hugging Face SiLU-gated MLP whose product runs through ``lightning_fpdt.fused.ops.swiglu``."""
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 """Replaced on a LightningModule that holds the network's parts itself (nanoGPT style) and so is FSDP2's root unit:
 wrapped by ``torch.distributed.fsdp.register_fsdp_forward_method``, so each step gathers the root's parameters as a

@@ -37,7 +37,7 @@ from lightning_fpdt.integrations.head_loss import give_head_the_loss
 from lightning_fpdt.memory.forwards import replace_forward
 from lightning_fpdt.memory.tiled_loss import tiled_cross_entropy
 from lightning_fpdt.memory.surgery import is_gated_mlp
-from lightning_fpdt.models.ops import rms_norm, swiglu
+from lightning_fpdt.fused.ops import rms_norm, swiglu
 from lightning_fpdt.sequence.attention import LayerAttention
 from lightning_fpdt.sequence.blocks import check_exact_call
 from lightning_fpdt.sequence.loss import IGNORE_INDEX, shift_labels, token_cross_entropy
@@ -241,7 +241,7 @@ SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")
 
 def fuse_hf_gated_mlps(model: nn.Module) -> int:
     """Give the SiLU-gated MLPs of the model's family (``down(act(gate(x)) · up(x))``) a forward that computes the
-    product with ``lightning_fpdt.models.ops.swiglu`` (one fused kernel per pass on a GPU, the same formula);
+    product with ``lightning_fpdt.fused.ops.swiglu`` (one fused kernel per pass on a GPU, the same formula);
     returns how many."""
     classes = set(mlp_classes(model) or ())
     count = 0

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_fpdt.models.ops import rms_norm, rotary, swiglu
+from lightning_fpdt.fused.ops import rms_norm, rotary, swiglu
 from lightning_fpdt.sequence import loss as token_loss
 from lightning_fpdt.sequence.documents import document_ids_from_positions, document_starts_mask, has_position_resets
 
@@ -128,13 +128,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # The mean square is taken in fp32 so bf16 activations do not lose the normalisation; over token tiles,
-        # keeping one fp32 per token for backward instead of an fp32 copy of x (models/ops.py).
+        # keeping one fp32 per token for backward instead of an fp32 copy of x (lightning_fpdt/fused/ops.py).
         return rms_norm(x, self.weight, self.eps)
 
 
 def apply_rotary(x: Tensor, position_ids: Tensor, theta: float) -> Tensor:
     """Rotate ``x (B, S, H, D)`` by RoPE angles of ``position_ids (B, S)`` (rotate-half convention), in fp32 over
-    token tiles, keeping nothing of ``x`` for backward (models/ops.py)."""
+    token tiles, keeping nothing of ``x`` for backward (lightning_fpdt/fused/ops.py)."""
     return rotary(x, position_ids, theta)
 
 

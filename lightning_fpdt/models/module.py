@@ -7,7 +7,7 @@ task: the retrieval accuracy), which needs the full logits of each rank's shard:
 for 128K-vocabulary models at long context.
 
 Under sequence parallelism each rank holds different tokens of the same sequences, so every metric keeps sums and
-counts that torchmetrics adds up over all ranks (see :mod:`lightning_fpdt.data.metrics`).
+counts that torchmetrics adds up over all ranks (see :mod:`lightning_fpdt.models.metrics`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_fpdt.data.metrics import TokenAccuracy, TokenPerplexity
+from lightning_fpdt.models.metrics import TokenAccuracy, TokenPerplexity
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
 from lightning_fpdt.sequence.loss import IGNORE_INDEX, shift_labels, token_loss_sum
 
@@ -84,7 +84,7 @@ class CausalLM(L.LightningModule):
         self.accuracy = accuracy
         self.losses: list[float] = []
         """The training loss of every micro-batch (the sequence group's token mean)."""
-        # every state is a sum, added up over all ranks when computed (see lightning_fpdt.data.metrics)
+        # every state is a sum, added up over all ranks when computed (see lightning_fpdt.models.metrics)
         self.train_accuracy = TokenAccuracy(dist_sync_on_step=True)  # the answers may all sit on another rank
         self.val_perplexity, self.val_accuracy = TokenPerplexity(), TokenAccuracy()
         self.test_perplexity, self.test_accuracy = TokenPerplexity(), TokenAccuracy()

@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_fpdt.flops import attention_heads
 from lightning_fpdt.integrations import SequenceParallelContext
-from lightning_fpdt.models.ops import FUSED_OPS
+from lightning_fpdt.fused.ops import FUSED_OPS
 from lightning_fpdt.sequence.kernels import AttentionBackend
 from lightning_fpdt.sequence.options import FPDTOptions, check_switch
 from lightning_fpdt.sequence.planning import AttentionGeometry

@@ -29,7 +29,7 @@ from lightning_fpdt.integrations.adapters import keep_trained_adapters
 from lightning_fpdt.integrations.attributes import DEVICE_MESH
 from lightning_fpdt.integrations.discovery import train_modes_for_fit
 from lightning_fpdt.lightning_private import evaluate_under_no_grad, wrapped_closure
-from lightning_fpdt.models.ops import FUSED_OPS
+from lightning_fpdt.fused.ops import FUSED_OPS
 from lightning_fpdt.offload.host_memory import HostMemoryError
 from lightning_fpdt.sequence.kernels import AttentionBackend
 from lightning_fpdt.sequence.options import FPDTOptions, check_switch

@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 import lightning_fpdt  # noqa: F401  (registers "fpdt")
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.data import RetrievalDataModule, TokenAccuracy, TokenPerplexity
+from lightning_fpdt.data import RetrievalDataModule
+from lightning_fpdt.models.metrics import TokenAccuracy, TokenPerplexity
 from lightning_fpdt.models.module import CausalLM, HFCausalLM, LlamaLM, targets_of, token_loss_sum
 from tests.dist.training import trainer_kwargs
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fpdt.sequence import SequenceLayout, StashFactory, fpdt_attention
+from lightning_fpdt.offload.host_stash import StashFactory
+from lightning_fpdt.sequence import SequenceLayout, fpdt_attention
 from lightning_fpdt.sequence.all_to_all import group_rank, group_size
 from lightning_fpdt.sequence.documents import DocumentBoundaries
 from tests.dist.attention_checks import assert_matches_reference, draw_inputs, reference

@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
-from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, StashFactory, ring_attention
+from lightning_fpdt.offload.host_stash import StashFactory
+from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, ring_attention
 from lightning_fpdt.integrations import SequenceParallelContext, install_reference_llama
 from lightning_fpdt.memory import find_blocks
 from lightning_fpdt.sequence.ring import RingComm, new_sequence_groups

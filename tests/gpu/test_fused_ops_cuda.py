@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_fpdt import ActivationOffload, FPDTStrategy, TiledLoss, TiledMLP
-from lightning_fpdt.models import ops
+from lightning_fpdt.fused import ops
 from tests.gpu.small_llama import LM, batches
 
 pytestmark = pytest.mark.gpu

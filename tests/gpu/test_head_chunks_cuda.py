@@ -8,7 +8,7 @@ import torch
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload
 from lightning_fpdt.integrations import install_head_groups
 from lightning_fpdt.models.llama import LlamaConfig, LlamaDecoderLayer
-from lightning_fpdt.models.ops import FUSED_OPS
+from lightning_fpdt.fused.ops import FUSED_OPS
 from lightning_fpdt.sequence import FPDTAttention
 
 pytestmark = pytest.mark.gpu
@@ -102,7 +102,7 @@ def test_attention_peaks_are_lower_with_groups(fused, monkeypatch):
         peaks[head_chunks] = _attention_peaks(layer, h, grad_out, position_ids)
         del layer, h
     # The norm stays outside the measure: its backward holds fp32 tile buffers of its input (64K × 1024 × 4 B = 256
-    # MiB each; models/ops.py, one tile; three and a bf16 one) whatever G is, which set the peak of norm + attention
+    # MiB each; fused/ops.py, one tile; three and a bf16 one) whatever G is, which set the peak of norm + attention
     # for G = 4 (1798 MiB by the CPU live-byte count, 1792 on an H100) just below G = 1's peak in RoPE (1826 MiB,
     # 1820 on the H100): measured with the norm, the comparison would be the norm's, not the head groups'.
     # In the attention module (q/k/v/out = 64K × (16 + 2·8 + 16) × 64 × 2 B = 384 MiB), by the CPU count of

@@ -9,7 +9,8 @@ from lightning_fpdt.callbacks.activation_offload import ActivationOffload
 from lightning_fpdt.integrations import SequenceParallelContext, install_reference_llama
 from lightning_fpdt.memory import find_blocks
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
-from lightning_fpdt.sequence import FPDTAttention, StashFactory, fpdt_attention
+from lightning_fpdt.offload.host_stash import StashFactory
+from lightning_fpdt.sequence import FPDTAttention, fpdt_attention
 
 pytestmark = pytest.mark.gpu
 

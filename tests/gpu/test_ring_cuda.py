@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fpdt.sequence import SequenceLayout, StashFactory, new_sequence_groups, ring_attention
+from lightning_fpdt.offload.host_stash import StashFactory
+from lightning_fpdt.sequence import SequenceLayout, new_sequence_groups, ring_attention
 from tests.gpu.nccl import REL_ERROR, relative_error, run_on_gpus
 from tests.reference import causal_attention
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fpdt.sequence import HeadSplit, SequenceLayout, StashFactory, fpdt_attention
+from lightning_fpdt.offload.host_stash import StashFactory
+from lightning_fpdt.sequence import HeadSplit, SequenceLayout, fpdt_attention
 from lightning_fpdt.sequence.fpdt import head_pieces_for
 from tests.gpu.nccl import REL_ERROR, relative_error, run_on_gpus
 from tests.reference import causal_attention

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from lightning_fpdt.sequence import ChunkStash, FPDTAttention, StashFactory, check_heads, fpdt_attention, merge_partial
+from lightning_fpdt.offload.host_stash import ChunkStash, StashFactory
+from lightning_fpdt.sequence import FPDTAttention, check_heads, fpdt_attention, merge_partial
 from lightning_fpdt.sequence.kernels import CudnnKernel, MathKernel, make_kernel, supported_backends
 
 

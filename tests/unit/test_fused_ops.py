@@ -1,4 +1,4 @@
-"""The fused forms of RMSNorm, RoPE and SwiGLU (lightning_fpdt.models.ops) compute what the eager forms compute; a
+"""The fused forms of RMSNorm, RoPE and SwiGLU (lightning_fpdt.fused.ops) compute what the eager forms compute; a
 compiler failure falls back to the eager forms with one warning. (On the CPU they compile without code generation:
 the formulas and the autograd wiring are tested here, the kernels on a GPU in tests/gpu/test_fused_ops_cuda.py.)"""
 
@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_fpdt.models import ops
+from lightning_fpdt.fused import ops
 
 
 @pytest.fixture

@@ -306,7 +306,7 @@ def test_group_backward_keeps_two_hidden_sized_buffers():
     #   running dx: 32. (Before: seven at the peak, in the group's dx sum: also the output projection redone to be
     #   differentiated, the three projections' dx products and autograd's two out-of-place sums of them: 124.5.)
     # - RoPE's two fp32 tile buffers of the group's dq (dq and its rotate-half), 2 × 8K × 4 × 64 × 4 B = 16, and its
-    #   per-token fp32 tables (angles, cos, sin), 3 × 8K × 64 × 4 B = 6: 22 (models/ops.py, one tile at this length);
+    #   per-token fp32 tables (angles, cos, sin), 3 × 8K × 64 × 4 B = 6: 22 (fused/ops.py, one tile at this length);
     # - the group's bf16 dout, dq and its rotation (8K × 4 × 64 × 2 B = 4 each), the rotated dk and dv (2 each): 16.
     #   The recomputed projections and the replayed output are gone by then (asked for as gradient edges);
     # - the q, k, v, o weight gradients, (2 · 1024 + 2 · 512) × 1024 × 2 B: 6.

@@ -1,5 +1,5 @@
 """The package's modules import one another without cycles, lazy imports counted, and every arrow points down the
-layers of docs/design.md §2."""
+floors of docs/design.md §2."""
 
 from __future__ import annotations
 
@@ -11,13 +11,27 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_fpdt"
 BENCH = PACKAGE.parent / "bench"
 
-LAYERS = ["flops", "offload", "sequence", "data", "models", "memory", "integrations", "planner", "lightning_private",
-          "callbacks", "strategy", "top"]
-"""Bottom to top: a subpackage imports only from its own layer and those before it (``top`` is the package's
-``__init__``, ``cli`` and ``export``)."""
-ALLOWED_BELOW = {"flops": set(), "offload": set(), "sequence": {"flops", "offload"}}
-"""Layers that import less than everything below them: ``flops`` and ``offload`` import nothing of the package but
-themselves, ``sequence`` only the leaf checks of ``flops`` and where its chunks wait (``offload``)."""
+FLOORS = [
+    {"flops", "fused", "offload", "lightning_private"},
+    {"sequence"},
+    {"data", "memory", "models"},
+    {"integrations"},
+    {"planner"},
+    {"callbacks"},
+    {"strategy"},
+    {"top"},
+]
+"""Bottom to top: a room imports only from itself and the floors below it, never from a room beside it (``top`` is
+the package's ``__init__``, ``cli`` and ``export``)."""
+MAX_FLOORS = 9
+ALLOWED_BELOW = {"flops": set(), "fused": set(), "offload": set(), "lightning_private": set(),
+                 "sequence": {"flops", "offload"}}
+"""Rooms that import less than every floor below them: the ground floor imports nothing of the package but itself,
+``sequence`` only the leaf checks of ``flops`` and where its chunks wait (``offload``)."""
+
+
+def floor_of(room: str) -> int:
+    return next(index for index, rooms in enumerate(FLOORS) if room in rooms)
 
 
 def module_name(path: Path) -> str:
@@ -86,15 +100,24 @@ def test_imports_point_down_the_layers():
     wrong = []
     for module, targets in graph().items():
         here = layer(module)
-        below = ALLOWED_BELOW.get(here, set(LAYERS[:LAYERS.index(here)]))
+        below = ALLOWED_BELOW.get(here, set().union(*FLOORS[:floor_of(here)]))
         wrong += [f"{module} -> {t}" for t in targets if layer(t) != here and layer(t) not in below]
     assert not wrong, "imports that point up or sideways: " + ", ".join(sorted(wrong))
 
 
+def test_every_room_has_a_floor():
+    """Every subpackage and top-level module of the package stands on one floor, and the floors are at most
+    ``MAX_FLOORS``: a new room finds its place among them rather than stacking another."""
+    rooms = {layer(module) for module in modules()}
+    assert rooms == set().union(*FLOORS), f"rooms without a floor: {sorted(rooms - set().union(*FLOORS))}"
+    assert len(FLOORS) <= MAX_FLOORS
+
+
 def test_sequence_imports_no_lightning():
-    """``sequence/`` and ``offload/`` are plain PyTorch: no Lightning anywhere in them, functions included."""
+    """``sequence/``, ``offload/`` and ``fused/`` are plain PyTorch: no Lightning anywhere in them, functions
+    included."""
     offending = []
-    for path in [*(PACKAGE / "sequence").rglob("*.py"), *(PACKAGE / "offload").rglob("*.py")]:
+    for path in [path for room in ("sequence", "offload", "fused") for path in (PACKAGE / room).rglob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])

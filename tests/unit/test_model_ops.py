@@ -1,4 +1,4 @@
-"""The reference Llama's tiled RMSNorm and RoPE (lightning_fpdt/models/ops.py): exact gradients, the plain forms'
+"""The reference Llama's tiled RMSNorm and RoPE (lightning_fpdt/fused/ops.py): exact gradients, the plain forms'
 values, several tiles equal to one, and nothing large saved for backward."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_fpdt.integrations.huggingface import tile_hf_rms_norms
-from lightning_fpdt.models import ops
+from lightning_fpdt.fused import ops
 
 
 def plain_rms_norm(x, weight, eps):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM, sdpa_attention
-from lightning_fpdt.sequence import ChunkStash, FPDTAttention, fpdt_attention
+from lightning_fpdt.offload.host_stash import ChunkStash
+from lightning_fpdt.sequence import FPDTAttention, fpdt_attention
 from lightning_fpdt.sequence import fpdt as fpdt_module
 from lightning_fpdt.sequence.documents import (
     BlockPlan,

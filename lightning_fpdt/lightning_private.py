@@ -34,7 +34,7 @@ def batches_that_stepped(trainer: Any) -> int:
 def wrapped_closure(precision: Any, model: Any, optimizer: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
     """The precision plugin's closure around ``closure`` (gradient clipping, the backward's hooks), which
     ``Precision.optimizer_step`` builds before stepping: the in-backward host step runs it itself
-    (``strategy/fpdt.py``)."""
+    (``strategy/trainer.py``)."""
     return partial(precision._wrap_closure, model, optimizer, closure)
 
 
@@ -45,7 +45,7 @@ def set_train_description(bar: Any, describe: Callable[[int], str]) -> None:
 
 def evaluate_under_no_grad(trainer: Any) -> None:
     """Run the Trainer's evaluation and prediction loops (Lightning's private loop classes) under ``no_grad`` instead
-    of ``inference_mode``, where DTensor parameters do not work (``strategy/fpdt.py``, at setup)."""
+    of ``inference_mode``, where DTensor parameters do not work (``strategy/trainer.py``, at setup)."""
     loops = (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop)
     for loop in loops:
         loop.inference_mode = False

@@ -199,6 +199,8 @@ class EarlyGathers:
             self.units.append(blocks[0])
         self.ready = False
         """Set after the first forward."""
+        self.starts = 0
+        """How many batches started their step's gathers early."""
         self._started: list[tuple[FSDPModule, Any]] = []
 
     def start(self) -> None:
@@ -206,6 +208,7 @@ class EarlyGathers:
             return
         self.drop()
         self._started = [(unit, unit.unshard(async_op=True)) for unit in self.units]
+        self.starts += 1
 
     def drop(self) -> None:
         for unit, handle in self._started:

@@ -412,7 +412,7 @@ def test_planner_counts_one_head_group_by_hand():
 def test_planner_and_strategy_refuse_bad_head_chunks(capsys):
     """plan_memory, `lightning-fpdt plan --head-chunks` and FPDTStrategy name the valid values."""
     from lightning_fpdt.planner import main
-    from lightning_fpdt.strategy.fpdt import FPDTStrategy
+    from lightning_fpdt.strategy.trainer import FPDTStrategy
 
     with pytest.raises(ValueError, match=r"head_chunks \(4\) must divide num_kv_heads \(2\)"):
         _plan(head_chunks=4)
@@ -431,7 +431,7 @@ def test_head_chunks_from_yaml(tmp_path, monkeypatch):
     from pathlib import Path
 
     from lightning_fpdt.cli import FPDTCLI
-    from lightning_fpdt.strategy.fpdt import FPDTStrategy
+    from lightning_fpdt.strategy.trainer import FPDTStrategy
 
     monkeypatch.setattr("sys.argv", ["lightning-fpdt"])
     config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "demo_cpu.yaml"

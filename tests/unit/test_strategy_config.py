@@ -348,7 +348,7 @@ def test_padding_is_logged_once_per_length(monkeypatch):
     """The padding notice is said for every new length that pads (a curriculum's), once each, never for a length that
     needs none."""
     from lightning_fpdt.sequence import SequenceLayout
-    from lightning_fpdt.strategy import fpdt as strategy_module
+    from lightning_fpdt.strategy import run as strategy_module
     from lightning_fpdt.strategy.batch import shard_batch
 
     said = []

@@ -26,22 +26,15 @@ from __future__ import annotations
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lightning_fpdt.flops import is_count
 from lightning_fpdt.callbacks.transforms import transform_without_fpdt
 from lightning_fpdt.integrations import residual_mlps, shared_attentions
-from lightning_fpdt.memory import BlockCheckpoints, apply_block_offload, find_blocks
-from lightning_fpdt.memory.block_schedule import check_checkpoint_blocks, check_keep_inputs
-from lightning_fpdt.planner.options import MemoryFeatures
+from lightning_fpdt.memory import BlockCheckpoints, BlockOffloadOptions, apply_block_offload, find_blocks
 from lightning_fpdt.offload.host_stash import StashFactory
-from lightning_fpdt.sequence.options import check_switch
-
-AUTO_VALUES = dict(recompute_attention=False, reload_input=False, prefetch=1, keep_inputs="all",
-                   checkpoint_blocks="all")
-"""What ``"auto"`` is where nothing plans it (another strategy, no GPU): what the callback does by itself."""
+from lightning_fpdt.planner.options import MemoryFeatures
 
 
 class ActivationOffload(Callback):
@@ -98,25 +91,27 @@ class ActivationOffload(Callback):
         keep_inputs: Union[Literal["auto", "all"], int] = "auto",
         checkpoint_blocks: Union[Literal["auto", "all"], int] = "auto",
     ) -> None:
-        if prefetch != "auto" and not is_count(prefetch, least=0):
-            raise ValueError(f"prefetch must be >= 0 blocks, got {prefetch!r} (or 'auto': the strategy chooses)")
-        check_switch("recompute_attention", recompute_attention)
-        check_switch("reload_input", reload_input)
+        self.options = BlockOffloadOptions(prefetch=prefetch, recompute_attention=recompute_attention,
+                                           reload_input=reload_input, keep_inputs=keep_inputs,
+                                           checkpoint_blocks=checkpoint_blocks)
+        """How the blocks run, as given: ``"auto"`` where the strategy's plan chooses (``memory/block_schedule.py``)."""
         if reload_input is True and not offload:
             raise ValueError("reload_input brings block inputs back from the host: it needs offload=True (with "
                              "offload=False they stay on the GPU anyway)")
-        check_keep_inputs(keep_inputs)
-        check_checkpoint_blocks(checkpoint_blocks)
         self.layer_classes = layer_classes
-        self.prefetch = prefetch
-        self.recompute_attention = recompute_attention
-        self.reload_input = reload_input
-        self.keep_inputs = keep_inputs
-        self.checkpoint_blocks = checkpoint_blocks
         self.stashes = StashFactory(offload=offload, pin_memory=pin_memory, what="the checkpointed block inputs")
+        self._chosen: dict[str, Any] = {}
+        """The strategy's choice for the length that runs, of every option (:meth:`apply_memory_choice`)."""
         self._owners: dict[int, BlockCheckpoints] = {}
         """The block owner of each model transformed (by the model's id): a trained policy beside a trained value
         model has two."""
+
+    def __getattr__(self, name: str) -> Any:
+        """Each option as given (``callback.prefetch``, ...; ``"auto"`` included), read from :attr:`options`."""
+        options = self.__dict__.get("options")
+        if options is not None and name in BlockOffloadOptions.names():
+            return getattr(options, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def _owner(self) -> Optional[BlockCheckpoints]:
@@ -130,41 +125,33 @@ class ActivationOffload(Callback):
 
     @property
     def fpdt_memory_features(self) -> MemoryFeatures:
-        """What the memory planner counts for this callback ("auto" where the strategy is to choose)."""
+        """What the memory planner counts for this callback ("auto" where the strategy is to choose); its options go
+        by their names, which are the planner's."""
         offload = self.stashes.offload
-        return MemoryFeatures(
-            activation_checkpointing=True, activation_offload=offload, recompute_attention=self.recompute_attention,
-            reload_input=self.reload_input if offload else False,
-            prefetch=self.prefetch,
-            keep_inputs=self.keep_inputs, checkpoint_blocks=self.checkpoint_blocks,
-        )
+        declared = self.options.as_dict()
+        if not offload:
+            declared["reload_input"] = False  # nothing to reload: the inputs stay on the GPU
+        return MemoryFeatures(activation_checkpointing=True, activation_offload=offload, **declared)
+
+    def in_force(self) -> BlockOffloadOptions:
+        """The options in force: the ones given, the strategy's choice for ``"auto"`` (:meth:`apply_memory_choice`),
+        or, before any choice, what the blocks do by themselves."""
+        return self.options.resolve(self._chosen)
 
     def resolved(self, name: str) -> Any:
-        """The value of ``recompute_attention``, ``reload_input``, ``prefetch``, ``keep_inputs`` or
-        ``checkpoint_blocks`` in force: the one given, or the strategy's choice for ``"auto"``
-        (:meth:`apply_memory_choice`), or, before any choice, what the callback does by itself."""
-        value = getattr(self, name)
-        if value != "auto":
-            return value
-        return getattr(self, "_chosen", {}).get(name, AUTO_VALUES[name])
+        """The value of one option in force (:meth:`in_force`), by name."""
+        return getattr(self.in_force(), name)
 
-    def apply_memory_choice(self, *, recompute_attention: bool, reload_input: bool, prefetch: int,
-                            keep_inputs: Union[Literal["all"], int] = "all",
-                            checkpoint_blocks: Union[Literal["all"], int] = "all") -> None:
-        """The strategy's choice for this run's sequence length: taken for the options left at ``"auto"`` (an
-        explicit value stays; the strategy plans with it)."""
-        self._chosen = dict(recompute_attention=recompute_attention, reload_input=reload_input, prefetch=prefetch,
-                            keep_inputs=keep_inputs, checkpoint_blocks=checkpoint_blocks)
+    def apply_memory_choice(self, **choice: Any) -> None:
+        """The strategy's choice for this run's sequence length, by option name: taken for the options left at
+        ``"auto"`` (an explicit value stays; the strategy plans with it). ``keep_inputs`` and ``checkpoint_blocks``
+        left out are all."""
+        unknown = sorted(set(choice) - set(BlockOffloadOptions.names()))
+        if unknown:
+            raise TypeError(f"apply_memory_choice got options {unknown} that ActivationOffload does not have")
+        self._chosen = {"keep_inputs": "all", "checkpoint_blocks": "all", **choice}
         for owner in self._owners.values():
-            owner.configure(recompute_attention=self.resolved("recompute_attention"),
-                            reload_input=self.resolved("reload_input") and self.stashes.offload,
-                            prefetch=self.resolved("prefetch"), keep_inputs=self._count("keep_inputs"),
-                            checkpoint_blocks=self._count("checkpoint_blocks"))
-
-    def _count(self, name: str) -> Optional[int]:
-        """``keep_inputs`` or ``checkpoint_blocks`` in force as the blocks' owner takes it: ``None`` for all."""
-        value = self.resolved(name)
-        return None if value == "all" else value
+            owner.configure(self.in_force())
 
     def fpdt_transform(self, model: nn.Module, blocks: list[nn.Module]) -> None:
         blocks = find_blocks(model, self.layer_classes) if self.layer_classes else blocks
@@ -172,14 +159,11 @@ class ActivationOffload(Callback):
             raise ValueError(
                 f"ActivationOffload found no transformer blocks in {type(model).__name__}: give layer_classes=[...]"
             )
-        check_keep_inputs(self.keep_inputs, num_blocks=len(blocks))
-        check_checkpoint_blocks(self.checkpoint_blocks, num_blocks=len(blocks))
+        self.options.check_blocks(len(blocks))
         # the attentions record their first pass (and do not run again) unless the recompute runs them
         self._owners[id(model)] = apply_block_offload(
-            blocks, stashes=self.stashes, prefetch=self.resolved("prefetch"), attentions=shared_attentions(model),
-            unused_mlp_values=residual_mlps(blocks), reload_input=self.resolved("reload_input"),
-            recompute_attention=self.resolved("recompute_attention"), keep_inputs=self._count("keep_inputs"),
-            checkpoint_blocks=self._count("checkpoint_blocks"),
+            blocks, stashes=self.stashes, options=self.in_force(), attentions=shared_attentions(model),
+            unused_mlp_values=residual_mlps(blocks),
         )
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:

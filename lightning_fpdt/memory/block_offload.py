@@ -56,6 +56,7 @@ import functools
 import weakref
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -64,8 +65,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_fpdt.memory.block_schedule import (check_checkpoint_blocks, check_keep_inputs, check_plain_blocks,
-                                                  kept_positions)
+from lightning_fpdt.memory.block_schedule import BlockOffloadOptions, check_plain_blocks, kept_positions
 from lightning_fpdt.memory.forwards import replace_forward
 from lightning_fpdt.memory.recompute_input import RecomputeInput, RngState
 from lightning_fpdt.offload.host_stash import ChunkStash, StashFactory
@@ -99,16 +99,14 @@ class BlockCheckpoints:
     """The stash of block inputs of one model, the order blocks ran in (for the one-ahead prefetch) and, under partial
     residency, what each block was called with (for the regenerating forward)."""
 
-    def __init__(self, stashes: StashFactory, prefetch: int, attentions: Sequence[Any] = (),
-                 reload_input: bool = False, recompute_attention: bool = False, num_blocks: int = 1,
-                 keep_inputs: Optional[int] = None, checkpoint_blocks: Optional[int] = None) -> None:
+    def __init__(self, stashes: StashFactory, options: BlockOffloadOptions, attentions: Sequence[Any] = (),
+                 num_blocks: int = 1) -> None:
         self.stashes = stashes
         self.attentions = list(attentions)
         """Told to keep what the recompute needs (unless it recomputes them); objects with ``recording`` and
         ``regenerating`` flags."""
         self.num_blocks = num_blocks
-        self.configure(recompute_attention=recompute_attention, reload_input=reload_input, prefetch=prefetch,
-                       keep_inputs=keep_inputs, checkpoint_blocks=checkpoint_blocks)
+        self.configure(options)
         self.forward_order: list[int] = []  # stash keys of this step's blocks, in forward order
         self._stash: Optional[ChunkStash] = None
         self._calls: dict[int, tuple[CheckpointedForward, Any, tuple, RngState]] = {}
@@ -117,20 +115,19 @@ class BlockCheckpoints:
         self.regenerated = 0
         """Block inputs regenerated in backwards so far."""
 
-    def configure(self, *, recompute_attention: bool, reload_input: bool, prefetch: int,
-                  keep_inputs: Optional[int] = None, checkpoint_blocks: Optional[int] = None) -> None:
-        """Set how the next steps run (between steps: the strategy's choice for a sequence length)."""
-        if keep_inputs is not None:  # a count of at least the blocks keeps all (a plan made for a deeper config)
-            check_keep_inputs(keep_inputs, words=())
-        if checkpoint_blocks is not None:
-            check_checkpoint_blocks(checkpoint_blocks, words=())
+    def configure(self, options: BlockOffloadOptions) -> None:
+        """Set how the next steps run (between steps: the strategy's choice for a sequence length), from ``options``
+        resolved (no ``"auto"`` left). A count of at least the blocks keeps or checkpoints all (a plan made for a
+        deeper config)."""
+        assert options.resolved, f"BlockCheckpoints takes resolved options, got {options}"
+        keep_inputs, checkpoint_blocks = options.kept_inputs, options.checkpointed_blocks
         check_plain_blocks(checkpoint_blocks, self.num_blocks, keep_inputs=keep_inputs,
-                           recompute_attention=recompute_attention)
-        self.prefetch = prefetch
+                           recompute_attention=options.recompute_attention)
+        self.prefetch = options.prefetch
         """Blocks ahead whose inputs come back during a block's backward."""
-        self.reload_input = reload_input
+        self.reload_input = options.reload_input and self.stashes.offload
         """Leave a block's input on the host through its backward (when the stash offloads; module docstring)."""
-        self.recompute_attention = recompute_attention
+        self.recompute_attention = options.recompute_attention
         """Run the attention again in the recompute instead of keeping its first pass."""
         self.keep_inputs = keep_inputs
         """Block inputs kept in the stash, evenly spaced; ``None``: all (module docstring)."""
@@ -392,23 +389,23 @@ def offloaded_blocks(blocks: Sequence[nn.Module]) -> Optional[BlockCheckpoints]:
 
 
 def apply_block_offload(
-    blocks: Sequence[nn.Module], *, stashes: StashFactory, prefetch: int = 1, attentions: Sequence[Any] = (),
-    unused_mlp_values: Optional[Mapping[nn.Module, nn.Module]] = None, reload_input: bool = False,
-    recompute_attention: bool = False, keep_inputs: Optional[int] = None, checkpoint_blocks: Optional[int] = None,
+    blocks: Sequence[nn.Module], *, stashes: StashFactory, options: BlockOffloadOptions = BlockOffloadOptions(),
+    attentions: Sequence[Any] = (), unused_mlp_values: Optional[Mapping[nn.Module, nn.Module]] = None,
+    **choices: Any,
 ) -> BlockCheckpoints:
     """Checkpoint each of ``blocks`` with its input in ``stashes`` (host memory when offloading); in place,
-    idempotent. ``attentions`` record their first pass unless ``recompute_attention``; ``unused_mlp_values`` maps a
-    block to its MLP whose output only feeds the block's residual add; ``reload_input`` leaves a block's input on the
-    host through its backward; ``keep_inputs`` keeps that many inputs (``None``: all) and regenerates the others in
-    the backward (all: see the module docstring); ``checkpoint_blocks`` checkpoints the first that many (``None``:
-    all) and runs the others plain. Returns the blocks' owner."""
+    idempotent. ``options`` (or its fields given by name in ``choices``; ``None`` for a count: all) say how: the
+    attention recomputed or its first pass kept (``attentions`` record it), inputs reloaded, prefetched, kept or
+    regenerated, blocks checkpointed or plain (module docstring); ``"auto"`` is what the blocks do by themselves.
+    ``unused_mlp_values`` maps a block to its MLP whose output only feeds the block's residual add. Returns the
+    blocks' owner."""
     if not blocks:
         raise ValueError("apply_block_offload got no blocks")
     wrapped = offloaded_blocks(blocks)
     if wrapped is not None:
         return wrapped  # fit then validate must not wrap twice
-    owner = BlockCheckpoints(stashes, prefetch, attentions, reload_input, recompute_attention, len(blocks),
-                             keep_inputs, checkpoint_blocks)
+    options = replace(options, **{name: "all" if value is None else value for name, value in choices.items()})
+    owner = BlockCheckpoints(stashes, options.resolve({}), attentions, len(blocks))
     unused = unused_mlp_values or {}
     for key, block in enumerate(blocks):
         replace_forward(block, CheckpointedForward(block.forward, owner, key, unused.get(block), block))

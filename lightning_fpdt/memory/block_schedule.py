@@ -1,12 +1,85 @@
-"""Which blocks ``ActivationOffload`` checkpoints and whose inputs it keeps: the checks of ``keep_inputs`` and
-``checkpoint_blocks`` and the schedule of partial residency (memory/block_offload.py, docs/design.md §6)."""
+"""How ``ActivationOffload``'s checkpointed blocks run: its options (:class:`BlockOffloadOptions`), the checks of
+``keep_inputs`` and ``checkpoint_blocks``, and the schedule of partial residency (memory/block_offload.py,
+docs/design.md §6)."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, Optional, Union
 
 from lightning_fpdt.flops import is_count
+from lightning_fpdt.sequence.options import check_switch
+
+
+def _auto(alone: Any) -> Any:
+    """A field that may be ``"auto"`` (the plan's choice), and what it is where nothing plans (``alone``)."""
+    return field(default="auto", metadata={"alone": alone})
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockOffloadOptions:
+    """How the checkpointed blocks run, as ``ActivationOffload``'s user gives it. A field left ``"auto"`` is the
+    strategy's plan's choice for the sequence length that runs (:meth:`resolve`, from ``apply_memory_choice``), or,
+    where nothing plans, what the blocks do by themselves (each field's ``alone`` value). Each field keeps the name of
+    the planner's feature field that counts it (``MemoryFeatures``), so an option is one field here, its mechanism in
+    :class:`~lightning_fpdt.memory.block_offload.BlockCheckpoints` and its planner feature."""
+
+    recompute_attention: Union[Literal["auto"], bool] = _auto(False)
+    """Run the FPDT attention again in the recompute instead of keeping every layer's chunks and output until its
+    backward (alone: off)."""
+    reload_input: Union[Literal["auto"], bool] = _auto(False)
+    """Leave each block's input on the host through the block's backward and bring it back only for the block's first
+    norm; only where the inputs are offloaded (alone: off)."""
+    prefetch: Union[Literal["auto"], int] = _auto(1)
+    """How many blocks ahead their inputs come back during the backward (alone: 1)."""
+    keep_inputs: Union[Literal["auto", "all"], int] = _auto("all")
+    """``"all"``, or how many block inputs, evenly spaced from the first, wait for the backward; the others are
+    regenerated there (partial residency; alone: all)."""
+    checkpoint_blocks: Union[Literal["auto", "all"], int] = _auto("all")
+    """``"all"``, or how many blocks, the first ones, are checkpointed; the others run plain (alone: all)."""
+
+    def __post_init__(self) -> None:
+        if self.prefetch != "auto" and not is_count(self.prefetch, least=0):
+            raise ValueError(f"prefetch must be >= 0 blocks, got {self.prefetch!r} (or 'auto': the strategy chooses)")
+        check_switch("recompute_attention", self.recompute_attention)
+        check_switch("reload_input", self.reload_input)
+        check_keep_inputs(self.keep_inputs)
+        check_checkpoint_blocks(self.checkpoint_blocks)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The options' names, in the order of the fields."""
+        return tuple(option.name for option in fields(cls))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.names()}
+
+    def resolve(self, chosen: Mapping[str, Any]) -> "BlockOffloadOptions":
+        """The options in force: a value given stays; ``"auto"`` becomes the plan's choice in ``chosen``, or before
+        any choice the field's ``alone`` value."""
+        return replace(self, **{option.name: chosen.get(option.name, option.metadata["alone"])
+                                for option in fields(self) if getattr(self, option.name) == "auto"})
+
+    @property
+    def resolved(self) -> bool:
+        return "auto" not in self.as_dict().values()
+
+    @property
+    def kept_inputs(self) -> Optional[int]:
+        """``keep_inputs`` as the blocks take it: ``None`` for all."""
+        return None if self.keep_inputs == "all" else self.keep_inputs
+
+    @property
+    def checkpointed_blocks(self) -> Optional[int]:
+        """``checkpoint_blocks`` as the blocks take it: ``None`` for all."""
+        return None if self.checkpoint_blocks == "all" else self.checkpoint_blocks
+
+    def check_blocks(self, num_blocks: int) -> None:
+        """The counts against a model of ``num_blocks`` blocks (``ValueError`` naming the choices)."""
+        check_keep_inputs(self.keep_inputs, num_blocks=num_blocks)
+        check_checkpoint_blocks(self.checkpoint_blocks, num_blocks=num_blocks)
 
 
 def _check_count(name: str, value: Any, num_blocks: Optional[int], words: tuple[str, ...], least: int,

@@ -12,9 +12,9 @@ from lightning_fpdt.sequence import FPDTAttention, SequenceLayout, fpdt_attentio
 
 __version__ = "0.1.0"
 
-LIGHTNING_NAMES = ("ActivationOffload", "FPDTFabricStrategy", "FPDTStrategy", "GradientCheck", "LongContextEval", "MFUMonitor",
-                   "SequenceLengthCurriculum", "StepProgress", "TiledLoss", "TiledMLP", "apply_fpdt", "sequence_loss",
-                   "sequence_mean", "sequence_sum", "tiled_cross_entropy")
+LIGHTNING_NAMES = ("ActivationOffload", "FPDTFabricStrategy", "FPDTStrategy", "GradientCheck", "LongContextEval",
+                   "MFUMonitor", "SequenceLengthCurriculum", "StepProgress", "TiledLoss", "TiledMLP", "apply_fpdt",
+                   "sequence_loss", "sequence_mean", "sequence_sum", "tiled_cross_entropy")
 """The public names that need Lightning."""
 
 try:

@@ -37,7 +37,6 @@ from lightning_fpdt.data import RetrievalDataModule, TokenFileDataModule  # noqa
 from lightning_fpdt.models.module import HFCausalLM, LlamaLM  # noqa: F401  (short names for YAML)
 from lightning_fpdt.planner import main as plan_main
 
-
 PLAN_HELP = "Predict a run's GPU peak and pinned host memory, and what to change when it does not fit."
 
 

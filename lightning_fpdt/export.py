@@ -49,7 +49,9 @@ def load_checkpoint_file(path: Union[str, Path]) -> dict[str, Any]:
     return checkpoint
 
 
-def consolidate(checkpoint: Union[str, Path], out: Union[str, Path], *, prefix: Optional[str] = None) -> dict[str, Tensor]:
+def consolidate(
+    checkpoint: Union[str, Path], out: Union[str, Path], *, prefix: Optional[str] = None
+) -> dict[str, Tensor]:
     """Write the network's weights of ``checkpoint`` to the single file ``out`` and return them.
 
     ``prefix``: the LightningModule attribute holding the network (``"model."``); found by itself when ``None``.

@@ -17,12 +17,13 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable
 
+# allocates a module's meta parameters on a device and runs each submodule's reset_parameters
+# (strategy/materialize.py, for models without a reset_parameters of their own)
 from lightning.fabric.utilities.init import _materialize_distributed_module  # noqa: F401
-# ^ allocates a module's meta parameters on a device and runs each submodule's reset_parameters
-#   (strategy/materialize.py, for models without a reset_parameters of their own)
+
+# "meta.pt": the file of a distributed checkpoint that holds its non-tensor state
+# (strategy/checkpoint.py checks it is there; export.py reads it)
 from lightning.fabric.utilities.load import _METADATA_FILENAME  # noqa: F401
-# ^ "meta.pt": the file of a distributed checkpoint that holds its non-tensor state
-#   (strategy/checkpoint.py checks it is there; export.py reads it)
 
 
 def batches_that_stepped(trainer: Any) -> int:

@@ -34,9 +34,9 @@ from typing import Any, Optional
 import torch
 
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload
+from lightning_fpdt.fused import ops
 from lightning_fpdt.integrations import SequenceParallelContext, apply_tiled_loss, install_reference_llama
 from lightning_fpdt.memory import apply_tiled_mlp, find_blocks, tiling
-from lightning_fpdt.fused import ops
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
 from lightning_fpdt.offload.host_stash import HostBufferPool
 from lightning_fpdt.sequence import FPDTAttention

@@ -29,6 +29,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from lightning_fpdt.callbacks.heatmap import heatmap, labelled_heatmap  # noqa: F401  (heatmap: the grid alone)
 from lightning_fpdt.data.needle import (
     PASSKEY_FILLER,
     KeyValueNeedle,
@@ -41,7 +42,6 @@ from lightning_fpdt.data.needle import (
     synthetic_filler,
 )
 from lightning_fpdt.data.retrieval import RetrievalTask
-from lightning_fpdt.callbacks.heatmap import heatmap, labelled_heatmap  # noqa: F401  (heatmap: the grid alone)
 from lightning_fpdt.sequence.loss import IGNORE_INDEX, shift_labels
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)

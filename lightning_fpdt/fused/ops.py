@@ -7,8 +7,12 @@ temporaries of q's size while it runs. Here both run tile by tile over the token
 
 | op | saved for backward | transient |
 |---|---|---|
-| :func:`rms_norm` | its input (a tensor the graph holds anyway: the block input or the residual stream), the weight, ``rstd`` (one fp32 per token) | one tile's fp32 buffers: two in forward, three (and a bf16 one) in backward |
-| :func:`rotary` | nothing but ``position_ids``: RoPE is a rotation, its backward is the rotation by the opposite angle | two fp32 buffers of one tile (x and its rotate-half) and per-token angle tables |
+| :func:`rms_norm` | its input, the weight, ``rstd`` (fp32, per token) | a tile's fp32 buffers: 2 forward, 3 backward |
+| :func:`rotary` | nothing but ``position_ids`` | a tile's two fp32 buffers (x, its rotate-half), angle tables |
+
+The norm's input is a tensor the graph holds anyway (the block input or the residual stream), and its backward adds a
+bf16 buffer of a tile to the three fp32 ones; RoPE is a rotation, and its backward is the rotation by the opposite
+angle.
 
 The results equal the plain forms' (same fp32 math per token); only the summation order of the norm weight's
 gradient differs (per tile, then over tiles, in fp32).

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fpdt.flops import text_config
+from lightning_fpdt.fused.ops import rms_norm, swiglu
 from lightning_fpdt.integrations.attributes import (
     ATTENTION_HANDLE,
     FUSED_MLP,
@@ -29,15 +30,20 @@ from lightning_fpdt.integrations.attributes import (
     TILED_NORM,
 )
 from lightning_fpdt.integrations.context import SequenceParallelContext, inject_position_ids, loss_reduction
-from lightning_fpdt.integrations.families import (Family, check_model, family_of, is_attention, mlp_classes,
-                                                  tiled_norm_classes)
+from lightning_fpdt.integrations.families import (
+    Family,
+    check_model,
+    family_of,
+    is_attention,
+    mlp_classes,
+    tiled_norm_classes,
+)
 from lightning_fpdt.integrations.families.router_loss import load_balancing_loss
 from lightning_fpdt.integrations.head_groups import install_head_groups
 from lightning_fpdt.integrations.head_loss import give_head_the_loss
 from lightning_fpdt.memory.forwards import replace_forward
-from lightning_fpdt.memory.tiled_loss import tiled_cross_entropy
 from lightning_fpdt.memory.surgery import is_gated_mlp
-from lightning_fpdt.fused.ops import rms_norm, swiglu
+from lightning_fpdt.memory.tiled_loss import tiled_cross_entropy
 from lightning_fpdt.sequence.attention import LayerAttention
 from lightning_fpdt.sequence.blocks import check_exact_call
 from lightning_fpdt.sequence.loss import IGNORE_INDEX, shift_labels, token_cross_entropy

@@ -94,7 +94,8 @@ def install(model: nn.Module, blocks: list[nn.Module], context: SequenceParallel
         raise ValueError(
             f"head_chunks={context.attention.head_chunks} runs the q/k/v and output projections per head group, so it "
             f"needs an attention module the strategy knows (the reference Llama, Hugging Face "
-            f"{HEAD_GROUP_FAMILIES}); {type(model).__name__} calls scaled_dot_product_attention itself: set head_chunks=1"
+            f"{HEAD_GROUP_FAMILIES}); {type(model).__name__} calls scaled_dot_product_attention itself: set "
+            f"head_chunks=1"
         )
     install_sdpa_interception(blocks, context.attention)
     return "sdpa-interception"

@@ -21,8 +21,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
-from lightning_fpdt.memory.tiling import accumulates_in_place, auto_loss_tiles, check_num_tiles, tile_bounds
 from lightning_fpdt.fused.ops import FUSED_OPS
+from lightning_fpdt.memory.tiling import accumulates_in_place, auto_loss_tiles, check_num_tiles, tile_bounds
 from lightning_fpdt.sequence.loss import IGNORE_INDEX
 
 WEIGHT_GRAD_SLICE_BYTES = 64 * 2**20

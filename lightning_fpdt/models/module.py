@@ -25,8 +25,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_fpdt.models.metrics import TokenAccuracy, TokenPerplexity
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
+from lightning_fpdt.models.metrics import TokenAccuracy, TokenPerplexity
 from lightning_fpdt.sequence.loss import IGNORE_INDEX, shift_labels, token_loss_sum
 
 _MODEL_INPUTS = ("input_ids", "position_ids")

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_fpdt.offload.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence import fpdt, ring
 from lightning_fpdt.sequence.blocks import FirstPass, in_backward
 from lightning_fpdt.sequence.documents import DocumentBoundaries
-from lightning_fpdt.offload.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.kernels import check_backend_name
 from lightning_fpdt.sequence.layout import SequenceLayout
 from lightning_fpdt.sequence.options import check_positive_int

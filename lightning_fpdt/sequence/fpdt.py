@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_fpdt.offload.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.all_to_all import (
     group_rank,
     group_size,
@@ -50,7 +51,6 @@ from lightning_fpdt.sequence.blocks import (
 from lightning_fpdt.sequence.documents import DocumentBoundaries
 from lightning_fpdt.sequence.fpdt_blocks import block_backward, block_forward, kv_chunks_read, q_chunks_reading
 from lightning_fpdt.sequence.heads import HeadSplit
-from lightning_fpdt.offload.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.kernels import BlockKernel, VarlenFlashKernel, accumulation_dtype, make_kernel
 from lightning_fpdt.sequence.layout import SequenceLayout
 
@@ -346,15 +346,16 @@ class _FPDTAttentionFunction(torch.autograd.Function):
     |---|---|---|---|
     | q (in) | (B, S/P, H, D) | sequence | no: its head-sharded chunks are in the stash |
     | k, v (in) | (B, S/P, Hkv, D) | sequence | no: their head-sharded chunks are in the stash |
-    | out | (B, S/P, H, D) | sequence | yes (saved output, no copy: the output projection keeps it anyway): the backward all-to-alls its chunks with dout's |
-    | stash ("q"/"k"/"v", i) | (B, H/P, C, D) | heads | yes (host memory when offloading): the block backward needs q, k, v |
+    | out | (B, S/P, H, D) | sequence | yes, no copy (see below): the backward all-to-alls its chunks with dout's |
+    | stash ("q"/"k"/"v", i) | (B, H/P, C, D) | heads | yes (host memory when offloading): the block backward reads |
     | stash ("lse", i) | (B, H/P, C) fp32 | heads | yes: with out it makes the blockwise backward exact |
     | stash ("dout"/"out", i) | (B, H/P, C, D) | heads | backward only: all-to-all'd once, read by every kv step |
     | partial dQ ("dq", i) | (B, H/P, C, D) fp32 | heads | backward only: device or host by the memory budget |
 
     ``H/P`` and ``Hkv/P`` are this rank's query and kv heads after the all-to-all, ``h_r`` and ``hk_r`` of the plan's
     :class:`HeadSplit` (unequal over the ranks when ``P`` does not divide the heads); the stashed kv chunks hold the
-    ``hk_r`` kv heads as received, never expanded to one per query head.
+    ``hk_r`` kv heads as received, never expanded to one per query head. ``out`` is saved without a copy: the output
+    projection keeps it anyway.
 
     Nothing is recomputed in backward: the block backward runs on the stashed chunks (with packed documents, on the
     same per-document segments as the forward; the plan holds the boundaries).

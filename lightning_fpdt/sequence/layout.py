@@ -113,8 +113,8 @@ class SequenceLayout:
         With head-tail pieces (q share: pieces ``ρ < 2R−1−ρ``; kv share: ``κ < 2R−1−κ``):
         ``κ == ρ``: the diagonal, causal on the whole share; ``κ < ρ``: every q row sees the kv head piece
         (``κ < ρ``) and none sees its tail (``2R−1−κ > 2R−1−ρ``); ``κ > ρ``: the q head piece sees nothing
-        (both kv pieces lie after it) and the q tail sees the whole kv share. So every step but the first is one full block
-        of ``(S/R)·(S/2R)`` scores: equal work on every ring rank.
+        (both kv pieces lie after it) and the q tail sees the whole kv share. So every step but the first is one full
+        block of ``(S/R)·(S/2R)`` scores: equal work on every ring rank.
         """
         if not 0 <= kv_ring_rank < self.ring_size:
             raise IndexError(f"kv_ring_rank {kv_ring_rank} out of range for ring_size {self.ring_size}")

@@ -158,8 +158,8 @@ def token_sums(values: Tensor, mask: Optional[Tensor] = None) -> Tensor:
     terms = values.to(torch.promote_types(values.dtype, torch.float32))
     if mask is not None:
         if mask.shape != values.shape[:2]:
-            raise ValueError(f"mask {tuple(mask.shape)} must be (batch, tokens) {tuple(values.shape[:2])}: one flag per "
-                             f"token")
+            raise ValueError(f"mask {tuple(mask.shape)} must be (batch, tokens) {tuple(values.shape[:2])}: one flag "
+                             f"per token")
         terms = torch.where(mask.reshape(*mask.shape, *([1] * (values.dim() - 2))).bool(), terms,
                             terms.new_zeros(()))
     return terms.sum(dim=1)

@@ -14,7 +14,6 @@ from typing import Literal, NamedTuple, Optional, Union
 
 from lightning_fpdt.flops import is_count
 from lightning_fpdt.sequence.kernels import AttentionBackend, check_backend_name
-from lightning_fpdt.sequence.ring_rules import RING_RULES, check_ring, ring_refusal
 from lightning_fpdt.sequence.planning import (
     MAX_CHUNK_TOKENS,
     AttentionGeometry,
@@ -22,6 +21,7 @@ from lightning_fpdt.sequence.planning import (
     choose_offload,
     choose_offload_dq,
 )
+from lightning_fpdt.sequence.ring_rules import RING_RULES, check_ring, ring_refusal
 
 Auto = Literal["auto"]
 

@@ -104,7 +104,9 @@ def choose_chunks(geometry: AttentionGeometry, *, batch_size: int, seq_len: int,
     return num_chunks
 
 
-def choose_offload_dq(geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, free_bytes: int) -> bool:
+def choose_offload_dq(
+    geometry: AttentionGeometry, *, batch_size: int, seq_len: int, sp_size: int, free_bytes: int
+) -> bool:
     heads = rank_heads(geometry, sp_size)[0] * sp_size  # H for an even split
     partial_dq = 4 * batch_size * seq_len // sp_size * heads * geometry.head_dim
     return partial_dq > free_bytes / (2 * STASH_FRACTION)

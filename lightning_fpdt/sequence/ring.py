@@ -17,8 +17,9 @@ accumulator travels with it (ring-flash-attention's scheme), arriving home compl
 Three layers, as in the rest of ``sequence/``: the loops (:func:`ring_forward`, :func:`ring_backward`, and
 :func:`hybrid_forward` / :func:`hybrid_backward` around them with the all-to-alls), a thin ``autograd.Function``,
 and the public ``ring_attention`` in :mod:`lightning_fpdt.sequence.attention`, whose one dispatch
-(``plan_attention``) validates a call here (:func:`make_ring_plan`) when the ring has more than one rank. The kernels are ``kernels.py``'s block kernels (forward returns the LSE; the
-backward takes the final ``out, lse``), so every backend of FPDT runs here too.
+(``plan_attention``) validates a call here (:func:`make_ring_plan`) when the ring has more than one rank. The kernels
+are ``kernels.py``'s block kernels (forward returns the LSE; the backward takes the final ``out, lse``), so every
+backend of FPDT runs here too.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_fpdt.offload.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.all_to_all import head_to_seq, seq_to_head
 from lightning_fpdt.sequence.blocks import (
     FirstPass,
@@ -40,7 +42,6 @@ from lightning_fpdt.sequence.blocks import (
     softmax_scale,
     sum_kv_replicas,
 )
-from lightning_fpdt.offload.host_stash import ChunkStash, StashFactory
 from lightning_fpdt.sequence.kernels import BlockKernel, accumulation_dtype, make_kernel
 from lightning_fpdt.sequence.layout import SequenceLayout
 
@@ -270,8 +271,8 @@ class _RingAttentionFunction(torch.autograd.Function):
     | q (in) | (B, S/P, H, D) | sequence | no: its head-sharded share is in the stash |
     | k, v (in) | (B, S/P, Hkv, D) | sequence | no: their head-sharded share is in the stash |
     | out | (B, S/P, H, D) | sequence | no: its head-sharded share is in the stash |
-    | stash "q" | (B, H/U, S/R, D) | heads (Ulysses), sequence (ring) | yes (host memory when offloading): every block backward reads it |
-    | stash "kv" | (2, B, hk, S/R, D) | heads (Ulysses), sequence (ring) | yes: it travels the ring again in backward |
+    | stash "q" | (B, H/U, S/R, D) | heads (U), sequence (R) | yes (host when offloading): each block backward reads |
+    | stash "kv" | (2, B, hk, S/R, D) | heads (U), sequence (R) | yes: it travels the ring again in backward |
     | stash "out" | (B, H/U, S/R, D) | heads, sequence | yes: with lse it makes the blockwise backward exact |
     | stash "lse" | (B, H/U, S/R) fp32 | heads, sequence | yes: see out |
     | dq, dkv (backward) | as q, kv, fp32 | heads, sequence | backward only, on the device: dkv travels with kv |

@@ -8,9 +8,9 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fpdt.strategy.fabric import FPDTFabricStrategy
-from lightning_fpdt.strategy.trainer import FPDTStrategy
 from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt
 from lightning_fpdt.strategy.precision import FPDTPrecision
+from lightning_fpdt.strategy.trainer import FPDTStrategy
 
 FPDTStrategy.register_strategies(StrategyRegistry)  # guarded: a second import registers nothing
 FPDTFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)  # Fabric(strategy="fpdt")

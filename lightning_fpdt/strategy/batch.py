@@ -175,8 +175,8 @@ def right_padding(attention_mask: Any, shape: torch.Size) -> Optional[Tensor]:
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != tuple(shape):
-        raise ValueError(f"batch['attention_mask'] must be a tensor shaped like input_ids {tuple(shape)}, got "
-                         f"{tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask)}")
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask)
+        raise ValueError(f"batch['attention_mask'] must be a tensor shaped like input_ids {tuple(shape)}, got {got}")
     kept = attention_mask.bool()
     if bool(kept.all()):
         return None

@@ -10,8 +10,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from lightning_fpdt.lightning_private import _materialize_distributed_module
 from lightning_fpdt.integrations.discovery import language_models
+from lightning_fpdt.lightning_private import _materialize_distributed_module
 
 
 def has_meta_parameters(module: nn.Module) -> bool:

@@ -2,8 +2,8 @@
 
 ``FPDTStrategy`` and ``FPDTFabricStrategy`` take the same options where both front doors can honour them, each with
 its flat keyword signature (LightningCLI reads it). Their ``Args:`` sections are built from :data:`OPTION_DOCS` by
-:func:`documented` from each constructor's keyword options, so an option both take reads the same under either; where the front doors differ in what it
-does, its one text says so.
+:func:`documented` from each constructor's keyword options, so an option both take reads the same under either;
+where the front doors differ in what it does, its one text says so.
 """
 
 from __future__ import annotations

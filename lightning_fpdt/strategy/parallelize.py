@@ -10,7 +10,6 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -18,13 +17,14 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
+from torch.distributed.tensor import DTensor
 
 from lightning_fpdt.integrations import SequenceParallelContext, attention_geometry, check_router_loss, install
 from lightning_fpdt.integrations.attributes import APPLIED, ATTENTION_AUDIT, STEP_METHODS
 from lightning_fpdt.integrations.audit import AttentionAudit
 from lightning_fpdt.integrations.discovery import language_models, planned_model, transform_targets
-from lightning_fpdt.integrations.install import check_family
 from lightning_fpdt.integrations.head_loss import loss_head
+from lightning_fpdt.integrations.install import check_family
 from lightning_fpdt.memory.surgery import find_blocks
 from lightning_fpdt.sequence.attention import FPDTAttention
 from lightning_fpdt.sequence.options import FPDTOptions

@@ -1,5 +1,5 @@
-"""The fused RMSNorm, RoPE, SwiGLU and loss tiles on a GPU against their eager forms, and training with them against training
-without them (marker gpu; run on the device)."""
+"""The fused RMSNorm, RoPE, SwiGLU and loss tiles on a GPU against their eager forms, and training with them against
+training without them (marker gpu; run on the device)."""
 
 import lightning as L
 import pytest

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_fpdt.memory import tiled_mlp
-from lightning_fpdt.memory.tiling import accumulates_in_place
 from lightning_fpdt.memory.tiled_loss import tiled_cross_entropy_forward
 from lightning_fpdt.memory.tiled_mlp import LinearGradients, _add_product
+from lightning_fpdt.memory.tiling import accumulates_in_place
 
 pytestmark = pytest.mark.gpu
 

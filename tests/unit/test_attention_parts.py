@@ -128,9 +128,13 @@ def test_stash_life_cycle_misuse_raises():
 def test_head_validation_messages():
     """Head counts that Ulysses cannot split raise ValueErrors naming the valid sizes and the two GQA rules."""
     assert check_heads(32, 8, 4) == 1 and check_heads(32, 8, 16) == 2 and check_heads(8, 8, 1) == 1
-    with pytest.raises(ValueError, match=r"num_heads \(6\) is not divisible by sequence_parallel_size \(4\).*\[1, 2, 3, 6\]"):
+    with pytest.raises(
+        ValueError, match=r"num_heads \(6\) is not divisible by sequence_parallel_size \(4\).*\[1, 2, 3, 6\]"
+    ):
         check_heads(6, 6, 4)
-    with pytest.raises(ValueError, match=r"num_kv_heads \(6\) and sequence_parallel_size \(4\) must divide one another"):
+    with pytest.raises(
+        ValueError, match=r"num_kv_heads \(6\) and sequence_parallel_size \(4\) must divide one another"
+    ):
         check_heads(12, 6, 4)
     with pytest.raises(ValueError, match=r"num_heads \(6\) must be a multiple of num_kv_heads \(4\)"):
         check_heads(6, 4, 1)

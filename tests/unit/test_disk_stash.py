@@ -20,8 +20,6 @@ from lightning_fpdt.callbacks.activation_offload import ActivationOffload
 from lightning_fpdt.integrations import SequenceParallelContext, install_reference_llama
 from lightning_fpdt.memory import find_blocks
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
-from lightning_fpdt.offload.host_stash import StashFactory
-from lightning_fpdt.sequence import FPDTAttention, fpdt_attention
 from lightning_fpdt.offload.disk import (
     DiskStash,
     DiskTier,
@@ -29,9 +27,11 @@ from lightning_fpdt.offload.disk import (
     SpillDirectory,
     check_free_space,
     prepare_offload_dir,
-    stale_directories,
     staging_bytes,
+    stale_directories,
 )
+from lightning_fpdt.offload.host_stash import StashFactory
+from lightning_fpdt.sequence import FPDTAttention, fpdt_attention
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ from lightning_fpdt.integrations import (
 )
 from lightning_fpdt.memory import find_blocks
 from lightning_fpdt.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
-from lightning_fpdt.sequence import FPDTAttention, check_head_groups
 from lightning_fpdt.offload.host_stash import HostBufferPool
+from lightning_fpdt.sequence import FPDTAttention, check_head_groups
 from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry
 from tests.live_bytes import LiveBytes
 
@@ -301,7 +301,8 @@ def test_group_backward_keeps_two_hidden_sized_buffers():
     with one group's RoPE backward."""
     seq_len, hidden, head_dim, heads, kv_heads, groups = 2048, 1024, 64, 16, 8, 4
     _, peak, alive = _attention_peaks(groups, seq_len)
-    # In MiB at 8K tokens (a quarter of each at the 2K run: every term is per token). The peak is in RoPE's backward of a group's dq (4 query heads, 2 kv heads), on
+    # In MiB at 8K tokens (a quarter of each at the 2K run: every term is per token). The peak is in RoPE's backward
+    # of a group's dq (4 query heads, 2 kv heads), on
     # - two hidden-sized buffers, 8K × 1024 × 2 B = 16 each: the module's output (the caller holds it) and the one
     #   running dx: 32. (Before: seven at the peak, in the group's dx sum: also the output projection redone to be
     #   differentiated, the three projections' dx products and autograd's two out-of-place sums of them: 124.5.)

@@ -167,7 +167,8 @@ def test_a_registration_that_cannot_end_keeps_its_memory_mapped(cudart, monkeypa
     addresses = [t.untyped_storage().data_ptr() for t in (released, closed, ended)]
     failing = {addresses[0], addresses[1]}
     unregister = cudart.cudaHostUnregister
-    monkeypatch.setattr(cudart, "cudaHostUnregister", lambda address: 801 if address in failing else unregister(address))
+    monkeypatch.setattr(cudart, "cudaHostUnregister",
+                        lambda address: 801 if address in failing else unregister(address))
     with pytest.warns(RuntimeWarning, match="failed with CUDA error 801"):
         allocator.release(released)
     with pytest.warns(RuntimeWarning, match="stays mapped until the process ends"):

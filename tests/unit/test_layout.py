@@ -68,7 +68,9 @@ def test_layout_validation_messages():
         SequenceLayout(2, 2)
     with pytest.raises(ValueError, match="num_chunks must be >= 1"):
         SequenceLayout(2, 0, 0)
-    with pytest.raises(ValueError, match=r"not divisible by sequence_parallel_size \(2\) \* chunks \(2\) = 4: pad it to 12"):
+    with pytest.raises(
+        ValueError, match=r"not divisible by sequence_parallel_size \(2\) \* chunks \(2\) = 4: pad it to 12"
+    ):
         SequenceLayout(2, 0, 2).shard(torch.zeros(1, 10))
     with pytest.raises(ValueError, match="one shard per rank"):
         SequenceLayout(2, 0).unshard([torch.zeros(1, 4)])

@@ -59,7 +59,8 @@ MISCONFIGURATIONS = [
     ("offload", lambda: FPDTStrategy(offload="yes"), "offload must be 'auto', True or False"),
     ("offload_dq", lambda: FPDTStrategy(offload_dq=2), "offload_dq must be 'auto', True or False"),
     ("nonfinite", lambda: FPDTStrategy(nonfinite_loss="skip"), "nonfinite_loss must be 'raise' or 'ignore'"),
-    ("sync_every_batch", lambda: FPDTStrategy(sync_every_batch="last"), "sync_every_batch must be 'auto', True or False"),
+    ("sync_every_batch", lambda: FPDTStrategy(sync_every_batch="last"),
+     "sync_every_batch must be 'auto', True or False"),
     ("preemption timeout", lambda: FPDTStrategy(preemption_timeout=0), "preemption_timeout must be positive seconds"),
     # precision, also with the strategy given by name
     ("16-true", lambda: L.Trainer(strategy="fpdt", accelerator="cpu", precision="16-true", logger=False),

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fpdt.integrations.huggingface import tile_hf_rms_norms
 from lightning_fpdt.fused import ops
+from lightning_fpdt.integrations.huggingface import tile_hf_rms_norms
 
 
 def plain_rms_norm(x, weight, eps):
@@ -161,7 +161,8 @@ def test_rms_norm_backward_in_place_is_the_plain_formula_bit_for_bit(dtype):
     got = ops.rms_norm_backward(grad_out, x, w, rstd, input_grad=True, weight_grad=True)
     want = _rms_norm_backward_out_of_place(grad_out, x, w, rstd)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert torch.equal(x, x_before) and torch.equal(grad_out, grad_before)  # the in-place ops touch only its own buffers
+    # the in-place ops touch only its own buffers
+    assert torch.equal(x, x_before) and torch.equal(grad_out, grad_before)
 
 
 def test_rms_norm_backward_holds_three_fp32_tile_buffers():

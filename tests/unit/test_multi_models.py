@@ -123,7 +123,7 @@ def test_one_rank_warns_and_allowed_modules_are_left_alone():
     assert len(caught) == 2 and "outside FPDT's chunk pipeline" in str(caught[0].message)
 
 
-# ---- per-sequence sums ------------------------------------------------------------------------------------------------
+# ---- per-sequence sums -----------------------------------------------------------------------------------------------
 def test_sequence_sums_and_the_mark_of_a_sequence_level_loss():
     """On one process sequence_sum and sequence_mean are the masked sums and means (fp32 for bf16 values; 0 where no
     token counts); a loss built from them, or from a model's reduced loss, is sequence-level, a local loss is not."""
@@ -142,7 +142,7 @@ def test_sequence_sums_and_the_mark_of_a_sequence_level_loss():
         sequence_sum(values, mask[:, :4], group=None)
 
 
-# ---- right-padding masks ----------------------------------------------------------------------------------------------
+# ---- right-padding masks ---------------------------------------------------------------------------------------------
 def test_right_padding_masks_are_dropped_with_their_targets():
     """A right-padding attention_mask is accepted: its padding gets no target (from input ids) and no place in the
     token mask; labels that give the padding targets, left padding and holes are refused."""
@@ -165,7 +165,7 @@ def test_right_padding_masks_are_dropped_with_their_targets():
     assert right_padding(torch.ones(1, 3), torch.Size([1, 3])) is None
 
 
-# ---- the planner ------------------------------------------------------------------------------------------------------
+# ---- the planner -----------------------------------------------------------------------------------------------------
 def test_the_planner_counts_the_models_beside_the_planned_one():
     """A frozen reference model of the same size adds its sharded weights to the persistent memory; a trained one its
     gradients and optimizer states too."""

@@ -141,7 +141,8 @@ def test_plain_checkpointing_would_recompute_attention():
     install_reference_llama(model, SequenceParallelContext(group=None, attention=attention))
     for block in model.model.layers:
         forward = block.forward
-        block.forward = lambda *a, __f=forward, **k: torch.utils.checkpoint.checkpoint(__f, *a, use_reentrant=False, **k)
+        block.forward = lambda *a, __f=forward, **k: torch.utils.checkpoint.checkpoint(__f, *a, use_reentrant=False,
+                                                                                      **k)
     _train_steps(model)
     assert attention.kernel_calls == 2 * 3 * 2
 
@@ -182,9 +183,11 @@ def test_recompute_skips_the_tiled_mlp_value_in_residual_blocks(known_block):
             layer.__class__ = PostNormLayer
     rows = []
     for layer in model.model.layers:
-        layer.mlp.gate_proj.register_forward_hook(lambda m, args, out: rows.append(args[0].numel() // args[0].shape[-1]))
+        layer.mlp.gate_proj.register_forward_hook(
+            lambda m, args, out: rows.append(args[0].numel() // args[0].shape[-1]))
     for m in (plain, model):
-        install_reference_llama(m, SequenceParallelContext(group=None, attention=FPDTAttention(num_chunks=2, backend="math")))
+        install_reference_llama(
+            m, SequenceParallelContext(group=None, attention=FPDTAttention(num_chunks=2, backend="math")))
     apply_tiled_mlp(model, num_tiles=3)
     ActivationOffload(offload=False).fpdt_transform(model, find_blocks(model))
     _train_steps(plain, steps=1)
@@ -340,7 +343,8 @@ def test_plain_blocks_give_the_same_gradients(checkpoint_blocks, offload, tiled,
             m.model.embed_tokens.weight.requires_grad_(False)
     rows = []
     for layer in model.model.layers:
-        layer.mlp.gate_proj.register_forward_hook(lambda m, args, out: rows.append(args[0].numel() // args[0].shape[-1]))
+        layer.mlp.gate_proj.register_forward_hook(
+            lambda m, args, out: rows.append(args[0].numel() // args[0].shape[-1]))
     attentions = []
     for m in (plain, model):
         attentions.append(FPDTAttention(num_chunks=2, backend="math", offload=offload, head_chunks=head_chunks))

@@ -207,10 +207,10 @@ class VarlenMath:
         outs, lses = [], []
         for qa, qb, ka, kb in self._segments(cum_q, cum_k):
             assert max(qb - qa, 0) <= max_q and kb - ka <= max_k
-            o, l = self.math.forward(*(x[a:b].transpose(0, 1)[None] for x, a, b in ((q, qa, qb), (k, ka, kb),
+            o, lse = self.math.forward(*(x[a:b].transpose(0, 1)[None] for x, a, b in ((q, qa, qb), (k, ka, kb),
                                                                                     (v, ka, kb))),
                                      causal=causal, scale=scale)
-            outs.append(o[0].transpose(0, 1)), lses.append(l[0])
+            outs.append(o[0].transpose(0, 1)), lses.append(lse[0])
         return torch.cat(outs), torch.cat(lses, dim=-1)
 
     def backward(self, dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, *, causal, scale):

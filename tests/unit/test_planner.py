@@ -95,8 +95,8 @@ def test_state_components_by_hand():
 
 def test_head_unit_components_by_hand():
     """An untied head computing the tiled loss is its own FSDP2 unit: out of the gathered root unit, gathered in the
-    loss only (its all-gather output in place of the last block's), its gradient's fp32 reduce-scatter input alive through
-    the last block's backward, and out of the root unit's own backward at the end."""
+    loss only (its all-gather output in place of the last block's), its gradient's fp32 reduce-scatter input alive
+    through the last block's backward, and out of the root unit's own backward at the end."""
     plan = small_plan()
     head = 32000 * 1024
     root = 65_537_024 - head  # the embedding and the final norm: 32,769,024
@@ -399,7 +399,8 @@ def test_prediction_of_full_depth_traced_steps(run):
         geometry=resolve_geometry(run["geometry"]), seq_len=run["seq_len"], num_gpus=run["gpus"],
         chunks=run["chunks"], offload=run["offload"], offload_dq=run["offload_dq"], head_chunks=run["head_chunks"],
         recompute_attention=run["recompute_attention"], reload_input=run["reload_input"],
-        prefetch=1 if run["prefetch"] is None else run["prefetch"], cpu_offload_params=run["cpu_offload_params"], activation_offload=True,
+        prefetch=1 if run["prefetch"] is None else run["prefetch"], cpu_offload_params=run["cpu_offload_params"],
+        activation_offload=True,
         tiled_mlp=True, tiled_loss=True, gpu_memory_gib=79,
     )
     gpu = plan.peak_gpu_bytes / max(run["peak_gpu_bytes_per_step"])

@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 
+from lightning_fpdt.offload.disk import STAGING_PIECE_BYTES
 from lightning_fpdt.planner import format_plan, main, plan_memory, step_seconds
 from lightning_fpdt.planner.features.disk_tier import DiskTier
 from lightning_fpdt.planner.search import Run
-from lightning_fpdt.offload.disk import STAGING_PIECE_BYTES
 
 GIB = 2**30
 AUTO = dict(chunks="auto", offload="auto", offload_dq="auto", head_chunks="auto", recompute_attention="auto",

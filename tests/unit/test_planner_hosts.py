@@ -3,7 +3,6 @@ sequence-parallel group spanning hosts takes the layout (ring size) that estimat
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 
@@ -13,9 +12,9 @@ from bench.planner_hosts import lengths
 from lightning_fpdt.planner import plan_memory
 from lightning_fpdt.planner.cli import main
 from lightning_fpdt.planner.cost import network_seconds, ring_network_seconds, ring_transfer_bytes
-from lightning_fpdt.planner.rates import INTER_HOST_BYTES, NVLINK_BYTES
 from lightning_fpdt.planner.geometry import resolve_geometry
 from lightning_fpdt.planner.phases import plan_sizes
+from lightning_fpdt.planner.rates import INTER_HOST_BYTES, NVLINK_BYTES
 from lightning_fpdt.planner.search import step_estimate, step_seconds
 from lightning_fpdt.sequence.sizes import resolve_ring_size
 

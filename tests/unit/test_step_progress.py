@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from lightning_fpdt.callbacks.step_progress import StepPosition, StepProgress, describe
+from lightning_fpdt.data import RetrievalDataModule
 from lightning_fpdt.memory.surgery import find_blocks
 from lightning_fpdt.models.llama import LlamaConfig, LlamaForCausalLM
-from lightning_fpdt.data import RetrievalDataModule
 from lightning_fpdt.models.module import LlamaLM
 
 

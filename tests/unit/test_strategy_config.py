@@ -16,7 +16,9 @@ from lightning_fpdt.strategy.parallelize import ParallelizeConfig, apply_fpdt
 
 def test_mesh_size_messages():
     """dp × sp must equal the world size, and the message prints every factor."""
-    with pytest.raises(ValueError, match=r"sequence_parallel_size \(4\) \* data_parallel_size \(3\) = 12 != world size 8"):
+    with pytest.raises(
+        ValueError, match=r"sequence_parallel_size \(4\) \* data_parallel_size \(3\) = 12 != world size 8"
+    ):
         resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size=3, sequence_parallel_size=4)
     with pytest.raises(ValueError, match=r"sequence_parallel_size \(3\) does not divide the world size 8"):
         resolve_sizes(world_size=8, devices_per_node=8, data_parallel_size="auto", sequence_parallel_size=3)

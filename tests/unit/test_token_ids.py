@@ -62,7 +62,8 @@ def test_ids_that_are_not_integers_are_refused(dtype):
 def test_the_vocabulary_is_read_from_the_embedding_or_the_config():
     """Hugging Face models: the input embedding's rows; the reference Llama: config.vocab_size; a plain module
     without either: nothing to check against."""
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM as HFLlama
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM as HFLlama
 
     hf = HFLlama(HFConfig(vocab_size=80, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                           num_attention_heads=2, num_key_value_heads=1))

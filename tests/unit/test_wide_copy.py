@@ -11,7 +11,8 @@ def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.
     """Every bit pattern of ``dtype`` equally likely (NaNs, infinities and subnormals included)."""
     bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[dtype]
     info = torch.iinfo(bits)
-    return torch.randint(info.min, info.max, shape, dtype=bits, generator=torch.Generator().manual_seed(seed)).view(dtype)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(info.min, info.max, shape, dtype=bits, generator=generator).view(dtype)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

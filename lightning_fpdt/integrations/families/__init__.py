@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_fpdt.flops import text_config
 from lightning_fpdt.integrations.families import (
     deepseek,
     gemma,
@@ -25,7 +26,6 @@ from lightning_fpdt.integrations.families import (
     qwen3,
     qwen3_moe,
 )
-from lightning_fpdt.flops import text_config
 from lightning_fpdt.integrations.families.base import Family, Router, check_config
 
 FAMILIES: dict[str, Family] = {family.model_type: family for family in (

@@ -4,6 +4,7 @@ from lightning_fpdt.integrations.families.base import Family, sliding_window_che
 
 FAMILY = Family(
     name="Qwen3", model_type="qwen3", causal_lm="Qwen3ForCausalLM", config="Qwen3Config",
-    attention="Qwen3Attention", decoder_layer="Qwen3DecoderLayer", norm="Qwen3RMSNorm", head_norms=True, mlp_classes=("Qwen3MLP",),
+    attention="Qwen3Attention", decoder_layer="Qwen3DecoderLayer", norm="Qwen3RMSNorm", head_norms=True,
+    mlp_classes=("Qwen3MLP",),
     checks=(sliding_window_check("use_sliding_window", "set use_sliding_window=False"),),
 )

@@ -38,9 +38,24 @@ naming the file and the bytes, never garbage. A background failure is kept and r
 trusted.
 """
 
-from lightning_fpdt.offload.disk.directory import DIRECTORY_PATTERN, DiskTierError, StaleDirectory, check_free_space, directory_name, prepare_offload_dir, stale_directories
-from lightning_fpdt.offload.disk.staging import STAGING_DEPTH, STAGING_PIECE_BYTES, STAGING_THREADS, Staging, StagingBuffers, staging_bytes
+from lightning_fpdt.offload.disk.directory import (
+    DIRECTORY_PATTERN,
+    DiskTierError,
+    StaleDirectory,
+    check_free_space,
+    directory_name,
+    prepare_offload_dir,
+    stale_directories,
+)
 from lightning_fpdt.offload.disk.files import SpillDirectory
+from lightning_fpdt.offload.disk.staging import (
+    STAGING_DEPTH,
+    STAGING_PIECE_BYTES,
+    STAGING_THREADS,
+    Staging,
+    StagingBuffers,
+    staging_bytes,
+)
 from lightning_fpdt.offload.disk.stash import DiskStash, DiskTier
 
 __all__ = [

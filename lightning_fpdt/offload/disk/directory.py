@@ -9,7 +9,6 @@ import shutil
 import socket
 from dataclasses import dataclass
 
-
 DIRECTORY_PATTERN = re.compile(r"^fpdt-(?P<host>.+)-(?P<pid>\d+)-rank(?P<rank>\d+)$")
 
 

@@ -23,7 +23,6 @@ from lightning_fpdt.offload.disk.staging import STAGING_PIECE_BYTES, Staging
 from lightning_fpdt.offload.host_memory import HostAllocator, HostMemoryGuard
 from lightning_fpdt.offload.host_stash import CopyStreams
 
-
 _OPEN: "weakref.WeakSet[SpillDirectory]" = weakref.WeakSet()
 """The spill directories of this process not yet closed: removed at exit (the only module state; see close)."""
 

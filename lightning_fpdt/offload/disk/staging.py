@@ -10,7 +10,6 @@ from torch import Tensor
 
 from lightning_fpdt.offload.host_memory import HostAllocator
 
-
 STAGING_DEPTH = 2
 """Staging buffers of each thread: the writer copies a piece from the device into one while it writes the other to
 the disk; the reader reads a piece into one while the other feeds the device."""

@@ -88,6 +88,10 @@ class AttentionAudit:
         ran = self.attention.kernel_calls > before.pop()
         if before:
             return  # a nested call of the same module: the outermost decides
+        if output is None:
+            # its forward raised: torch runs this hook anyway, while it iterates the module's hooks (removing them
+            # now would replace the forward's error with its own), and a forward that did not finish proves nothing
+            return
         for handle in self._handles.pop(key, ()):
             handle.remove()
         self._calls_before.pop(key, None)

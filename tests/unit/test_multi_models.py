@@ -108,6 +108,28 @@ def test_a_module_without_the_sequence_parallel_attention_is_named():
     assert audit.checked == ["good", "bad"]
 
 
+class FailingAttention(CountingAttention):
+    def forward(self, x):
+        if self.fails:
+            raise ConnectionError("a peer went away")
+        return super().forward(x)
+
+
+def test_a_forward_that_raises_ends_with_its_own_error():
+    """A watched module whose forward raises (a collective whose peer died) ends with that error, not one of the
+    audit's hook, which torch runs anyway; it is checked at its next forward that finishes."""
+    shared = FPDTAttention()
+    root = Holder(flaky=FailingAttention(shared))
+    root.flaky.fails = True
+    audit = AttentionAudit(root, blocks=[], attention=shared, sequence_parallel_size=2)
+    with pytest.raises(ConnectionError, match="a peer went away"):
+        root.flaky(torch.ones(2))
+    assert audit.checked == [] and audit.watching == 1
+    root.flaky.fails = False
+    root.flaky(torch.ones(2))
+    assert audit.checked == ["flaky"] and audit.watching == 0
+
+
 def test_one_rank_warns_and_allowed_modules_are_left_alone():
     """On one rank (nothing split) an unreached attention is a warning; a module marked allow_local_attention, and
     what it holds, are not watched; a block is watched whatever its class."""

@@ -37,16 +37,16 @@ from lightning_fpdt.strategy.option_docs import documented
 from lightning_fpdt.strategy.precision import FPDTFabricPrecision, to_fpdt_precision
 from lightning_fpdt.strategy.run import DrivesRun, FPDTRun
 
-HOST_STATES = "the host-resident states and their in-backward step run inside the Trainer's optimizer step"
-PREEMPTION = "the Trainer saves and exits on SIGTERM; in your loop, save with fabric.save"
+_HOST_STATES = "the host-resident states and their in-backward step run inside the Trainer's optimizer step"
+_PREEMPTION = "the Trainer saves and exits on SIGTERM; in your loop, save with fabric.save"
 TRAINER_ONLY_OPTIONS = {
-    "cpu_offload_params": HOST_STATES,
-    "host_step_in_backward": HOST_STATES,
+    "cpu_offload_params": _HOST_STATES,
+    "host_step_in_backward": _HOST_STATES,
     "device_step_in_backward": "the in-backward step runs inside the Trainer's optimizer step",
     "nonfinite_loss": "your loop holds the loss: check torch.isfinite(loss) there",
     "heartbeat_timeout": "the rank watchdog is part of the Trainer's run",
-    "preemption": PREEMPTION,
-    "preemption_timeout": PREEMPTION,
+    "preemption": _PREEMPTION,
+    "preemption_timeout": _PREEMPTION,
     "sync_every_batch": "under Fabric you choose: wrap the batches before a window's last in "
                         "fabric.no_backward_sync(model)",
     "predict_outputs": "trainer.predict only; under Fabric gather outputs yourself",

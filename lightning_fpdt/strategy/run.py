@@ -14,7 +14,7 @@ strategies name alike.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.strategy import checkpoint as checkpointing
 from lightning_fpdt.strategy import tokens
 from lightning_fpdt.strategy.batch import BatchPlan, BatchStep, check_batch
-from lightning_fpdt.strategy.budget import MemoryBudget, PlannedMemory, RunFacts, checked_offload_dir
+from lightning_fpdt.strategy.budget import MemoryBudget, PlannedMemory, RunFacts, Switch, checked_offload_dir
 from lightning_fpdt.strategy.loss import group_sums, is_reduced, unwrap_loss, with_loss
 from lightning_fpdt.strategy.mesh import MeshSizes, build_mesh
 from lightning_fpdt.strategy.parallelize import (
@@ -43,10 +43,7 @@ from lightning_fpdt.strategy.parallelize import (
 )
 from lightning_fpdt.strategy.precision import FPDTFabricPrecision
 from lightning_fpdt.strategy.predict import gather_sequence
-from lightning_fpdt.strategy.topology import resolve_topology
-
-Switch = Union[Literal["auto"], bool]
-Size = Union[Literal["auto"], int]
+from lightning_fpdt.strategy.topology import Size, resolve_topology
 
 
 class FPDTRun(MeshSizes):

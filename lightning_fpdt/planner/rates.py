@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Optional
 
@@ -85,8 +85,9 @@ class StepRates:
     """The rates a step is timed at: measured ones (``gemms``, ``attention`` and the scalar fields of a calibrated GPU,
     :meth:`lightning_fpdt.planner.calibration.Calibration.rates`) or the built-in table's (the defaults)."""
 
-    source: str = BUILTIN_SOURCE
-    """Where the rates come from, in words: a calibration file, or the built-in table."""
+    source: str = field(default=BUILTIN_SOURCE, compare=False)
+    """Where the rates come from, in words: a calibration file, or the built-in table (a description: rates of the
+    same figures are equal wherever their file is)."""
     calibrated: bool = False
     matmul_flops: float = MATMUL_FLOPS
     """FLOP/s of a GEMM whose shape was not measured."""

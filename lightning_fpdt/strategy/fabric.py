@@ -47,6 +47,7 @@ from lightning_fpdt.strategy.parallelize import (
     parallelize_model,
     sequence_parallel_context,
 )
+from lightning_fpdt.strategy.planned_memory import PlannedMemory
 from lightning_fpdt.strategy.precision import FPDTFabricPrecision, to_fpdt_precision
 from lightning_fpdt.strategy.topology import resolve_topology
 
@@ -62,11 +63,14 @@ TRAINER_ONLY_OPTIONS = {
     "sync_every_batch": "under Fabric you choose: wrap the batches before a window's last in "
                         "fabric.no_backward_sync(model)",
     "predict_outputs": "trainer.predict only; under Fabric gather outputs yourself",
+    "plan_trial": "the trial times the Trainer's training steps and switches configurations between them; under "
+                  "Fabric the planner's fastest estimate runs (compare configurations with `python3 -m "
+                  "bench.neighbours`)",
 }
 """``FPDTStrategy``'s options that have no meaning under Fabric, each with why (named when given)."""
 
 
-class FPDTFabricStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
+class FPDTFabricStrategy(MeshSizes, PlannedMemory, ModelParallelStrategy):
     """Sequence-parallel training of long sequences in a Fabric loop: Ulysses all-to-all, FPDT chunked attention,
     FSDP2 over the (data × sequence) mesh.
 
@@ -222,8 +226,9 @@ class FPDTFabricStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy)
         self.memory.bind(budget.RunFacts(
             model=module, device=self.root_device, world_size=self.world_size, local_processes=self.num_processes,
             sequence_parallel_size=self.sequence_parallel_size, ring_size=self.ring_size,
-            precision=self.precision.precision, callbacks=self._memory_callbacks,
-            agree=lambda yes: self.reduce_boolean_decision(yes, all=True)))
+            precision=self.precision.precision, callbacks=self._memory_callbacks, global_rank=self.global_rank,
+            agree=lambda yes: self.reduce_boolean_decision(yes, all=True), share=self.broadcast,
+            sequence_group=self.sequence_parallel_group))
         if self._context is None:
             self._context = sequence_parallel_context(self.device_mesh, self.options,
                                                       head_chunks=self.memory.head_chunks_at_setup(None))

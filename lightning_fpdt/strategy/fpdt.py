@@ -58,6 +58,7 @@ from lightning_fpdt.strategy.parallelize import (
     parallelize_model,
     sequence_parallel_context,
 )
+from lightning_fpdt.strategy.planned_memory import PlannedMemory
 from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
 from lightning_fpdt.strategy.predict import check_predict_outputs, gather_sequence
 from lightning_fpdt.strategy.preemption import DEFAULT_TIMEOUT, Preemption, add_preemption_checkpoint, watch_with
@@ -65,7 +66,7 @@ from lightning_fpdt.strategy.topology import resolve_topology
 from lightning_fpdt.strategy.watchdog import DEFAULT_STALE_AFTER, RankWatchdog, checked_heartbeat_timeout
 
 
-class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
+class FPDTStrategy(MeshSizes, PlannedMemory, ModelParallelStrategy):
     """Sequence-parallel training of long sequences: Ulysses all-to-all, FPDT chunked attention, FSDP2.
 
     Args:
@@ -143,6 +144,11 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
             sequence, as one process returns them (each tensor of shape ``(B, S/P, …)`` that ``predict_step``
             returns gathered from the sequence group into ``(B, S, …)``, the padding dropped); ``"rank"``, each rank's
             own shard, in the layout's token order (docs/design.md §3), padding included.
+        plan_trial: where the fastest configurations that fit a new sequence length are within 10% of each other by
+            the planner's step-time model, train its first steps on each in turn (one untimed step and two timed ones
+            each) and keep the fastest for the rest of the run (``lightning_fpdt.planner.trial``, docs/planner.md);
+            the choice is logged and kept with checkpoints. Every candidate computes the same gradients. On a GPU,
+            for a model whose config the planner reads; ``False``: the planner's fastest estimate runs.
     """
 
     strategy_name = "fpdt"
@@ -178,6 +184,7 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
         sync_every_batch: Union[Literal["auto"], bool] = "auto",
         fused_ops: Union[Literal["auto"], bool] = "auto",
         predict_outputs: Literal["sequence", "rank"] = "sequence",
+        plan_trial: bool = True,
     ) -> None:
         noise.quiet_lightning()  # before the Trainer that takes this strategy logs its tips
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size="auto",
@@ -202,7 +209,8 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
         self._vocabulary: Optional[tokens.Vocabulary] = None  # read once at setup; every batch's ids are checked
         self._checkpoint_size: Optional[storage.CheckpointSize] = None  # counted at setup, named when a save fails
         self.offload_dir = budget.checked_offload_dir(offload_dir)
-        self.memory = budget.MemoryBudget(options=self.options, check=check_memory, offload_dir=self.offload_dir)
+        self.memory = budget.MemoryBudget(options=self.options, check=check_memory, offload_dir=self.offload_dir,
+                                          plan_trial=plan_trial)
         """The plans of the lengths trained, the host memory guard, the page-locked states (``strategy/budget.py``)."""
         self._batches = BatchStep(pad_token_id=pad_token_id, pad_to_multiple=pad_to_multiple, log=rank_zero_info)
         self._context: Optional[SequenceParallelContext] = None
@@ -336,8 +344,9 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
             ring_size=self.ring_size if self._device_mesh is not None else 1,
             precision=self.precision_plugin.precision, cpu_offload_params=self.cpu_offload_params,
             sync_every_batch=self.sync_every_batch, callbacks=getattr(trainer, "callbacks", ()),
-            accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
-            agree=lambda yes: self.reduce_boolean_decision(yes, all=True))
+            accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1), global_rank=self.global_rank,
+            agree=lambda yes: self.reduce_boolean_decision(yes, all=True), share=self.broadcast,
+            sequence_group=self.sequence_parallel_group if self._device_mesh is not None else None)
 
     # ---- data -----------------------------------------------------------------------------------------------------
     @override
@@ -356,7 +365,8 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
             self._pending_rng_states = None
         sharded, self.batch_plan = self._batches(batch, memory=self.memory, context=self._context,
                                                  sp_size=self.sequence_parallel_size,
-                                                 sp_rank=self.sequence_parallel_rank, ring_size=self.ring_size)
+                                                 sp_rank=self.sequence_parallel_rank, ring_size=self.ring_size,
+                                                 training=trainer is not None and trainer.training)
         return sharded
 
     @override
@@ -472,6 +482,7 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         started = time.monotonic()
         checkpointing.gather_rng_states(checkpoint, self.world_size)
+        self.memory.save_choices(checkpoint)  # a plan trial's choices: a resumed run does not try again
         with storage.space_named(Path(filepath), self._checkpoint_size):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             if self._save_distributed_checkpoint:
@@ -487,6 +498,7 @@ class FPDTStrategy(MeshSizes, budget.PlannedMemory, ModelParallelStrategy):
         if self._early_gathers is not None:
             self._early_gathers.drop()  # the next forward gathers the loaded parameters
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self.memory.load_choices(checkpoint)
         # applied at the next batch: creating the dataloader iterator in between draws from the torch generator
         self._pending_rng_states = checkpointing.restored_rng_state(checkpoint, self.world_size, self.global_rank)
         return checkpoint

@@ -46,8 +46,8 @@ from lightning_fpdt.planner.sizes import StepSizes
 CACHE_VERSION = 1
 """The cache files' format; a file of another version is measured again."""
 BUDGET_SECONDS = 25.0
-"""Seconds a calibration measures shapes for at most (the measurements of the machine itself come first, about 2 s),
-so that a calibration stays under half a minute."""
+"""Seconds a calibration measures shapes for at most (the measurements of the machine itself come first: a few calls
+of milliseconds each on a GPU), so that a calibration stays under half a minute."""
 GEMM_KINDS = FORWARD + BACKWARD
 ATTENTION_KINDS = ("forward", "backward")
 

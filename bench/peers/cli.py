@@ -82,6 +82,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-step-after-backward", action="store_true",
                         help="fpdt, fpdt-hf with the states on the GPU: FPDTStrategy(device_step_in_backward=False), the "
                              "optimizer step after the backward instead of in FSDP2's gradient hooks during it")
+    parser.add_argument("--plan-trial", action="store_true",
+                        help="fpdt, fpdt-hf: FPDTStrategy(plan_trial=True), the configurations the planner cannot tell "
+                             "apart tried on the first steps (off by default here: a record times one configuration)")
     parser.add_argument("--gpu-memory-gib", type=float, default=None,
                         help="cap each process's GPU memory here (torch.cuda.set_per_process_memory_fraction; the "
                              "fpdt planner follows the cap): an 80 GB card's 79 GiB run on a larger card")

@@ -145,6 +145,7 @@ def options(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
                 "host_step": ("after backward" if args.host_step_after_backward else "in backward")
                 if args.cpu_offload_params else None,
                 **({"device_step": "after backward"} if getattr(args, "device_step_after_backward", False) else {}),
+                **({"plan_trial": True} if getattr(args, "plan_trial", False) else {}),
                 "model_code": "transformers" if args.system == "fpdt-hf" else "lightning_fpdt"}
     if args.system == "alst":
         return {**common, "model_code": "transformers", "zero_stage": 3, "sequence_parallel": "ulysses",

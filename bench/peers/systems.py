@@ -179,7 +179,8 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
                                 attention_backend=args.attention_backend,
                                 cpu_offload_params=args.cpu_offload_params, offload_dir=args.offload_dir,
                                 host_step_in_backward=not args.host_step_after_backward,
-                                device_step_in_backward=not args.device_step_after_backward)
+                                device_step_in_backward=not args.device_step_after_backward,
+                                plan_trial=getattr(args, "plan_trial", False))
         offload = ActivationOffload(**blocks)
         callbacks: list[L.Callback] = [offload, TiledMLP(), TiledLoss()]
         return module, strategy, callbacks, args.precision  # FPDTPrecision: FSDP2 MixedPrecisionPolicy, no autocast

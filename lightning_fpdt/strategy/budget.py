@@ -454,7 +454,8 @@ class MemoryBudget:
         two training steps is no step's time."""
         if self.trials is not None:
             self.trials.interrupt()
-            checkpoint[CHOICES_KEY] = self.trials.state()
+            if self.trials.state():
+                checkpoint[CHOICES_KEY] = self.trials.state()
 
     def load_choices(self, checkpoint: dict[str, Any]) -> None:
         """Take the plan trials' choices out of a loaded ``checkpoint``: the lengths they were made for are not tried

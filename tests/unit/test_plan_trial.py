@@ -121,3 +121,29 @@ def test_a_kept_choice_is_not_tried_again():
     assert steps.step((256, 1)) is plans[1] and not steps.trials
     assert steps.step((512, 1)) is None and not steps.trials
     assert steps.state() == {key_name((256, 1)): choice_of(plans[1]), key_name((512, 1)): {"chunks": 999}}
+
+
+def test_the_budget_keeps_the_choices_with_a_checkpoint():
+    """A run's choices go into the checkpoint under their key and come back out of it into a resumed run's trials
+    (the key removed, as Lightning's own restore expects no unknown key); without plan_trial nothing is kept."""
+    import torch
+
+    from lightning_fpdt.strategy.budget import MemoryBudget, RunFacts
+    from lightning_fpdt.strategy.plan_trial import CHOICES_KEY
+
+    facts = RunFacts(model=None, device=torch.device("cpu"), world_size=1, local_processes=1,
+                     sequence_parallel_size=1, ring_size=1, precision="32-true")
+    first = MemoryBudget(plan_trial=True)
+    first.bind(facts)
+    first.trials.kept[key_name((256, 1))] = {"chunks": 2, "offload": True}
+    checkpoint: dict = {}
+    first.save_choices(checkpoint)
+    assert checkpoint[CHOICES_KEY] == {key_name((256, 1)): {"chunks": 2, "offload": True}}
+    resumed = MemoryBudget(plan_trial=True)
+    resumed.bind(facts)
+    resumed.load_choices(checkpoint)
+    assert CHOICES_KEY not in checkpoint and resumed.trials.kept == first.trials.kept
+    off = MemoryBudget(plan_trial=False)
+    off.bind(facts)
+    off.save_choices(checkpoint)
+    assert off.trials is None and CHOICES_KEY not in checkpoint

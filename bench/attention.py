@@ -20,11 +20,11 @@ import time
 import torch
 import torch.distributed as dist
 
-
 from bench.provenance import append_record, stamp, this_command  # noqa: E402
 from bench.timing import time_step  # noqa: E402
-from lightning_fpdt.sequence import StashFactory, fpdt_attention, new_sequence_groups  # noqa: E402
+from lightning_fpdt.offload.host_stash import StashFactory  # noqa: E402
 from lightning_fpdt.sequence import all_to_all as a2a  # noqa: E402
+from lightning_fpdt.sequence import fpdt_attention, new_sequence_groups  # noqa: E402
 
 
 class A2ATimer:

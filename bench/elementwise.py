@@ -4,7 +4,7 @@ One GPU:  python3 -m bench.elementwise --tokens 8192,16384,32768
 CPU smoke: python3 -m bench.elementwise --device cpu --tiny
 
 Each op on one rank's tokens of the Llama-3-8B geometry (hidden 4096, 32 query and 8 kv heads of 128, intermediate
-14336) in bf16: the package's own (``lightning_fpdt.models.ops``) with ``FUSED_OPS`` off (token tiles, fp32 inside)
+14336) in bf16: the package's own (``lightning_fpdt.fused.ops``) with ``FUSED_OPS`` off (token tiles, fp32 inside)
 and on (its fused kernels), the plain form Hugging Face writes (one kernel per PyTorch op), and that form through
 ``torch.compile``. The floor is the bytes each op must move (its inputs read once, its
 outputs written once, forward and backward) at the card's measured copy bandwidth (a device-to-device copy, bytes
@@ -21,9 +21,8 @@ from typing import Callable
 
 import torch
 
-
 from bench.provenance import append_record, stamp  # noqa: E402
-from lightning_fpdt.models import ops  # noqa: E402
+from lightning_fpdt.fused import ops  # noqa: E402
 
 GEOMETRY = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336)
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128)

@@ -33,7 +33,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-
 from bench.provenance import append_record, card_name, stamp, this_command  # noqa: E402
 from lightning_fpdt.flops import ModelGeometry  # noqa: E402
 from lightning_fpdt.models.llama import NAMED_CONFIGS, LlamaConfig  # noqa: E402

@@ -36,7 +36,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-
 from bench.provenance import append_record, stamp, this_command  # noqa: E402
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload  # noqa: E402
 from lightning_fpdt.flops import ModelGeometry  # noqa: E402
@@ -161,7 +160,7 @@ def run_case(args: argparse.Namespace, case: str, head_chunks: int, seq_len: int
         record["status"] = "oom"
         return record
     finally:
-        del layer
+        layer = None  # the layer's memory goes before the next case (step holds it through its cell)
     peaks = [p for p, _ in runs if p is not None]
     record.update(
         peak_gib=max(peaks) / GIB if peaks else None,

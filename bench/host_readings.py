@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_fpdt.offload import host_memory
+from lightning_fpdt.planner.search import estimated_step_seconds
 
 PHASES = ("forward", "backward", "optimizer")
 """The spans of a Lightning training step: start of batch to ``on_before_backward``, to ``on_after_backward``, to
@@ -102,8 +103,8 @@ def pinned_bytes(strategy: Any, *, fpdt: bool) -> dict[str, Optional[int]]:
     }
 
 
-PLAN_FIELDS = ("planned_peak_gpu_bytes", "planned_pinned_host_bytes", "planned_resident_host_bytes", "planned_disk_bytes",
-               "peak_disk_bytes", "plan_options")
+PLAN_FIELDS = ("planned_peak_gpu_bytes", "planned_pinned_host_bytes", "planned_resident_host_bytes",
+               "planned_disk_bytes", "peak_disk_bytes", "plan_options", "estimated_step_s", "estimate_rates")
 
 
 def plan_fields(strategy: Any) -> dict[str, Any]:
@@ -112,8 +113,10 @@ def plan_fields(strategy: Any) -> dict[str, Any]:
     (``host_bytes_per_gpu``: the pinned host bytes of one GPU's process), ``planned_resident_host_bytes``
     (``host_resident_bytes_per_gpu``: pinned, pageable and the process baseline of one GPU's process),
     ``planned_disk_bytes`` (``disk_bytes_per_gpu``: the block inputs the plan puts in ``offload_dir``) and
-    ``plan_options`` (``options.describe()``: the options the plan resolved); and, measured, ``peak_disk_bytes``: the
-    most bytes this process's spill files held at once (``None`` without a disk tier)."""
+    ``plan_options`` (``options.describe()``: the options the plan resolved), ``estimated_step_s`` (the planner's
+    step-time model's step of the plan, ``lightning_fpdt.planner.search.estimated_step_seconds``) and
+    ``estimate_rates`` (the rates it was timed at: this GPU's calibration, or the built-in table); and, measured,
+    ``peak_disk_bytes``: the most bytes this process's spill files held at once (``None`` without a disk tier)."""
     plan = getattr(strategy, "memory_plan", None)
     if plan is None:
         return dict.fromkeys(PLAN_FIELDS)
@@ -126,6 +129,8 @@ def plan_fields(strategy: Any) -> dict[str, Any]:
         "planned_disk_bytes": int(plan.disk_bytes_per_gpu),
         "peak_disk_bytes": None if disk is None else int(disk.peak_bytes_on_disk),
         "plan_options": plan.options.describe(),
+        "estimated_step_s": estimated_step_seconds(plan),
+        "estimate_rates": plan.rates.source,
     }
 
 

@@ -24,7 +24,6 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
-
 from bench.provenance import append_record, stamp, this_command  # noqa: E402
 from lightning_fpdt.memory import apply_tiled_mlp, auto_loss_tiles, auto_mlp_tiles, tiled_cross_entropy  # noqa: E402
 from lightning_fpdt.models.llama import LlamaConfig, LlamaMLP  # noqa: E402

@@ -318,8 +318,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from bench.peers.hf_llama import HFLlamaLM, named_vocab
     from bench.peers.common import RandomTokens, prime_adam_states
+    from bench.peers.hf_llama import HFLlamaLM, named_vocab
     from bench.provenance import append_record, card_name, launch_command, stamp
     from lightning_fpdt import ActivationOffload, FPDTStrategy, TiledLoss, TiledMLP
     from lightning_fpdt.models.module import LlamaLM
@@ -328,7 +328,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         module = LlamaLM(args.geometry, lr=1e-4, num_layers=args.layers)
     else:
         module = HFLlamaLM(args.geometry, num_layers=args.layers, max_seq_len=args.seq_len, seed=0, lr=1e-4)
-    strategy = FPDTStrategy(**strategy_options(args))
+    strategy = FPDTStrategy(**strategy_options(args), plan_trial=False)  # one configuration traced, no trial
     offload = ActivationOffload(**offload_options(args))
     steps: dict[str, list[Any]] = {"gpu": [], "host": [], "phases": [], "pinned": [], "seconds": []}
     last: dict[str, Any] = {}

@@ -22,7 +22,6 @@ import time
 import torch
 import torch.distributed as dist
 
-
 from bench.provenance import append_record, stamp, this_command  # noqa: E402
 from lightning_fpdt.sequence import fpdt as fpdt_module  # noqa: E402
 from lightning_fpdt.sequence import fpdt_attention  # noqa: E402

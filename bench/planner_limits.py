@@ -68,7 +68,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--step-mib", type=int, default=512, help="lengths tried: multiples of this many Mi tokens")
     parser.add_argument("--limit-mib", type=int, default=32768)
     args = parser.parse_args(argv)
-    print(f"| model | host RAM | block inputs | longest S | plan |\n|---|---|---|---|---|")
+    print("| model | host RAM | block inputs | longest S | plan |\n|---|---|---|---|---|")
     for name, model in MODELS.items():
         for host in args.host_memory_gib:
             for label, feature in FEATURES.items():

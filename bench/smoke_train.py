@@ -18,7 +18,6 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-
 from bench.provenance import append_record, stamp, this_command  # noqa: E402
 from lightning_fpdt import ActivationOffload, FPDTStrategy, MFUMonitor, TiledLoss, TiledMLP  # noqa: E402
 from lightning_fpdt.flops import peak_flops  # noqa: E402
@@ -81,7 +80,8 @@ def main() -> None:
     module = LlamaLM(args.model, lr=1e-4, num_layers=args.layers)
     chosen = {name for name in args.callbacks.split(",") if name}
     callbacks = build_callbacks(chosen)
-    strategy = FPDTStrategy(chunks=args.chunks, offload={"auto": "auto", "on": True, "off": False}[args.offload])
+    strategy = FPDTStrategy(chunks=args.chunks, offload={"auto": "auto", "on": True, "off": False}[args.offload],
+                            plan_trial=False)  # the steps timed run one configuration
     trainer = L.Trainer(
         strategy=strategy, accelerator="gpu", devices=args.devices, precision="bf16-mixed",
         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -30,8 +30,8 @@ from __future__ import annotations
 import bisect
 import cProfile
 import json
-import pstats
 import os
+import pstats
 import time
 from typing import Any, Optional
 

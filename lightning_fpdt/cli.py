@@ -1,9 +1,10 @@
-"""``lightning-fpdt``: the LightningCLI of the project (``fit``, ``validate``, ``test``, ``--print_config``) and the
-memory planner (``plan``).
+"""``lightning-fpdt``: the LightningCLI of the project (``fit``, ``validate``, ``test``, ``--print_config``), the
+memory planner (``plan``) and the calibration of a GPU's rates for its step-time model (``calibrate``).
 
     lightning-fpdt fit --config examples/configs/demo_cpu.yaml
     python -m lightning_fpdt.cli fit --config examples/configs/demo_cpu.yaml --trainer.max_steps 100
     lightning-fpdt plan --model llama3-8b --seq-len 1048576 --gpus 8 --callbacks all
+    lightning-fpdt calibrate --model llama3-3b --seq-len 65536
 
 It imports the package (so ``trainer.strategy: fpdt`` works) and the project's models, data modules and callbacks,
 so YAML can name them by their short class name (``model: LlamaLM``, ``data: RetrievalDataModule``,
@@ -36,8 +37,10 @@ from lightning_fpdt.callbacks import (  # noqa: F401  (short names for YAML)
 from lightning_fpdt.data import RetrievalDataModule, TokenFileDataModule  # noqa: F401  (short names for YAML)
 from lightning_fpdt.models.module import HFCausalLM, LlamaLM  # noqa: F401  (short names for YAML)
 from lightning_fpdt.planner import main as plan_main
+from lightning_fpdt.planner.cli import calibrate_main
 
 PLAN_HELP = "Predict a run's GPU peak and pinned host memory, and what to change when it does not fit."
+CALIBRATE_HELP = "Measure this GPU's rates for the planner's step-time model, once (cached)."
 
 
 class FPDTCLI(LightningCLI):
@@ -52,12 +55,14 @@ class FPDTCLI(LightningCLI):
         super().__init__(args=args, **kwargs)
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
-        """Lightning's subcommands, and ``plan`` listed beside them (:func:`main` runs it before any parsing)."""
+        """Lightning's subcommands, and ``plan`` and ``calibrate`` listed beside them (:func:`main` runs them before any
+        parsing)."""
         super()._add_subcommands(parser, **kwargs)
         subcommands = getattr(parser, "_subcommands_action", None)
         if subcommands is not None:
-            plan = ArgumentParser(description=PLAN_HELP)
-            subcommands.add_subcommand("plan", plan, help=f"{PLAN_HELP} (its options: lightning-fpdt plan --help)")
+            for name, text in (("plan", PLAN_HELP), ("calibrate", CALIBRATE_HELP)):
+                subcommands.add_subcommand(name, ArgumentParser(description=text),
+                                           help=f"{text} (its options: lightning-fpdt {name} --help)")
 
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:
@@ -89,10 +94,12 @@ def fit_summary(trainer: Any, datamodule: Optional[Any] = None) -> str:
 
 def main(args: ArgsType = None) -> None:
     """Entry point of the ``lightning-fpdt`` console script and of ``python -m lightning_fpdt.cli``; ``plan`` runs the
-    memory planner (lightning_fpdt.planner) instead of a LightningCLI subcommand."""
+    memory planner (lightning_fpdt.planner) and ``calibrate`` measures this GPU's rates, instead of a LightningCLI
+    subcommand."""
     argv = sys.argv[1:] if args is None else args
-    if isinstance(argv, (list, tuple)) and argv[:1] == ["plan"]:
-        raise SystemExit(plan_main(list(argv[1:])))
+    commands = {"plan": plan_main, "calibrate": calibrate_main}
+    if isinstance(argv, (list, tuple)) and argv[:1] and argv[0] in commands:
+        raise SystemExit(commands[argv[0]](list(argv[1:])))
     try:
         FPDTCLI(args=args)
     except ValueError as error:

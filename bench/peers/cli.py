@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 
 from bench.peers.ballast import full_depth, layers_run
+from bench.peers.hf_llama import GEOMETRY_NAMES, HF_GEOMETRIES
 from bench.peers.records import print_record
 from bench.peers.runner import dist_environment, run
 from bench.peers.search import max_length_search
 from bench.peers.systems import FPDT_SYSTEMS, SYSTEMS
 from bench.provenance import append_record
-from bench.peers.hf_llama import GEOMETRY_NAMES, HF_GEOMETRIES
 from lightning_fpdt.models.llama import NAMED_CONFIGS
 from lightning_fpdt.planner.components import expandable_segments
 from lightning_fpdt.planner.features.base import all_or_count
@@ -80,8 +80,11 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="fpdt, fpdt-hf with --cpu-offload-params: FPDTStrategy(host_step_in_backward=False), the "
                              "host's optimizer step after the backward instead of during it")
     parser.add_argument("--device-step-after-backward", action="store_true",
-                        help="fpdt, fpdt-hf with the states on the GPU: FPDTStrategy(device_step_in_backward=False), the "
-                             "optimizer step after the backward instead of in FSDP2's gradient hooks during it")
+                        help="fpdt, fpdt-hf with the states on the GPU: FPDTStrategy(device_step_in_backward=False), "
+                             "the optimizer step after the backward instead of in FSDP2's gradient hooks during it")
+    parser.add_argument("--plan-trial", action="store_true",
+                        help="fpdt, fpdt-hf: FPDTStrategy(plan_trial=True), the configurations the planner cannot tell "
+                             "apart tried on the first steps (off by default here: a record times one configuration)")
     parser.add_argument("--gpu-memory-gib", type=float, default=None,
                         help="cap each process's GPU memory here (torch.cuda.set_per_process_memory_fraction; the "
                              "fpdt planner follows the cap): an 80 GB card's 79 GiB run on a larger card")
@@ -234,10 +237,10 @@ def _check_alst(args: argparse.Namespace, world_size: int) -> None:
                          "UlyssesSPDataLoaderAdapter shards each sample evenly; pick "
                          f"{math.ceil(args.seq_len / world_size) * world_size}")
     if not expandable_segments():
-        raise ValueError("alst: start it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in its environment (the "
-                         "recipe's allocator setting, read when CUDA starts): without it the GPU memory fragments and a "
-                         "length that fits runs out of memory (4 H100s, 1,310,720 tokens: 12.9 GiB reserved but "
-                         "unallocated at the failure)")
+        raise ValueError("alst: start it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in its environment "
+                         "(the recipe's allocator setting, read when CUDA starts): without it the GPU memory "
+                         "fragments and a length that fits runs out of memory (4 H100s, 1,310,720 tokens: 12.9 GiB "
+                         "reserved but unallocated at the failure)")
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:

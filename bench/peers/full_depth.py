@@ -42,15 +42,25 @@ from typing import Any, Optional
 
 import torch
 
-from bench.peers.ballast import (GIB, ON_OFF_AUTO, count_option, host_check, layers_run, run_ballast,
-                                 ring_size_option, sequence_parallel_option, state_bytes_per_parameter)
+from bench.peers.ballast import (
+    GIB,
+    ON_OFF_AUTO,
+    count_option,
+    host_check,
+    layers_run,
+    ring_size_option,
+    run_ballast,
+    sequence_parallel_option,
+    state_bytes_per_parameter,
+)
 from lightning_fpdt.flops import ModelGeometry
+from lightning_fpdt.offload.host_memory import HostAllocator
 from lightning_fpdt.planner import PRECISIONS, MemoryPlan, parameter_counts, plan_memory
 from lightning_fpdt.planner.arguments import arguments
+from lightning_fpdt.planner.calibration import cached_rates
 from lightning_fpdt.planner.machine import machine_limits
 from lightning_fpdt.planner.phases import plan_sizes
 from lightning_fpdt.planner.search import step_seconds
-from lightning_fpdt.offload.host_memory import HostAllocator
 
 PINNED_PIECE = 2**30
 """The page-locked ballast is held in buffers of this many bytes at most."""
@@ -119,6 +129,7 @@ class FullDepth:
             "planned_resident_bytes": full.host_resident_bytes_per_gpu,
             "planned_disk_bytes": full.disk_bytes_per_gpu,
             "estimated_step_ratio": ratio,
+            "estimated_step_s": step_seconds(plan_sizes(full)),
             "step_time_s": None if step_time_s is None else step_time_s * ratio,
         }
 
@@ -133,13 +144,16 @@ def plan_fpdt(args: argparse.Namespace, geometry: ModelGeometry, *, num_gpus: in
     # memory less the reserve it keeps, the disk's free space
     machine = machine_limits(num_gpus=num_gpus, gpus_per_node=gpus_per_node, usable_gpu_bytes=gpu_memory_bytes,
                              available_host_bytes=available_host, disk_free=disk_free, disk_gbps=args.disk_gbps)
+    # the step times of this GPU where it was calibrated (the strategy's run plans with them too)
+    sp = sequence_parallel_option(args)
+    rates = cached_rates(None, group_size=gpus_per_node if sp == "auto" else sp)
     common = dict(seq_len=args.seq_len, num_gpus=num_gpus, gpus_per_node=gpus_per_node,
                   sequence_parallel_size=sequence_parallel_option(args), ring_size=ring_size_option(args),
                   activation_offload=True,
                   tiled_mlp=True, tiled_loss=True, precision=args.precision, cpu_offload_params=args.cpu_offload_params)
     full = plan_memory(
         geometry=geometry, **common, gpu_memory_gib=machine.gpu_memory_gib, host_memory_gib=machine.host_memory_gib,
-        disk_memory_gib=machine.disk_memory_gib, disk_gbps=machine.disk_gbps,
+        disk_memory_gib=machine.disk_memory_gib, disk_gbps=machine.disk_gbps, rates=rates,
         chunks=args.chunks, offload="auto" if auto else ON_OFF_AUTO[args.offload],
         offload_dq="auto" if auto else ON_OFF_AUTO[args.offload_dq],
         head_chunks="auto" if auto else args.head_chunks,
@@ -154,7 +168,7 @@ def plan_fpdt(args: argparse.Namespace, geometry: ModelGeometry, *, num_gpus: in
     o = full.options
     run = plan_memory(
         geometry=dataclasses.replace(geometry, num_layers=layers_run(args)), **common,
-        gpu_memory_gib=machine.gpu_memory_gib,
+        gpu_memory_gib=machine.gpu_memory_gib, rates=rates,
         chunks=o.chunks, offload=o.offload, offload_dq=o.offload_dq, head_chunks=o.head_chunks,
         recompute_attention=o.recompute_attention, reload_input=o.reload_input, prefetch=o.prefetch,
         keep_inputs="all", checkpoint_blocks=checkpointed_run_blocks(o.checkpoint_blocks, geometry.num_layers,

@@ -141,10 +141,12 @@ def options(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
                 "checkpoint_blocks": getattr(args, "checkpoint_blocks", "all"),
                 "auto_options": getattr(args, "auto_options", False),
                 "offload_dir": getattr(args, "offload_dir", None) is not None,
-                **({"full_depth_arguments": args.full_depth_arguments} if hasattr(args, "full_depth_arguments") else {}),
+                **({"full_depth_arguments": args.full_depth_arguments}
+                   if hasattr(args, "full_depth_arguments") else {}),
                 "host_step": ("after backward" if args.host_step_after_backward else "in backward")
                 if args.cpu_offload_params else None,
                 **({"device_step": "after backward"} if getattr(args, "device_step_after_backward", False) else {}),
+                **({"plan_trial": True} if getattr(args, "plan_trial", False) else {}),
                 "model_code": "transformers" if args.system == "fpdt-hf" else "lightning_fpdt"}
     if args.system == "alst":
         return {**common, "model_code": "transformers", "zero_stage": 3, "sequence_parallel": "ulysses",

@@ -13,16 +13,16 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from bench.peers.ballast import GIB, host_check, layers_run, run_ballast
-from bench.peers.full_depth import FullDepth, FullDepthRefused, HeldBallast, disk_free_bytes, full_depth_ballast
 from bench.host_readings import largest
-from bench.peers.records import RankFigures, RunContext, agree_on_status, out_of_memory, run_record, timed
+from bench.peers.ballast import GIB, host_check, layers_run, run_ballast
 from bench.peers.common import device_peaks, host_peaks
+from bench.peers.full_depth import FullDepth, FullDepthRefused, HeldBallast, disk_free_bytes, full_depth_ballast
+from bench.peers.hf_llama import named_geometry
+from bench.peers.records import RankFigures, RunContext, agree_on_status, out_of_memory, run_record, timed
 from bench.peers.systems import SYSTEM_FUNCTIONS
 from bench.provenance import card_name
 from lightning_fpdt.flops import peak_flops
 from lightning_fpdt.offload.host_memory import peak_resident_bytes
-from bench.peers.hf_llama import named_geometry
 from lightning_fpdt.planner import available_host_memory
 from lightning_fpdt.planner.machine import usable_total_bytes
 

@@ -25,10 +25,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from bench.host_readings import plan_fields
 from bench.peers.ballast import ON_OFF_AUTO, count_option, layers_run, ring_size_option, sequence_parallel_option
 from bench.peers.common import RandomTokens, append_step, prime_adam_states, reset_peaks, sdpa_backend, step_profiler
+from bench.peers.hf_llama import named_vocab
 from lightning_fpdt import ActivationOffload, FPDTStrategy, MFUMonitor, TiledLoss, TiledMLP
 from lightning_fpdt.models.llama import LlamaForCausalLM, sdpa_attention
 from lightning_fpdt.models.module import LlamaLM
-from bench.peers.hf_llama import named_vocab
 from lightning_fpdt.sequence.layout import SequenceLayout
 from lightning_fpdt.sequence.loss import IGNORE_INDEX
 
@@ -179,7 +179,8 @@ def _lightning_parts(args: argparse.Namespace, world_size: int) -> tuple[L.Light
                                 attention_backend=args.attention_backend,
                                 cpu_offload_params=args.cpu_offload_params, offload_dir=args.offload_dir,
                                 host_step_in_backward=not args.host_step_after_backward,
-                                device_step_in_backward=not args.device_step_after_backward)
+                                device_step_in_backward=not args.device_step_after_backward,
+                                plan_trial=getattr(args, "plan_trial", False))
         offload = ActivationOffload(**blocks)
         callbacks: list[L.Callback] = [offload, TiledMLP(), TiledLoss()]
         return module, strategy, callbacks, args.precision  # FPDTPrecision: FSDP2 MixedPrecisionPolicy, no autocast

@@ -5,8 +5,18 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Optional
 
-from bench.report.markdown import (HOST_COLUMNS, NONE, Record, Section, gib, host_cells, length, number, percent,
-                                   plan_ratio)
+from bench.report.markdown import (
+    HOST_COLUMNS,
+    NONE,
+    Record,
+    Section,
+    gib,
+    host_cells,
+    length,
+    number,
+    percent,
+    plan_ratio,
+)
 from bench.report.records import of_kind
 
 Row = tuple[Record, list[str]]
@@ -65,7 +75,8 @@ def _slowest_product(record: Record) -> str:
 def _gemm_rows(records: list[Record]) -> Iterator[Row]:
     for r in of_kind(records, "gemm"):
         yield r, [r["card"], str(r["gpus"]), r.get("model", NONE), length(r.get("tokens")),
-                  length(r.get("head_tokens")), number(r.get("block_tflops")), number(r.get("head_tflops")), _slowest_product(r)]
+                  length(r.get("head_tokens")), number(r.get("block_tflops")), number(r.get("head_tflops")),
+                  _slowest_product(r)]
 
 
 GEMM = Section(
@@ -92,7 +103,7 @@ ELEMENTWISE = Section(
     title="## Elementwise ops of a block",
     intro="bench/elementwise.py: RMSNorm (hidden 4096), RoPE (q and k: 32 and 8 heads of 128) and the SwiGLU product "
           "(intermediate 14336) of one rank's tokens, forward + backward, in milliseconds: the package's ops "
-          "(`lightning_fpdt.models.ops`) with `fused_ops` off (token tiles, fp32 inside) and on (one kernel per pass, "
+          "(`lightning_fpdt.fused.ops`) with `fused_ops` off (token tiles, fp32 inside) and on (one kernel per pass, "
           "compiled by `torch.compile` from the same formulas), the plain forms Hugging Face writes, and those "
           "compiled whole; \"floor\": the bytes the op must move (inputs read and outputs written once per pass) at "
           "the card's measured copy rate. SwiGLU has no tiled form.",
@@ -213,7 +224,8 @@ def _page_plan(r: Record) -> Any:
         head_chunks=r["head_chunks"], recompute_attention=r["recompute_attention"],
         cpu_offload_params=r["cpu_offload_params"], activation_offload=True, tiled_mlp=True, tiled_loss=True,
         precision=r.get("precision", "bf16-mixed"), reload_input=bool(r.get("reload_input")),
-        prefetch=1 if r.get("prefetch") is None else r["prefetch"], accumulate_grad_batches=r.get("accumulate_grad_batches", 1),
+        prefetch=1 if r.get("prefetch") is None else r["prefetch"],
+        accumulate_grad_batches=r.get("accumulate_grad_batches", 1),
         sync_every_batch=bool(r.get("sync_every_batch")),  # records from before the option: the window's end only
     )
 

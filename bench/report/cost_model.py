@@ -101,8 +101,9 @@ COST_MODEL = Section(
           "\"vs fastest\": the step against the setting's fastest measured step; \"estimate\": the cost model's step "
           "of the full depth under the same options, and \"vs fastest estimate\" the same comparison by the "
           "estimate, which is what \"auto\" ranks by; \"full depth s\": the measured step as the full depth's (the "
-          "planner's ratio of the two depths); \"estimate error\": the estimate against it. The model ranks; its "
-          "rates are an H100's (`lightning_fpdt/planner/rates.py`).",
+          "planner's ratio of the two depths); \"estimate error\": the estimate against it. These estimates use the "
+          "built-in table's rates, an H100's (`lightning_fpdt/planner/rates.py`): they rank; \"Auto against its "
+          "neighbours\" below sets measured steps beside the estimates of the GPU's own calibration.",
     columns=("card", "GPUs", "model", "S", "system", "options", "auto", "step s", "vs fastest", "full depth s",
              "estimate s", "vs fastest estimate", "estimate error"),
     rows=_rows, empty="No setting was run in two configurations.",

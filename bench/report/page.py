@@ -8,7 +8,7 @@ import os
 from typing import Any, Optional
 
 from bench.provenance import REPO_ROOT
-from bench.report import components, cost_model, lengths, regions, training
+from bench.report import components, cost_model, lengths, neighbours, regions, training
 from bench.report.markdown import HOST_NOTE, Commands, commits
 from bench.report.plots import Plot, write_plots
 from bench.report.records import load_records, of_kind
@@ -75,7 +75,8 @@ def _peers(records: list[dict[str, Any]], commands: Commands, plots: Optional[li
     lines += ["", "The example configurations run through `lightning_fpdt.cli` are fpdt runs too.", "", NOT_RUN, ""]
     lines += [*lengths.section(records, commands), ""]
     for section in (training.DEPTH, training.THROUGHPUT, training.CHANGES, training.PROFILES, training.HOST,
-                    training.PLAN, training.FULL_DEPTH, training.PLACEMENT, cost_model.COST_MODEL):
+                    training.PLAN, training.FULL_DEPTH, training.PLACEMENT, cost_model.COST_MODEL,
+                    neighbours.NEIGHBOURS):
         lines += [*section.render(records, commands), ""]
     lines += _plots(plots, commands, doc_dir, plot_note)
     return lines + training.RUNS.render(records, commands)

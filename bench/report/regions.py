@@ -7,8 +7,8 @@ figure cites docs/benchmarks.md instead."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from bench.report.markdown import NONE, gib, length, number, percent, percent_change, ratio, table

@@ -6,12 +6,38 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterator, Optional
 
-from bench.report.markdown import (HOST_COLUMNS, NONE, Record, Section, gib, host_cells, length, number,
-                                   percent, percent_change, plan_ratio, ratio)
-from bench.report.records import (ballast_kind, by_commit_age, card_name, latest, model_name, of_kind,
-                                  stands_for_full_depth, timed)
-from bench.report.speed_of_light import (LIGHT_COLUMNS, LIGHT_NOTE, PROFILE_COLUMNS, PROFILE_NOTE, light_cells,
-                                         profile_cells)
+from bench.report.markdown import (
+    HOST_COLUMNS,
+    NONE,
+    Record,
+    Section,
+    gib,
+    host_cells,
+    length,
+    number,
+    percent,
+    percent_change,
+    plan_ratio,
+    ratio,
+)
+from bench.report.records import (
+    ballast_kind,
+    by_commit_age,
+    card_name,
+    latest,
+    model_name,
+    of_kind,
+    stands_for_full_depth,
+    timed,
+)
+from bench.report.speed_of_light import (
+    LIGHT_COLUMNS,
+    LIGHT_NOTE,
+    PROFILE_COLUMNS,
+    PROFILE_NOTE,
+    light_cells,
+    profile_cells,
+)
 
 SYSTEMS = ("fpdt", "fpdt-hf", "modelparallel", "ring", "alst")
 """The training systems of bench.peers, in the order the tables show them."""
@@ -292,7 +318,8 @@ def _full_depth_rows(records: list[Record]) -> Iterator[Row]:
             disk, step = r.get("peak_disk_bytes"), _step_time(r)
         yield r, [r["system"], card_name(r), str(r["gpus"]), model_name(r), length(r["seq_len"]), inputs,
                   gib(r.get("peak_gpu_bytes")), gib(planned[0]), plan_ratio(planned[0], r.get("peak_gpu_bytes")),
-                  gib(r.get("peak_host_rss_bytes")), gib(planned[1]), plan_ratio(planned[1], r.get("peak_host_rss_bytes")),
+                  gib(r.get("peak_host_rss_bytes")), gib(planned[1]),
+                  plan_ratio(planned[1], r.get("peak_host_rss_bytes")),
                   gib(pinned), gib(planned[2]), gib(disk), gib(planned[3]), step]
 
 
@@ -305,7 +332,8 @@ FULL_DEPTH = Section(
           "strategy's page-locked bytes and the ballast's. Full-depth step: measured at full depth; with the ballast "
           "the measured step times the planner's ratio of the two depths' step times (every layer's work and the "
           "regenerating forwards of the inputs the plan drops).",
-    columns=("system", "card", "GPUs", "model", "S", "block inputs", "GPU GiB", "planned GPU GiB", "GPU plan / measured",
+    columns=("system", "card", "GPUs", "model", "S", "block inputs", "GPU GiB", "planned GPU GiB",
+             "GPU plan / measured",
              "host peak GiB", "planned host GiB", "host plan / measured", "pinned GiB", "planned pinned GiB",
              "disk GiB", "planned disk GiB", "full-depth step s"),
     rows=_full_depth_rows, empty="No full-depth runs.",

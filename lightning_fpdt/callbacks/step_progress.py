@@ -5,8 +5,9 @@ A step of a million tokens can take minutes. Once a step has run ``after_seconds
 pre-hook on each transformer block records ``forward, block i of L``; a hook on the block's output gradient records
 ``backward, block i``; a block run again inside the backward, by checkpointing, shows as ``recompute``), the global
 tokens of the step's batches so far, the time spent, and an estimate of what is left: from the previous step's
-duration or, for the first step, from the planner's estimate of the strategy's memory plan (an H100's rates: a rough
-figure, said so). The hooks store two Python ints; nothing waits on a device.
+duration or, for the first step, from the planner's estimate of the strategy's memory plan (at this GPU's measured
+rates where it was calibrated, else at an H100's: a rough figure, said so). The hooks store two Python ints;
+nothing waits on a device.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ class StepProgress(pl.Callback):
         self.previous_seconds: Optional[float] = None
         """The last completed step's duration."""
         self.planned_seconds: Optional[float] = None
+        self.planned_rates = "at an H100's rates"
+        """Which rates the planner's estimate was made at (its built-in table's, or this GPU's measured ones)."""
         """The planner's estimate for the first step (``None`` where nothing planned)."""
         self._handles: list[RemovableHandle] = []
         self._thread: Optional[threading.Thread] = None
@@ -137,6 +140,8 @@ class StepProgress(pl.Callback):
         self.install(pl_module)
         plan = getattr(trainer.strategy, "memory_plan", None)
         self.planned_seconds = sum(seconds for _, seconds in step_estimate(plan)) if plan is not None else None
+        if plan is not None and plan.rates.calibrated:
+            self.planned_rates = "at this GPU's measured rates"
         self.previous_seconds = None
         self._stop.clear()
         self._thread = threading.Thread(target=self._show_loop, name="fpdt-step-progress", daemon=True)
@@ -177,7 +182,7 @@ class StepProgress(pl.Callback):
             return None
         if self.previous_seconds is not None:
             return describe(p, self.num_blocks, now, self.previous_seconds, "previous step")
-        return describe(p, self.num_blocks, now, self.planned_seconds, "planner's estimate at an H100's rates")
+        return describe(p, self.num_blocks, now, self.planned_seconds, f"planner's estimate {self.planned_rates}")
 
     def _show_loop(self) -> None:
         while not self._stop.wait(self.refresh_seconds):

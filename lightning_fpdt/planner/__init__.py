@@ -4,7 +4,10 @@ docs/planner.md).
 :func:`plan_memory` predicts, per GPU and per host, the bytes of each part of one training step and resolves the
 ``"auto"`` options to the fastest configuration that fits both memories (:func:`fastest_fitting`, the search the
 strategy runs too); :func:`format_plan` prints them; :func:`check_host_memory` refuses a plan whose host memory a
-host does not have. Each memory feature has one module in :mod:`lightning_fpdt.planner.features`. No Lightning:
+host does not have. Each memory feature has one module in :mod:`lightning_fpdt.planner.features`. The step is timed
+by :mod:`~lightning_fpdt.planner.cost` at the rates of the GPU (:mod:`~lightning_fpdt.planner.calibration`, measured
+once and cached; :mod:`~lightning_fpdt.planner.rates`, the built-in table); :mod:`~lightning_fpdt.planner.trial`
+tries on the training steps the configurations it cannot tell apart. No Lightning:
 the attention sizes resolve as the strategy resolves them (``lightning_fpdt.sequence``), the tile sizes follow the
 tiled transforms' own rules (``lightning_fpdt.memory``).
 """
@@ -34,7 +37,13 @@ from lightning_fpdt.planner.host import available_host_memory, check_host_memory
 from lightning_fpdt.planner.options import PlanOptions
 from lightning_fpdt.planner.plan import plan_memory
 from lightning_fpdt.planner.request import Machine, PlanRequest
-from lightning_fpdt.planner.search import SEARCHED, fastest_fitting, seconds_per_million_tokens, step_seconds
+from lightning_fpdt.planner.search import (
+    SEARCHED,
+    estimated_step_seconds,
+    fastest_fitting,
+    seconds_per_million_tokens,
+    step_seconds,
+)
 
 __all__ = [
     "CALLBACK_NAMES",
@@ -52,6 +61,7 @@ __all__ = [
     "attention_host_bytes",
     "available_host_memory",
     "check_host_memory",
+    "estimated_step_seconds",
     "fastest_fitting",
     "format_plan",
     "geometry_name",

@@ -52,5 +52,6 @@ def yaml_arguments(plan: MemoryPlan) -> str:
         if name in chosen:
             lines.append(f"    - class_path: {name}")
             if chosen[name]:
-                lines.append("      init_args: {" + ", ".join(f"{k}: {_yaml(v)}" for k, v in chosen[name].items()) + "}")
+                values = ", ".join(f"{k}: {_yaml(v)}" for k, v in chosen[name].items())
+                lines.append("      init_args: {" + values + "}")
     return "\n".join(lines)

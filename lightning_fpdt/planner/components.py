@@ -80,8 +80,8 @@ from typing import Literal, Optional
 
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.memory.tiling import auto_loss_tiles, auto_mlp_tiles
-from lightning_fpdt.planner.rates import INTER_HOST_BYTES
 from lightning_fpdt.planner.options import PlanOptions
+from lightning_fpdt.planner.rates import BUILTIN_RATES, INTER_HOST_BYTES, StepRates
 from lightning_fpdt.sequence.planning import AttentionGeometry, rank_heads, stash_bytes
 
 GIB = 2**30
@@ -169,6 +169,8 @@ class MemoryPlan:
     """A plan that fits, found by the search in :data:`SEARCH_ORDER` (``None`` if this one fits or none was found)."""
     recommendation: str = ""
     """What to change, in words."""
+    rates: StepRates = field(default=BUILTIN_RATES, compare=False)
+    """The rates its step was timed at (:mod:`lightning_fpdt.planner.cost`)."""
 
     def component(self, name: str) -> Component:
         """The component called ``name``."""

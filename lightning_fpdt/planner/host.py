@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from lightning_fpdt.planner.components import GIB, MemoryPlan
 from lightning_fpdt.offload.host_memory import available_host_memory
+from lightning_fpdt.planner.components import GIB, MemoryPlan
 
 __all__ = ["available_host_memory", "check_host_memory", "gib", "host_parts"]
 

@@ -11,8 +11,8 @@ from lightning_fpdt.flops import ModelGeometry, is_count
 from lightning_fpdt.memory.block_schedule import check_checkpoint_blocks, check_keep_inputs, check_plain_blocks
 from lightning_fpdt.planner.geometry import PRECISIONS, attention_geometry, total_parameters
 from lightning_fpdt.sequence.options import FPDTOptions, check_switch
-from lightning_fpdt.sequence.ring_rules import check_ring
 from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry
+from lightning_fpdt.sequence.ring_rules import check_ring
 from lightning_fpdt.sequence.sizes import resolve_sequence_sizes
 
 

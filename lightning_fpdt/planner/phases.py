@@ -7,9 +7,9 @@ from typing import Optional
 
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner.components import Component, MemoryPlan, attention_backward_bytes
-from lightning_fpdt.planner.rates import INTER_HOST_BYTES
 from lightning_fpdt.planner.features import FEATURES
 from lightning_fpdt.planner.options import PlanOptions
+from lightning_fpdt.planner.rates import BUILTIN_RATES, INTER_HOST_BYTES, StepRates
 from lightning_fpdt.planner.sizes import StepSizes
 from lightning_fpdt.sequence.layout import SequenceLayout
 from lightning_fpdt.sequence.planning import working_set_bytes
@@ -148,6 +148,7 @@ def build_plan(
     options: PlanOptions, gpu_memory_bytes: int, host_memory_bytes: Optional[int],
     host_baseline_bytes: int = PROCESS_BASELINE_BYTES, disk_memory_bytes: Optional[int] = None,
     disk_bytes_per_second: float = 0.0, inter_host_bytes_per_second: float = INTER_HOST_BYTES,
+    rates: StepRates = BUILTIN_RATES,
 ) -> MemoryPlan:
     """The plan of these resolved options: the components of the padded sequence and the limits."""
     padded = padded_length(options, seq_len)
@@ -158,17 +159,18 @@ def build_plan(
         num_gpus=num_gpus, gpus_per_node=gpus_per_node, options=options, components=tuple(parts),
         gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes, disk_memory_bytes=disk_memory_bytes,
         disk_bytes_per_second=disk_bytes_per_second, inter_host_bytes_per_second=inter_host_bytes_per_second,
+        rates=rates,
     )
 
 
 def run_sizes(geometry: ModelGeometry, options: PlanOptions, *, seq_len: int, batch_size: int, num_gpus: int,
               gpus_per_node: int, disk_bytes_per_second: float,
-              inter_host_bytes_per_second: float = INTER_HOST_BYTES) -> StepSizes:
+              inter_host_bytes_per_second: float = INTER_HOST_BYTES, rates: StepRates = BUILTIN_RATES) -> StepSizes:
     """The sizes of a run with these options: of its padded sequence, its host's disk rate shared by the host's GPUs,
-    its hosts and the rate between them."""
+    its hosts and the rate between them, and the rates its step is timed at."""
     return StepSizes(geometry, options, padded_length(options, seq_len), batch_size, num_gpus,
                      disk_rate=disk_bytes_per_second / gpus_per_node, hosts=num_gpus // gpus_per_node,
-                     inter_host_rate=inter_host_bytes_per_second)
+                     inter_host_rate=inter_host_bytes_per_second, rates=rates)
 
 
 def plan_sizes(plan: MemoryPlan) -> StepSizes:
@@ -176,7 +178,7 @@ def plan_sizes(plan: MemoryPlan) -> StepSizes:
     return run_sizes(plan.geometry, plan.options, seq_len=plan.seq_len, batch_size=plan.batch_size,
                      num_gpus=plan.num_gpus, gpus_per_node=plan.gpus_per_node,
                      disk_bytes_per_second=plan.disk_bytes_per_second,
-                     inter_host_bytes_per_second=plan.inter_host_bytes_per_second)
+                     inter_host_bytes_per_second=plan.inter_host_bytes_per_second, rates=plan.rates)
 
 
 def padded_length(options: PlanOptions, seq_len: int) -> int:

@@ -11,14 +11,71 @@ from lightning_fpdt.planner.cost import inter_host_rate
 from lightning_fpdt.planner.features import FEATURES
 from lightning_fpdt.planner.geometry import geometry_name
 from lightning_fpdt.planner.host import gib
-from lightning_fpdt.planner.options import resolve_options
+from lightning_fpdt.planner.options import PlanOptions, resolve_options
 from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES
+from lightning_fpdt.planner.rates import BUILTIN_RATES
 from lightning_fpdt.planner.request import FEATURE_FIELDS, PlanRequest
 from lightning_fpdt.planner.search import SEARCHED, Run, SearchMemo, changes_between, fastest_fitting
+from lightning_fpdt.planner.sizes import StepSizes
 from lightning_fpdt.sequence.options import FPDTOptions
 
 AUTO_NEUTRAL = {name: value for feature in FEATURES for name, value in feature.neutral.items()}
 """What these options are before the search resolves their ``"auto"`` (and when nothing fits): each feature's."""
+
+
+def prepared(request: PlanRequest) -> tuple[Run, PlanOptions, set[str]]:
+    """What a search of ``request`` starts from: the run, its options with every ``"auto"`` at the value the search
+    starts from, and the names of the options left ``"auto"`` (free)."""
+    geometry, machine, features = request.geometry, request.machine, request.features
+    # the options the search may resolve, as given: the callbacks' from their features, the strategy's from the request
+    given = {name: getattr(features if name in FEATURE_FIELDS else request, name)
+             for name in (*AUTO_NEUTRAL, "chunks", "offload", "offload_dq", "ring_size")}
+    free = {name for name, value in given.items() if value == "auto"}
+    head_chunks = request.head_chunks
+    attention_options = FPDTOptions(chunks=request.chunks, offload=request.offload, offload_dq=request.offload_dq,
+                                    head_chunks=1 if head_chunks == "auto" else head_chunks,
+                                    ring_size=request.ring_size)
+    run = Run(geometry, geometry_name(geometry), seq_len=request.seq_len, batch_size=request.batch_size,
+              num_gpus=machine.num_gpus, gpus_per_node=machine.gpus_per_node,
+              gpu_memory_bytes=machine.gpu_memory_bytes, host_memory_bytes=machine.host_memory_bytes,
+              host_baseline_bytes=PROCESS_BASELINE_BYTES if machine.host_baseline_bytes is None else
+              machine.host_baseline_bytes,
+              disk_memory_bytes=machine.disk_memory_bytes, disk_bytes_per_second=machine.disk_gbps * 1e9,
+              inter_host_bytes_per_second=inter_host_rate(machine.inter_host_gbps),
+              rates=machine.rates or BUILTIN_RATES)
+    neutral = {name: AUTO_NEUTRAL[name] if given[name] == "auto" else given[name] for name in AUTO_NEUTRAL}
+    base = resolve_options(
+        geometry, attention_options, seq_len=request.seq_len, batch_size=request.batch_size,
+        num_gpus=machine.num_gpus, gpus_per_node=machine.gpus_per_node,
+        sequence_parallel_size=request.sequence_parallel_size, activation_offload=features.activation_offload,
+        activation_checkpointing=features.activation_checkpointing, tiled_mlp=features.tiled_mlp,
+        tiled_loss=features.tiled_loss, precision=request.precision, optimizer=request.optimizer,
+        cpu_offload_params=request.cpu_offload_params, gpu_memory_bytes=machine.gpu_memory_bytes,
+        accumulate_grad_batches=request.accumulate_grad_batches, trainable_parameters=request.trainable_parameters,
+        other_parameters=request.other_parameters, other_trainable_parameters=request.other_trainable_parameters,
+        **{name: value for name, value in neutral.items() if name != "head_chunks"},
+    )
+    base = dataclasses.replace(base, head_chunks=neutral["head_chunks"])
+    return run, base, free
+
+
+def timed_sizes(request: PlanRequest) -> list[StepSizes]:
+    """The sizes of ``request`` with each chunk count the search may try, and each head-group count where those are
+    free: what the cost model times, so what a calibration measures for it (the GEMMs and attention blocks of
+    :func:`lightning_fpdt.planner.calibration.needed_shapes`)."""
+    run, base, free = prepared(request)
+    s = run.sizes(base)
+    owners = {field: feature for feature in FEATURES for field in feature.fields}
+    chunks = owners["chunks"].choices("chunks", s) if "chunks" in free else (base.chunks,)
+    groups = owners["head_chunks"].choices("head_chunks", s) if "head_chunks" in free else (base.head_chunks,)
+    found = []
+    for u in chunks:
+        for g in groups:
+            try:
+                found.append(run.sizes(dataclasses.replace(base, chunks=u, head_chunks=g)))
+            except ValueError:
+                continue  # a combination the options refuse
+    return found
 
 
 def plan_memory(request: Optional[PlanRequest] = None, /, **keywords: Any) -> MemoryPlan:
@@ -41,46 +98,29 @@ def plan_memory(request: Optional[PlanRequest] = None, /, **keywords: Any) -> Me
         request = PlanRequest.of(**keywords)
     elif keywords:
         raise TypeError(f"plan_memory takes a PlanRequest or keywords, not both (got {sorted(keywords)} too)")
-    geometry, machine, features = request.geometry, request.machine, request.features
-    # the options the search may resolve, as given: the callbacks' from their features, the strategy's from the request
-    given = {name: getattr(features if name in FEATURE_FIELDS else request, name)
-             for name in (*AUTO_NEUTRAL, "chunks", "offload", "offload_dq", "ring_size")}
-    free = {name for name, value in given.items() if value == "auto"}
-    head_chunks = request.head_chunks
-    attention_options = FPDTOptions(chunks=request.chunks, offload=request.offload, offload_dq=request.offload_dq,
-                                    head_chunks=1 if head_chunks == "auto" else head_chunks,
-                                    ring_size=request.ring_size)
-    run = Run(geometry, geometry_name(geometry), seq_len=request.seq_len, batch_size=request.batch_size,
-              num_gpus=machine.num_gpus, gpus_per_node=machine.gpus_per_node,
-              gpu_memory_bytes=machine.gpu_memory_bytes, host_memory_bytes=machine.host_memory_bytes,
-              host_baseline_bytes=PROCESS_BASELINE_BYTES if machine.host_baseline_bytes is None else
-              machine.host_baseline_bytes,
-              disk_memory_bytes=machine.disk_memory_bytes, disk_bytes_per_second=machine.disk_gbps * 1e9,
-              inter_host_bytes_per_second=inter_host_rate(machine.inter_host_gbps))
-    neutral = {name: AUTO_NEUTRAL[name] if given[name] == "auto" else given[name] for name in AUTO_NEUTRAL}
-    base = resolve_options(
-        geometry, attention_options, seq_len=request.seq_len, batch_size=request.batch_size,
-        num_gpus=machine.num_gpus, gpus_per_node=machine.gpus_per_node,
-        sequence_parallel_size=request.sequence_parallel_size, activation_offload=features.activation_offload,
-        activation_checkpointing=features.activation_checkpointing, tiled_mlp=features.tiled_mlp,
-        tiled_loss=features.tiled_loss, precision=request.precision, optimizer=request.optimizer,
-        cpu_offload_params=request.cpu_offload_params, gpu_memory_bytes=machine.gpu_memory_bytes,
-        accumulate_grad_batches=request.accumulate_grad_batches, trainable_parameters=request.trainable_parameters,
-        other_parameters=request.other_parameters, other_trainable_parameters=request.other_trainable_parameters,
-        **{name: value for name, value in neutral.items() if name != "head_chunks"},
-    )
-    base = dataclasses.replace(base, head_chunks=neutral["head_chunks"])
+    run, base, free = prepared(request)
     memo = SearchMemo(run)  # the searches below plan many of the same configurations
     plan = (fastest_fitting(run, base, free, memo=memo) if free else None) or run.plan(base)
     if plan.fits:
-        return dataclasses.replace(plan, recommendation="the options as given fit" if not free else
-                                   "the options as given fit (\"auto\" resolved to the fastest that fits)")
+        fit = "the options as given fit" + (" the GPU memory" if unchecked_host(plan) else "")
+        return dataclasses.replace(plan, recommendation=(fit if not free else
+                                   fit + " (\"auto\" resolved to the fastest that fits)") + unchecked_host(plan))
     explicit = {name: getattr(base, name) for name in SEARCHED if name not in free}
     recommended = fastest_fitting(run, plan.options, SEARCHED, explicit, memo=memo)
     if recommended is None:
         return dataclasses.replace(plan, recommendation=nothing_fits(plan, run, explicit, memo))
     changes = changes_between(plan.options, recommended.options)
-    return dataclasses.replace(plan, recommended=recommended, recommendation=said(changes, free))
+    return dataclasses.replace(plan, recommended=recommended,
+                               recommendation=said(changes, free) + unchecked_host(recommended))
+
+
+def unchecked_host(plan: MemoryPlan) -> str:
+    """``; the host's memory was not checked: ...`` with what the plan needs per host, where it was made without the
+    host's memory (``host_memory_gib=None``) and needs any beyond the processes' own; else nothing."""
+    if plan.host_memory_bytes is not None or not plan.host_bytes_per_node:
+        return ""
+    return (f"; the host's memory was not checked: it needs {gib(plan.host_resident_bytes_per_node)} GiB per host, "
+            f"{gib(plan.host_bytes_per_node)} GiB of it pinned (give host_memory_gib to check it)")
 
 
 DISK_SEARCH_ROUNDS = 6

@@ -15,6 +15,7 @@ from lightning_fpdt.planner.cost import inter_host_rate
 from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, resolve_geometry
 from lightning_fpdt.planner.options import MemoryFeatures
+from lightning_fpdt.planner.rates import StepRates
 from lightning_fpdt.sequence.options import check_switch
 
 Switch = Union[Literal["auto"], bool]
@@ -47,6 +48,9 @@ class Machine:
     400 Gb/s InfiniBand link per GPU): the step-time estimate charges the traffic that leaves a host at it, and a
     sequence-parallel group spanning hosts takes the layout (``ring_size="auto"``) that estimate ranks fastest among
     those that fit (:mod:`lightning_fpdt.planner.cost`)."""
+    rates: Optional[StepRates] = None
+    """The rates a step is timed at: a calibration of the GPU (:mod:`lightning_fpdt.planner.calibration`);
+    ``None``: the built-in table (:mod:`lightning_fpdt.planner.rates`)."""
 
     def __post_init__(self) -> None:
         if not is_count(self.num_gpus):

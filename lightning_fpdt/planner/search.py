@@ -29,11 +29,11 @@ from typing import Any, Optional
 
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner.components import MemoryPlan
-from lightning_fpdt.planner.cost import base_seconds
-from lightning_fpdt.planner.rates import INTER_HOST_BYTES
+from lightning_fpdt.planner.cost import base_parts, base_seconds
 from lightning_fpdt.planner.features import FEATURES
 from lightning_fpdt.planner.options import MemoryFeatures, PlanOptions
 from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES, build_plan, plan_sizes, run_sizes
+from lightning_fpdt.planner.rates import BUILTIN_RATES, INTER_HOST_BYTES, StepRates
 from lightning_fpdt.planner.sizes import StepSizes
 from lightning_fpdt.sequence.planning import MAX_CHUNK_TOKENS
 from lightning_fpdt.sequence.ring_rules import RING_RULES
@@ -70,12 +70,14 @@ class Run:
     """The disk's read and write rate per host."""
     inter_host_bytes_per_second: float = INTER_HOST_BYTES
     """The rate one GPU sends to GPUs of other hosts at."""
+    rates: StepRates = BUILTIN_RATES
+    """The rates its steps are timed at (:mod:`lightning_fpdt.planner.cost`)."""
 
     def sizes(self, options: PlanOptions) -> StepSizes:
         return run_sizes(self.geometry, options, seq_len=self.seq_len, batch_size=self.batch_size,
                          num_gpus=self.num_gpus, gpus_per_node=self.gpus_per_node,
                          disk_bytes_per_second=self.disk_bytes_per_second,
-                         inter_host_bytes_per_second=self.inter_host_bytes_per_second)
+                         inter_host_bytes_per_second=self.inter_host_bytes_per_second, rates=self.rates)
 
     def plan(self, options: PlanOptions) -> MemoryPlan:
         return build_plan(self.geometry, self.model, seq_len=self.seq_len, batch_size=self.batch_size,
@@ -83,7 +85,7 @@ class Run:
                           gpu_memory_bytes=self.gpu_memory_bytes, host_memory_bytes=self.host_memory_bytes,
                           host_baseline_bytes=self.host_baseline_bytes, disk_memory_bytes=self.disk_memory_bytes,
                           disk_bytes_per_second=self.disk_bytes_per_second,
-                          inter_host_bytes_per_second=self.inter_host_bytes_per_second)
+                          inter_host_bytes_per_second=self.inter_host_bytes_per_second, rates=self.rates)
 
 
 def step_seconds(s: StepSizes) -> float:
@@ -93,15 +95,21 @@ def step_seconds(s: StepSizes) -> float:
 
 def step_estimate(plan: MemoryPlan) -> list[tuple[str, float]]:
     """What the plan's step costs by the cost model (:mod:`~lightning_fpdt.planner.cost`): the work every
-    configuration does, then each feature that adds time, in words (``partial residency: 14 block forwards
-    regenerated``), with its seconds."""
+    configuration does, part by part, then each feature that adds time, in words (``partial residency: 14 block
+    forwards regenerated``), with its seconds."""
     s = plan_sizes(plan)
-    parts = [("the layers' dense and attention work", base_seconds(s))]
+    parts = [(what, seconds) for what, seconds in base_parts(s) if seconds]
     for feature in FEATURES:
         seconds = feature.extra_seconds(s)
         if seconds:  # the network's is below 0 where it outruns NVLink
             parts.append((feature.describe_cost(s), seconds))
     return parts
+
+
+def estimated_step_seconds(plan: MemoryPlan) -> float:
+    """The cost model's seconds of one batch of the plan (:func:`step_estimate`'s total): a prediction where the
+    plan's rates were measured on its GPU (``plan.rates.calibrated``), a ranking otherwise."""
+    return sum(seconds for _, seconds in step_estimate(plan))
 
 
 def batch_tokens(plan: MemoryPlan) -> int:
@@ -113,7 +121,7 @@ def batch_tokens(plan: MemoryPlan) -> int:
 def seconds_per_million_tokens(plan: MemoryPlan) -> float:
     """The cost model's seconds for a million global tokens: :func:`step_estimate`'s total per :func:`batch_tokens`.
     Like the step estimate, a figure that ranks configurations, not a prediction."""
-    return sum(seconds for _, seconds in step_estimate(plan)) * 1e6 / batch_tokens(plan)
+    return estimated_step_seconds(plan) * 1e6 / batch_tokens(plan)
 
 
 def candidates(run: Run, base: PlanOptions, free: Iterable[str]) -> list[PlanOptions]:
@@ -264,6 +272,44 @@ def _fastest_fitting(run: Run, base: PlanOptions, free: set[str], explicit: Mapp
                 heapq.heappush(queue, (ranked(relieved), arrived, relieved))
                 arrived += 1
     return None
+
+
+def fitting_near(run: Run, base: PlanOptions, free: Iterable[str], *, margin: float, limit: int,
+                 memo: Optional[SearchMemo] = None) -> list[MemoryPlan]:
+    """The plans that fit, fastest first, whose estimates are within ``margin`` (a share) of the fastest's, at most
+    ``limit`` of them: the configurations the cost model cannot tell apart. One layout only (a ring size the search
+    may choose is fixed to the fastest's first); ``[]`` where nothing fits."""
+    free = set(free)
+    fastest = fastest_fitting(run, base, free, memo=memo)
+    if fastest is None:
+        return []
+    base = dataclasses.replace(base, ring_size=fastest.options.ring_size) if "ring_size" in free else base
+    bound = step_seconds(run.sizes(fastest.options)) * (1 + margin)
+    queue = [(step_seconds(run.sizes(options)), order, options)
+             for order, options in enumerate(candidates(run, base, free - {"ring_size"}))]
+    heapq.heapify(queue)
+    arrived, seen = itertools.count(len(queue)), set()
+    found: list[MemoryPlan] = []
+    for _ in range(MAX_PLANS):
+        if not queue or len(found) >= limit:
+            break
+        seconds, _, options = heapq.heappop(queue)
+        if seconds > bound:
+            break
+        if options in seen:
+            continue
+        seen.add(options)
+        plan = run.plan(options) if memo is None else memo.plan(run, options)
+        if plan.fits:
+            found.append(plan)
+            continue
+        s = run.sizes(options)
+        for feature in FEATURES:
+            changes = feature.relieve(plan, s)
+            if changes and set(changes) <= free:
+                relieved = dataclasses.replace(options, **changes)
+                heapq.heappush(queue, (step_seconds(run.sizes(relieved)), next(arrived), relieved))
+    return found
 
 
 def changes_between(given: PlanOptions, chosen: PlanOptions) -> dict[str, Any]:

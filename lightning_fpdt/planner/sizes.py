@@ -12,9 +12,9 @@ from functools import cached_property
 
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.memory.block_schedule import largest_segment
-from lightning_fpdt.planner.rates import INTER_HOST_BYTES
 from lightning_fpdt.planner.geometry import PRECISIONS, attention_geometry, parameter_counts, total_parameters
 from lightning_fpdt.planner.options import PlanOptions
+from lightning_fpdt.planner.rates import BUILTIN_RATES, INTER_HOST_BYTES, StepRates
 from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry, rank_heads
 
 ROPE_TABLES = 2
@@ -39,6 +39,8 @@ class StepSizes:
     when there are several."""
     inter_host_rate: float = INTER_HOST_BYTES
     """Bytes per second one GPU sends to GPUs of other hosts (``plan_memory(inter_host_gbps=...)``)."""
+    rates: StepRates = BUILTIN_RATES
+    """The rates the step is timed at (:mod:`lightning_fpdt.planner.cost`)."""
 
     @property
     def gpus_per_node(self) -> int:

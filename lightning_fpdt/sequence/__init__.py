@@ -45,19 +45,3 @@ __all__ = [
     "token_cross_entropy",
     "ulysses_attention",
 ]
-
-_OFFLOAD_NAMES = ("ChunkStash", "HostBufferPool", "HostStash", "StashFactory")
-"""Names of ``lightning_fpdt.offload.host_stash`` this package handed on before the stashes had a room of their own;
-given to the benchmark scripts that still import them from here, with a ``DeprecationWarning``. Not in ``__all__``."""
-
-
-def __getattr__(name: str) -> object:
-    if name in _OFFLOAD_NAMES:
-        import warnings
-
-        from lightning_fpdt.offload import host_stash
-
-        warnings.warn(f"import {name} from lightning_fpdt.offload.host_stash, not lightning_fpdt.sequence",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(host_stash, name)
-    raise AttributeError(f"module 'lightning_fpdt.sequence' has no attribute {name!r}")

@@ -246,12 +246,14 @@ class BatchStep:
         self._paddings: set[tuple[int, int]] = set()  # (length, padded length)
 
     def __call__(self, batch: Mapping[str, Any], *, memory: Any, context: Any, sp_size: int, sp_rank: int,
-                 ring_size: int) -> tuple[dict[str, Any], BatchPlan]:
+                 ring_size: int, training: bool = False) -> tuple[dict[str, Any], BatchPlan]:
         """This rank's share of ``batch`` (on its device already) and the batch's plan. ``memory``: the run's
         :class:`~lightning_fpdt.strategy.budget.MemoryBudget`; ``context``: the installed
-        :class:`~lightning_fpdt.integrations.SequenceParallelContext`."""
+        :class:`~lightning_fpdt.integrations.SequenceParallelContext`; ``training``: a training batch (a plan trial
+        times it)."""
         batch_size, seq_len = batch["input_ids"].shape
-        options = memory.begin_length(seq_len, batch_size)  # planned before the forward pins host memory
+        # planned before the forward pins host memory
+        options = memory.begin_length(seq_len, batch_size, training=training)
         self.say_length(seq_len, options, memory.options, sp_size, memory.free_bytes)
         layout = SequenceLayout(sp_size, sp_rank, options.chunks, ring_size=ring_size)
         sharded, plan = shard_batch(batch, layout=layout, pad_token_id=self.pad_token_id,

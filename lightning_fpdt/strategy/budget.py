@@ -5,12 +5,13 @@ neither, before any pinned buffer exists (pinned-memory exhaustion takes the mac
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional, Protocol, Union, runtime_checkable
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -27,36 +28,18 @@ from lightning_fpdt.planner.machine import disk_free_bytes, host_reserve_bytes, 
 from lightning_fpdt.planner.options import MemoryFeatures
 from lightning_fpdt.planner.request import PlanRequest
 from lightning_fpdt.planner.search import CALLBACK_CHOICES
+from lightning_fpdt.planner.trial import trial_candidates
 from lightning_fpdt.sequence.attention import FPDTAttention
 from lightning_fpdt.sequence.options import FPDTOptions, ResolvedOptions
 from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.sequence.ring_rules import ring_refusal
 from lightning_fpdt.strategy.host_states import host_state_bytes, register_host_states, trainable_parameters
+from lightning_fpdt.strategy.memory_callbacks import DeclaresMemory, HoldsStashes, TakesMemoryChoice
 from lightning_fpdt.strategy.plan_messages import choice_message, host_shortfall_advice, refusal
+from lightning_fpdt.strategy.plan_trial import CHOICES_KEY, TrialSteps
+from lightning_fpdt.strategy.run_rates import RunRates
 
 Switch = Union[Literal["auto"], bool]
-
-
-@runtime_checkable
-class DeclaresMemory(Protocol):
-    """A memory callback as the planner reads it: the features it asks of a run (``ActivationOffload``,
-    ``TiledMLP``, ``TiledLoss``)."""
-
-    fpdt_memory_features: MemoryFeatures
-
-
-@runtime_checkable
-class TakesMemoryChoice(Protocol):
-    """A memory callback whose ``"auto"`` options take the plan's choice for the length that runs."""
-
-    def apply_memory_choice(self, **choice: Any) -> None: ...
-
-
-@runtime_checkable
-class HoldsStashes(Protocol):
-    """A memory callback with a host buffer pool: the guard, the disk tier and the trims reach it."""
-
-    stashes: StashFactory
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +66,12 @@ class RunFacts:
     accumulate_grad_batches: int = 1
     agree: Callable[[bool], bool] = bool
     """Whether every rank says yes (collective), for refusals every rank takes together."""
+    global_rank: int = 0
+    share: Callable[[Any], Any] = lambda value: value
+    """Rank 0's value on every rank (collective): the calibration and a trial's choice, so that every rank plans the
+    same."""
+    sequence_group: Any = None
+    """The sequence-parallel process group (its all-to-all is calibrated); ``None``: one process."""
 
     @property
     def network(self) -> Optional[torch.nn.Module]:
@@ -140,10 +129,12 @@ class MemoryBudget:
         options: the attention's options (``FPDTStrategy(chunks=..., offload=..., head_chunks=...)``).
         check: refuse a length whose plan fits neither memory (else warn and run it).
         offload_dir: the disk tier's directory (``FPDTStrategy(offload_dir=...)``); ``None``: no disk tier.
+        plan_trial: try the configurations the cost model cannot tell apart on a new length's first training steps
+            (``lightning_fpdt.planner.trial``; ``strategy/plan_trial.py``).
     """
 
     def __init__(self, *, options: Optional[FPDTOptions] = None, check: bool = True,
-                 offload_dir: Optional[str] = None) -> None:
+                 offload_dir: Optional[str] = None, plan_trial: bool = False) -> None:
         self.options = options if options is not None else FPDTOptions()
         self.check = check
         self.offload_dir = offload_dir
@@ -161,11 +152,23 @@ class MemoryBudget:
         """Free GPU memory at the first batch, what ``"auto"`` runs with where nothing plans (read once)."""
         self.guard = HostMemoryGuard(reserve_bytes=host_reserve_bytes(), describe=self.advice)
         self._states: Optional[HostAllocator] = None  # page-locks FSDP2's host-resident shards
+        self.rates = RunRates(log=rank_zero_info)
+        """This GPU's calibration (``strategy/run_rates.py``)."""
+        self.plan_trial = plan_trial
+        self.trials: Optional[TrialSteps] = None
+        """The trials of the run's lengths, made at :meth:`bind` with ``plan_trial`` (a test may give its own)."""
 
     # ---- setup --------------------------------------------------------------------------------------------------
     def bind(self, facts: RunFacts) -> None:
         """The run's facts, once its mesh exists (again at a later fit's setup)."""
         self.facts = facts
+        if self.plan_trial and self.trials is None:
+            self.trials = TrialSteps(candidates=self.trial_candidates, share=facts.share, log=rank_zero_info)
+
+    def trial_candidates(self, seq_len: int, batch_size: int) -> list[Any]:
+        """The configurations of ``seq_len`` a trial tries (none where nothing plans)."""
+        request = self.request(seq_len, batch_size)
+        return [] if request is None else trial_candidates(request)
 
     def attach(self, *, attention: FPDTAttention, geometry: Optional[AttentionGeometry] = None,
                optimizers: Optional[Sequence[Any]] = None) -> None:
@@ -322,7 +325,7 @@ class MemoryBudget:
         machine = machine_limits(num_gpus=facts.world_size, gpus_per_node=facts.local_processes,
                                  device=facts.device, local_processes=facts.local_processes, held_host_bytes=held,
                                  disk_free=self.disk_free_bytes())
-        return PlanRequest(
+        request = PlanRequest(
             geometry=geometry, seq_len=seq_len, batch_size=batch_size, machine=machine,
             features=MemoryFeatures.declared(facts.callbacks), chunks=options.chunks, offload=options.offload,
             offload_dq=options.offload_dq, sequence_parallel_size=facts.sequence_parallel_size,
@@ -331,6 +334,11 @@ class MemoryBudget:
             sync_every_batch=facts.sync_every_batch, trainable_parameters=trainable_parameters(network),
             other_parameters=others, other_trainable_parameters=other_trainable,
         )
+        # this GPU's rates: measured once, shared by every rank (strategy/run_rates.py)
+        rates = self.rates.for_request(request, device=facts.device, global_rank=facts.global_rank,
+                                       share=facts.share, group=facts.sequence_group,
+                                       group_size=facts.sequence_parallel_size, offload_dir=self.offload_dir)
+        return dataclasses.replace(request, machine=dataclasses.replace(machine, rates=rates))
 
     def plan_length(self, seq_len: int, batch_size: int, *, collective: bool) -> None:
         """Plan ``seq_len``: free the buffers of other lengths, resolve the ``"auto"`` options (:func:`plan_for`),
@@ -373,13 +381,20 @@ class MemoryBudget:
         self.configure_disk(plan)
         self._run_on(plan)
 
-    def begin_length(self, seq_len: int, batch_size: int) -> ResolvedOptions:
+    def begin_length(self, seq_len: int, batch_size: int, *, training: bool = False) -> ResolvedOptions:
         """A batch of ``seq_len`` tokens about to run: plan the length when it is new (before its forward pins host
-        memory), else run on its plan again (:meth:`return_to`); the attention options it runs with."""
-        if not self.planned(seq_len, batch_size):
+        memory), else run on its plan again (:meth:`return_to`); a training batch under a trial runs on the
+        configuration the trial gives it (``strategy/plan_trial.py``). The attention options it runs with."""
+        key = (seq_len, batch_size)
+        if not self.planned(*key):
             self.plan_length(seq_len, batch_size, collective=False)
-        else:
-            self.return_to(seq_len, batch_size)
+        if self.trials is not None:
+            tried = self.trials.step(key) if training and self.plans[key] is not None else None
+            if not training:
+                self.trials.interrupt()  # an evaluation's batch: the interval is no training step's
+            if tried is not None:
+                self.plans[key] = tried
+        self.return_to(seq_len, batch_size)
         return self.resolved(seq_len, batch_size)
 
     def planned(self, seq_len: int, batch_size: int) -> bool:
@@ -416,6 +431,21 @@ class MemoryBudget:
         plan = None if batch is None else self.plan_of(batch.seq_len, batch.batch_size)
         return plan is not None and plan.options.sync_every_batch
 
+    def save_choices(self, checkpoint: dict[str, Any]) -> None:
+        """Put the plan trials' choices into ``checkpoint`` (``strategy/plan_trial.py``); a checkpoint's save between
+        two training steps is no step's time."""
+        if self.trials is not None:
+            self.trials.interrupt()
+            if self.trials.state():
+                checkpoint[CHOICES_KEY] = self.trials.state()
+
+    def load_choices(self, checkpoint: dict[str, Any]) -> None:
+        """Take the plan trials' choices out of a loaded ``checkpoint``: the lengths they were made for are not tried
+        again."""
+        choices = checkpoint.pop(CHOICES_KEY, None)
+        if choices and self.trials is not None:
+            self.trials.load_state(choices)
+
     def advice(self) -> str:
         """What the error of a host that ran short says: the plan the run was accepted on and how to need less."""
         return host_shortfall_advice(self.plan)
@@ -429,31 +459,3 @@ class MemoryBudget:
         if self.disk is not None:
             self.disk.close()  # the tiers stay with their factories; the next fit's plans point them at its directory
             self.plans.clear()
-
-
-class PlannedMemory:
-    """What both strategies answer from their memory budget (``self.memory``): the plan the run is on, the host
-    memory it holds page-locked, the attention options of a length."""
-
-    memory: MemoryBudget
-
-    @property
-    def memory_plan(self) -> Optional[MemoryPlan]:
-        """The plan the last sequence length runs on (options, predicted GPU and host peaks); ``None`` where nothing
-        plans (no GPU, no model config the planner reads)."""
-        return self.memory.plan
-
-    @property
-    def pinned_host_bytes(self) -> int:
-        """Host memory this process holds page-locked: the attention's and the callbacks' buffers, the states."""
-        return self.memory.pinned_bytes()
-
-    def resolved_options(self, seq_len: int, batch_size: int = 1) -> ResolvedOptions:
-        """Chunks and offload for global sequences of ``seq_len`` tokens: the plan's (the search's choice for
-        ``"auto"``), or where nothing plans the options, ``"auto"`` sized from the free GPU memory at the first batch
-        (:meth:`MemoryBudget.resolved`)."""
-        return self.memory.resolved(seq_len, batch_size)
-
-    def num_chunks_for(self, seq_len: int, batch_size: int = 1) -> int:
-        """FPDT chunks for a global sequence of ``seq_len`` tokens (the option, or the plan for ``"auto"``)."""
-        return self.resolved_options(seq_len, batch_size).chunks

@@ -50,6 +50,9 @@ TRAINER_ONLY_OPTIONS = {
     "sync_every_batch": "under Fabric you choose: wrap the batches before a window's last in "
                         "fabric.no_backward_sync(model)",
     "predict_outputs": "trainer.predict only; under Fabric gather outputs yourself",
+    "plan_trial": "the trial times the Trainer's training steps and switches configurations between them; under "
+                  "Fabric the planner's fastest estimate runs (compare configurations with `python3 -m "
+                  "bench.neighbours`)",
 }
 """``FPDTStrategy``'s options that have no meaning under Fabric, each with why (named when given)."""
 

@@ -115,6 +115,12 @@ OPTION_DOCS: dict[str, str] = {
         "process returns them (each tensor of shape ``(B, S/P, …)`` that ``predict_step`` returns gathered from the "
         "sequence group into ``(B, S, …)``, the padding dropped); ``\"rank\"``, each rank's own shard, in the "
         "layout's token order (docs/design.md §3), padding included."),
+    "plan_trial": (
+        "where the fastest configurations that fit a new sequence length are within 10% of each other by the "
+        "planner's step-time model, train its first steps on each in turn (one untimed step and two timed ones each) "
+        "and keep the fastest for the rest of the run (``lightning_fpdt.planner.trial``, docs/planner.md); the choice "
+        "is logged and kept with checkpoints. Every candidate computes the same gradients. On a GPU, for a model "
+        "whose config the planner reads; ``False``: the planner's fastest estimate runs."),
 }
 """Each option's meaning, by its keyword, whichever strategy takes it."""
 

@@ -8,6 +8,7 @@ from typing import Optional
 from lightning_fpdt.planner.arguments import python_arguments
 from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.planner.host import gib
+from lightning_fpdt.planner.search import estimated_step_seconds
 
 
 def refusal(plan: Optional[MemoryPlan], offload_dir: Optional[str] = None) -> Optional[ValueError]:
@@ -41,7 +42,8 @@ def choice_message(plan: MemoryPlan) -> str:
         f"fpdt: S = {plan.seq_len:,} planned with {plan.options.describe()}\n"
         f"  predicted peak {gib(plan.peak_gpu_bytes)} GiB per GPU of {gib(plan.gpu_memory_bytes)}; host "
         f"{gib(plan.host_resident_bytes_per_node)} GiB per host ({gib(plan.host_bytes_per_node)} pinned) {host}; "
-        f"{disk}{binding}\n  as arguments:\n" + "\n".join("    " + line for line in python_arguments(plan).splitlines())
+        f"{disk}{binding}\n  estimated step {estimated_step_seconds(plan):,.2f} s ({plan.rates.source})\n"
+        f"  as arguments:\n" + "\n".join("    " + line for line in python_arguments(plan).splitlines())
     )
 
 

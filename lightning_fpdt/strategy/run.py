@@ -31,7 +31,7 @@ from lightning_fpdt.sequence.planning import AttentionGeometry
 from lightning_fpdt.strategy import checkpoint as checkpointing
 from lightning_fpdt.strategy import tokens
 from lightning_fpdt.strategy.batch import BatchPlan, BatchStep, check_batch
-from lightning_fpdt.strategy.budget import MemoryBudget, PlannedMemory, RunFacts, Switch, checked_offload_dir
+from lightning_fpdt.strategy.budget import MemoryBudget, RunFacts, Switch, checked_offload_dir
 from lightning_fpdt.strategy.loss import group_sums, is_reduced, unwrap_loss, with_loss
 from lightning_fpdt.strategy.mesh import MeshSizes, build_mesh
 from lightning_fpdt.strategy.parallelize import (
@@ -41,6 +41,7 @@ from lightning_fpdt.strategy.parallelize import (
     parallelize_model,
     sequence_parallel_context,
 )
+from lightning_fpdt.strategy.planned_memory import PlannedMemory
 from lightning_fpdt.strategy.precision import FPDTFabricPrecision
 from lightning_fpdt.strategy.predict import gather_sequence
 from lightning_fpdt.strategy.topology import Size, resolve_topology
@@ -59,7 +60,7 @@ class FPDTRun(MeshSizes):
         attention_backend: AttentionBackend = "auto", head_chunks: Size = "auto",
         layer_classes: Optional[list[str]] = None, pad_to_multiple: bool = True, pad_token_id: int = 0,
         check_memory: bool = True, offload_dir: Optional[Union[str, os.PathLike]] = None, fused_ops: Switch = "auto",
-        cpu_offload_params: bool = False, sync_every_batch: Switch = "auto",
+        cpu_offload_params: bool = False, sync_every_batch: Switch = "auto", plan_trial: bool = False,
     ) -> None:
         self.options = FPDTOptions(chunks=chunks, offload=offload, offload_dq=offload_dq, head_chunks=head_chunks,
                                    ring_size=ring_size, attention_backend=attention_backend)
@@ -68,7 +69,8 @@ class FPDTRun(MeshSizes):
         self.layer_classes = layer_classes
         self.cpu_offload_params, self.sync_every_batch, self.fused_ops = cpu_offload_params, sync_every_batch, fused_ops
         self.offload_dir = checked_offload_dir(offload_dir)
-        self.memory = MemoryBudget(options=self.options, check=check_memory, offload_dir=self.offload_dir)
+        self.memory = MemoryBudget(options=self.options, check=check_memory, offload_dir=self.offload_dir,
+                                   plan_trial=plan_trial)
         """The plans of the lengths trained, the host memory guard, the page-locked states (``strategy/budget.py``)."""
         self.batches = BatchStep(pad_token_id=pad_token_id, pad_to_multiple=pad_to_multiple, log=rank_zero_info)
         self.device_mesh: Optional[DeviceMesh] = None
@@ -97,16 +99,19 @@ class FPDTRun(MeshSizes):
 
     def bind(self, *, model: Optional[nn.Module], device: torch.device, world_size: int, local_processes: int,
              precision: str, callbacks: Any = (), accumulate_grad_batches: int = 1,
-             agree: Callable[[bool], bool] = bool) -> None:
+             agree: Callable[[bool], bool] = bool, global_rank: int = 0,
+             share: Callable[[Any], Any] = lambda value: value) -> None:
         """The facts the memory budget plans each length from (:class:`~lightning_fpdt.strategy.budget.RunFacts`): the
-        model, the mesh's sizes (1 before the mesh exists), the options, the memory callbacks."""
+        model, the mesh's sizes (1 before the mesh exists), the options, the memory callbacks; ``share``: rank 0's
+        value on every rank (the GPU's calibration, a plan trial's choice)."""
         meshed = self.device_mesh is not None
         self.memory.bind(RunFacts(
             model=model, device=device, world_size=world_size, local_processes=local_processes,
             sequence_parallel_size=self.sequence_parallel_size if meshed else 1,
             ring_size=self.ring_size if meshed else 1, precision=precision,
             cpu_offload_params=self.cpu_offload_params, sync_every_batch=self.sync_every_batch, callbacks=callbacks,
-            accumulate_grad_batches=accumulate_grad_batches, agree=agree))
+            accumulate_grad_batches=accumulate_grad_batches, agree=agree, global_rank=global_rank, share=share,
+            sequence_group=self.sequence_parallel_group if meshed else None))
 
     def prepare(self, known: Optional[tuple[int, int]] = None) -> None:
         """Before a model is set up: the context its attention will share, with the head groups of ``head_chunks``
@@ -171,7 +176,8 @@ class FPDTRun(MeshSizes):
             self.pending_rng_states = None
         sharded, self.batch_plan = self.batches(batch, memory=self.memory, context=self.context,
                                                 sp_size=self.sequence_parallel_size,
-                                                sp_rank=self.sequence_parallel_rank, ring_size=self.ring_size)
+                                                sp_rank=self.sequence_parallel_rank, ring_size=self.ring_size,
+                                                training=bool(training))
         return sharded
 
     def forward_ran(self) -> None:
@@ -230,9 +236,11 @@ class FPDTRun(MeshSizes):
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def checkpoint_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` with every rank's random states (torch, CUDA, Python, NumPy): a resumed run draws what the
-        uninterrupted one would (``strategy/checkpoint.py``). Collective."""
+        uninterrupted one would (``strategy/checkpoint.py``); and the plan trials' choices, so a resumed run does not
+        try its lengths again. Collective."""
         state = dict(state)
         checkpointing.gather_rng_states(state, dist.get_world_size())
+        self.memory.save_choices(state)
         return state
 
     def save_checksums(self, path: Any) -> None:
@@ -251,6 +259,7 @@ class FPDTRun(MeshSizes):
         """This rank's random states as they were at the save, taken out of ``checkpoint`` (a checkpoint of another
         number of ranks: afresh, with a warning); set now, or where the Trainer creates a dataloader iterator (which
         draws from the torch generator) between the load and the first batch, at that batch."""
+        self.memory.load_choices(checkpoint)  # the plan trials' choices (beside the states in the run's extras)
         states = checkpointing.restored_rng_state(checkpoint, dist.get_world_size(), dist.get_rank())
         if states is not None and at_next_batch:
             self.pending_rng_states = states
@@ -335,7 +344,8 @@ class DrivesRun(PlannedMemory, MeshSizes):
         self.run.bind(model=model, device=self.root_device if self.parallel_devices else torch.device("cpu"),
                       world_size=self.world_size, local_processes=self.num_processes, precision=precision,
                       callbacks=callbacks, accumulate_grad_batches=accumulate_grad_batches,
-                      agree=lambda yes: self.reduce_boolean_decision(yes, all=True))
+                      agree=lambda yes: self.reduce_boolean_decision(yes, all=True), global_rank=self.global_rank,
+                      share=self.broadcast)
 
     def _setup_run_model(self, module: nn.Module, precision: Any, callbacks: Any, data: Any = None) -> nn.Module:
         if not isinstance(precision, FPDTFabricPrecision):

@@ -91,6 +91,7 @@ class FPDTStrategy(DrivesRun, ModelParallelStrategy):
         sync_every_batch: Union[Literal["auto"], bool] = "auto",
         fused_ops: Union[Literal["auto"], bool] = "auto",
         predict_outputs: Literal["sequence", "rank"] = "sequence",
+        plan_trial: bool = True,
     ) -> None:
         noise.quiet_lightning()  # before the Trainer that takes this strategy logs its tips
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size="auto",
@@ -100,7 +101,7 @@ class FPDTStrategy(DrivesRun, ModelParallelStrategy):
             chunks=chunks, offload=offload, offload_dq=offload_dq, ring_size=ring_size, head_chunks=head_chunks,
             attention_backend=attention_backend, layer_classes=layer_classes, pad_to_multiple=pad_to_multiple,
             pad_token_id=pad_token_id, check_memory=check_memory, offload_dir=offload_dir, fused_ops=fused_ops,
-            cpu_offload_params=cpu_offload_params, sync_every_batch=sync_every_batch)
+            cpu_offload_params=cpu_offload_params, sync_every_batch=sync_every_batch, plan_trial=plan_trial)
         """The run this strategy drives (``strategy/run.py``)."""
         self._loss_check = TrainingLossCheck.of(nonfinite_loss, warn=rank_zero_warn)
         self._heartbeat_timeout = checked_heartbeat_timeout(heartbeat_timeout)

@@ -56,16 +56,22 @@ def test_pinned_bytes_are_the_strategys_and_pytorchs():
     assert host_readings.pinned_bytes(None, fpdt=False)["pinned_host_bytes"] == torch_blocks
 
 
-def test_plan_fields_are_the_plans_per_gpu_figures():
-    """The record carries the accepted plan's GPU peak, pinned and resident host bytes and disk bytes per GPU and its
-    options, and the most bytes the disk tier's files held (none without a disk tier)."""
+def test_plan_fields_are_the_plans_per_gpu_figures(monkeypatch):
+    """The record carries the accepted plan's GPU peak, pinned and resident host bytes and disk bytes per GPU, its
+    options, its estimated step and the rates of that estimate, and the most bytes the disk tier's files held (none
+    without a disk tier)."""
     gpu, pinned, resident, disk, peak_disk = (int(v) for v in torch.randint(1, 2**40, (5,)))
     plan = SimpleNamespace(peak_gpu_bytes=gpu, host_bytes_per_gpu=pinned, host_resident_bytes_per_gpu=resident,
-                           disk_bytes_per_gpu=disk, options=SimpleNamespace(describe=lambda: "sp=4 dp=1 chunks=8"))
+                           disk_bytes_per_gpu=disk, options=SimpleNamespace(describe=lambda: "sp=4 dp=1 chunks=8"),
+                           rates=SimpleNamespace(source="calibrated on a GPU"))
+    monkeypatch.setattr(host_readings, "estimated_step_seconds", lambda p: 12.5 if p is plan else None)
     planned = {"planned_peak_gpu_bytes": gpu, "planned_pinned_host_bytes": pinned,
-               "planned_resident_host_bytes": resident, "planned_disk_bytes": disk, "plan_options": "sp=4 dp=1 chunks=8"}
+               "planned_resident_host_bytes": resident, "planned_disk_bytes": disk,
+               "plan_options": "sp=4 dp=1 chunks=8",
+               "estimated_step_s": 12.5, "estimate_rates": "calibrated on a GPU"}
     assert host_readings.plan_fields(SimpleNamespace(memory_plan=plan)) == {**planned, "peak_disk_bytes": None}
-    tiered = SimpleNamespace(memory_plan=plan, memory=SimpleNamespace(disk=SimpleNamespace(peak_bytes_on_disk=peak_disk)))
+    disk_tier = SimpleNamespace(disk=SimpleNamespace(peak_bytes_on_disk=peak_disk))
+    tiered = SimpleNamespace(memory_plan=plan, memory=disk_tier)
     assert host_readings.plan_fields(tiered) == {**planned, "peak_disk_bytes": peak_disk}
     assert host_readings.plan_fields(SimpleNamespace()) == dict.fromkeys(host_readings.PLAN_FIELDS)
 

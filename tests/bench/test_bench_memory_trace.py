@@ -33,7 +33,8 @@ def _history() -> dict:
 
 
 def test_peak_is_the_largest_sum_of_live_allocations_after_the_marker():
-    """The peak counts what was alive before the marker, skips the marker, and counts a tensor freed when its free is requested."""
+    """The peak counts what was alive before the marker, skips the marker, and counts a tensor freed when its free is
+    requested."""
     summary = summarise(_history(), since="step1")
     assert summary["base_bytes"] == 100
     assert summary["peak_bytes"] == 200  # 100 + 40 + 60

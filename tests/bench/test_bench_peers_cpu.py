@@ -35,8 +35,8 @@ def train_both_systems() -> dict[str, dict]:
 def test_fpdt_and_modelparallel_records(dist_pool):
     """Both systems: status ok on every rank, figures filled in, same first loss (same init, same first sample)."""
     ranks = dist_pool(2).run(train_both_systems)
-    for rank, records in enumerate(ranks):
-        for name, record in records.items():
+    for rank, by_system in enumerate(ranks):
+        for name, record in by_system.items():
             system = name.split()[0]
             json.dumps(record)  # a JSON line as written
             assert record["status"] == "ok" and record["ranks_answered"] == [0, 1], (rank, system)

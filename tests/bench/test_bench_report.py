@@ -686,7 +686,8 @@ def test_launch_sites_name_the_package_caller():
     caller = Event(name="lightning_fpdt/sequence/all_to_all.py(62): seq_to_head",
                    cpu_parent=Event(name="torch/autograd/function.py(575): apply", cpu_parent=None))
     copy = Event(name="aten::copy_", input_shapes=[[2, 3]], cpu_parent=Event(name="aten::clone", cpu_parent=caller),
-                 kernels=[Event(name="direct_copy_kernel", duration=100.0), Event(name="direct_copy_kernel", duration=50.0)])
+                 kernels=[Event(name="direct_copy_kernel", duration=100.0),
+                          Event(name="direct_copy_kernel", duration=50.0)])
     mm = Event(name="aten::mm", input_shapes=[], cpu_parent=caller, kernels=[Event(name="sm90_gemm", duration=900.0)])
     sites = step_profile.launch_sites([copy, mm])
     assert len(sites) == 1 and sites[0]["calls"] == 2 and sites[0]["seconds"] == pytest.approx(150e-6)

@@ -167,12 +167,21 @@ def test_plan_subcommand(capsys):
 
 
 def test_help_lists_plan(capsys):
-    """`lightning-fpdt --help` lists plan beside Lightning's subcommands."""
+    """`lightning-fpdt --help` lists plan and calibrate beside Lightning's subcommands."""
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "{fit,validate,test,predict,plan}" in out and "plan                Predict a run's GPU peak" in out
+    assert "{fit,validate,test,predict,plan,calibrate}" in out and "plan                Predict a run's GPU peak" in out
+    assert "calibrate           Measure this GPU's rates" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, calibrate measures it")
+def test_calibrate_without_a_gpu_says_so(capsys):
+    """`lightning-fpdt calibrate` on a machine without CUDA exits 1 naming the table plans use instead."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["calibrate"])
+    assert exit_info.value.code == 1 and "no CUDA device" in capsys.readouterr().err
 
 
 def test_lightning_noise_is_silenced(caplog):

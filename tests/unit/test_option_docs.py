@@ -16,7 +16,7 @@ TRAINER_OPTIONS = [
     "head_chunks", "layer_classes", "cpu_offload_params", "host_step_in_backward", "device_step_in_backward",
     "pad_to_multiple", "nonfinite_loss", "pad_token_id", "save_distributed_checkpoint", "process_group_backend",
     "timeout", "heartbeat_timeout", "check_memory", "preemption", "preemption_timeout", "offload_dir",
-    "sync_every_batch", "fused_ops", "predict_outputs",
+    "sync_every_batch", "fused_ops", "predict_outputs", "plan_trial",
 ]
 FABRIC_OPTIONS = [
     "sequence_parallel_size", "data_parallel_size", "chunks", "offload", "offload_dq", "ring_size", "attention_backend",

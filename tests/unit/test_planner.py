@@ -467,7 +467,9 @@ def test_calibration_tiles(case, tokens, tiled, measured_peak_gib):
 
 # ---- the recommendation search ---------------------------------------------------------------------------------------
 def changes_of(plan):
-    return [part.split("=")[0] for part in plan.recommendation.removeprefix("set ").split(", ")]
+    """The options a recommendation sets (before its note on a host that was not checked)."""
+    changes = plan.recommendation.split("; the host's memory was not checked")[0]
+    return [part.split("=")[0] for part in changes.removeprefix("set ").split(", ")]
 
 
 def test_search_turns_on_the_callbacks_a_run_needs():
@@ -591,7 +593,8 @@ def test_bad_options_raise(overrides, match):
 def test_cli_prints_the_table(capsys):
     """`lightning-fpdt plan` prints the component table, the peak, the binding limit; exit 0 when it fits."""
     code = main(["--model", "llama3-8b", "--layers", "4", "--seq-len", "262144", "--gpus", "4", "--chunks", "4",
-                 "--offload", "on", "--callbacks", "mlp,loss,offload", "--gpu-memory-gib", "139"])
+                 "--offload", "on", "--callbacks", "mlp,loss,offload", "--gpu-memory-gib", "139",
+                 "--host-memory-gib", "500"])
     out = capsys.readouterr().out
     assert code == 0
     for text in ("component", "GPU GiB", "pinned", "pageable", "attention stash", "predicted peak per GPU",
@@ -602,7 +605,7 @@ def test_cli_prints_the_table(capsys):
     assert out == format_plan(plan_memory(
         geometry=resolve_geometry("llama3-8b", num_layers=4), seq_len=262144, num_gpus=4, chunks=4, offload=True,
         activation_offload=True, tiled_mlp=True, tiled_loss=True, head_chunks="auto", recompute_attention="auto",
-        reload_input="auto", prefetch="auto", keep_inputs="auto", checkpoint_blocks="auto",
+        reload_input="auto", prefetch="auto", keep_inputs="auto", checkpoint_blocks="auto", host_memory_gib=500,
         gpu_memory_gib=plannable_gpu_bytes(139 * GIB, expandable_segments=expandable_segments()) / GIB)) + "\n"
 
 

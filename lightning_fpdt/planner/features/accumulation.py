@@ -20,7 +20,6 @@ from typing import Any, Optional
 
 from lightning_fpdt.planner.components import Component
 from lightning_fpdt.planner.cost import link_rate
-from lightning_fpdt.planner.rates import HOST_STEP_BYTES, PAGEABLE_COPY_BYTES
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, switch
 from lightning_fpdt.planner.sizes import StepSizes
 
@@ -65,7 +64,7 @@ class GradientAccumulation(MemoryFeature):
         seconds = sent / link_rate(s, crosses_hosts=s.hosts > 1)
         if o.cpu_offload_params:
             shard = s.dtypes["grad"] * s.trainable_parameters / s.W
-            seconds += shard / PAGEABLE_COPY_BYTES + shard / HOST_STEP_BYTES  # copied out, added on the host
+            seconds += shard / s.rates.pageable_copy_bytes + shard / s.rates.host_step_bytes  # out, added there
         return extra_share * seconds
 
     def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:

@@ -9,20 +9,13 @@ import dataclasses
 from typing import Any, Optional
 
 from lightning_fpdt.planner.components import Component, attention_host_bytes
-from lightning_fpdt.planner.cost import attention_forward_seconds, attention_seconds
+from lightning_fpdt.planner.cost import attention_forward_seconds, attention_seconds, exposed_copy_seconds
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, switch
 from lightning_fpdt.planner.sizes import StepSizes
 from lightning_fpdt.sequence.planning import stash_bytes
 
-OFFLOAD_SLOWDOWN = 0.02
-"""Share of the attention's time the chunks' copies to and from the host add where the kernels cover them (long
-sequences: the attention's work grows as ``S²``, its chunks as ``S``)."""
-OFFLOAD_EXPOSED_BYTES = 17e9
-"""Bytes per second at which the stash's copies to the host and back lengthen the step where the kernels do not
-cover them: Llama-3-8B on 4 H100s at 32,768 and 65,536 tokens, each layer's stash to the host and back, measured as
-the step with ``offload=True`` less the step without (12.5 and 25 ms a layer)."""
-OFFLOAD_DQ_SLOWDOWN = 0.03
-"""The same for the partial dQ sums' copies, which the backward's inner loop waits on more often."""
+DQ_BYTES = 4
+"""Bytes per element of the partial dQ sums (fp32)."""
 
 
 class AttentionStash(MemoryFeature):
@@ -38,8 +31,9 @@ class AttentionStash(MemoryFeature):
 
     def describe_cost(self, s: StepSizes) -> str:
         o = s.o
-        parts = (["each attention forward run again in its backward"] if o.recompute_attention else []) + \
-            (["chunks through host memory"] if o.offload else []) + (["partial dQ through host memory"] if o.offload_dq else [])
+        parts = ((["each attention forward run again in its backward"] if o.recompute_attention else [])
+                 + (["chunks through host memory"] if o.offload else [])
+                 + (["partial dQ through host memory"] if o.offload_dq else []))
         return "attention stash: " + ", ".join(parts)
 
     def normalise(self, changes: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -69,11 +63,14 @@ class AttentionStash(MemoryFeature):
 
     def extra_seconds(self, s: StepSizes) -> float:
         o = s.o
-        seconds = attention_forward_seconds(s) if o.recompute_attention else 0.0
-        if o.offload:  # the kernels' time the copies add, or the copies themselves where they are the longer
-            moved = 2 * self.components(s)[0].host_bytes  # to the host in the forward, back in the backward
-            seconds += max(OFFLOAD_SLOWDOWN * attention_seconds(s), moved / OFFLOAD_EXPOSED_BYTES)
-        return seconds + attention_seconds(s) * OFFLOAD_DQ_SLOWDOWN * o.offload_dq
+        # under recompute_attention each checkpointed block's attention forward runs again in its backward
+        seconds = attention_forward_seconds(s) * s.checkpointed / s.L if o.recompute_attention else 0.0
+        if o.offload:
+            seconds += exposed_copy_seconds(s, stash_moved_bytes(s, self.components(s)[0].host_bytes),
+                                            attention_seconds(s))
+        if o.offload_dq:
+            seconds += exposed_copy_seconds(s, dq_moved_bytes(s), attention_seconds(s) * 2 / 3)
+        return seconds
 
     def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
         o = s.o
@@ -81,3 +78,19 @@ class AttentionStash(MemoryFeature):
         if o.activation_checkpointing:
             chosen["ActivationOffload"] = {"recompute_attention": o.recompute_attention}
         return chosen
+
+
+def stash_moved_bytes(s: StepSizes, host_bytes: int) -> float:
+    """Bytes the offloaded stash moves between host and device in a step: every chunk to the host once, back once in
+    the backward, and with ``u`` chunks read about ``(u - 1)/2`` more times (each kv chunk by every later q chunk in
+    the forward, each q-side chunk by every earlier kv chunk in the backward)."""
+    return host_bytes * (2 + (s.o.chunks - 1) / 2)
+
+
+def dq_moved_bytes(s: StepSizes) -> float:
+    """Bytes the partial dQ sums move with ``offload_dq``: each q chunk's fp32 sum out and back for every kv chunk
+    before it and its own, ``u(u + 1)/2`` pairs a layer and head group."""
+    u, ring = s.o.chunks, s.o.ring_size
+    # one q chunk of the rank, every head group's: B·S/(u·R) tokens of H/U heads (the busiest rank's)
+    chunk = s.batch_size * s.seq_len // (u * ring) * (s.attention_heads // (s.P // ring)) * s.g.head_dim
+    return s.L * (u * (u + 1) / 2) * 2 * DQ_BYTES * chunk

@@ -9,8 +9,7 @@ import math
 from typing import Any, Optional
 
 from lightning_fpdt.planner.components import Component, MemoryPlan
-from lightning_fpdt.planner.cost import dense_forward_seconds
-from lightning_fpdt.planner.rates import COPY_BYTES
+from lightning_fpdt.planner.cost import block_forward_seconds, compute_seconds, copy_seconds, exposed_copy_seconds
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, all_or_count, auto_or_int, switch
 from lightning_fpdt.planner.features.tiled_mlp import mlp_backward_work
 from lightning_fpdt.planner.options import PlanOptions
@@ -116,11 +115,17 @@ class BlockInputs(MemoryFeature):
         o = s.o
         if not o.activation_checkpointing:
             return 0.0
-        # the recompute runs each checkpointed block's dense layers again (its attention too: see the attention stash)
-        seconds = dense_forward_seconds(s, s.checkpointed * s.block_parameters)
+        # the recompute runs each checkpointed block's forward again: its GEMMs and elementwise ops (a tiled MLP's
+        # value is skipped there, its backward recomputes the tiles: the same work; the attention: the attention
+        # stash's term)
+        seconds = s.checkpointed * block_forward_seconds(s)
         if o.activation_offload:
-            inputs = s.checkpointed * s.A / COPY_BYTES  # every input back once, overlapped with the block after
-            seconds += (0 if o.prefetch else inputs) + (RELOAD_EXPOSED * inputs if o.reload_input else 0)
+            # every input to the host in its block's forward and back in the backward, beside the blocks' compute;
+            # without prefetch each comes back while its block waits; reload_input brings it back a second time
+            inputs = s.checkpointed * s.A
+            seconds += exposed_copy_seconds(s, (2 if o.prefetch else 1) * inputs, compute_seconds(s))
+            seconds += (0 if o.prefetch else copy_seconds(s, inputs))
+            seconds += RELOAD_EXPOSED * copy_seconds(s, inputs) if o.reload_input else 0.0
         return seconds
 
     def relieve(self, plan: MemoryPlan, s: StepSizes) -> Optional[dict[str, Any]]:

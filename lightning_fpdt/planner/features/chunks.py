@@ -1,12 +1,12 @@
 """FPDT chunks per rank (``FPDTStrategy(chunks=...)``): more chunks, a smaller working set of the attention's forward
-and backward, and smaller (slower) attention blocks."""
+and backward, and smaller attention blocks, more of them (slower where the rates say so)."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from lightning_fpdt.planner.cost import attention_seconds
+from lightning_fpdt.planner.cost import attention_seconds, fewest_chunks
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, auto_or_int
 from lightning_fpdt.planner.sizes import StepSizes
 from lightning_fpdt.sequence.planning import MAX_CHUNK_TOKENS
@@ -15,10 +15,6 @@ from lightning_fpdt.sequence.ring_rules import ring_choices
 MIN_CHUNK_TOKENS = 8192
 """The search halves chunks down to this many global tokens per chunk, not further (a choice: smaller attention
 blocks were not measured; the benchmarks use 32K and 64K)."""
-FULL_SPEED_CHUNK_TOKENS = 32768
-"""Global tokens per chunk from which the attention blocks run at full speed."""
-HALVING_SLOWDOWN = 0.05
-"""Share of the attention's time each halving of the chunk below :data:`FULL_SPEED_CHUNK_TOKENS` adds."""
 
 
 class Chunks(MemoryFeature):
@@ -37,8 +33,10 @@ class Chunks(MemoryFeature):
         return tuple(sorted(set(values) | {s.o.chunks}))
 
     def extra_seconds(self, s: StepSizes) -> float:
-        tokens = s.seq_len / s.o.chunks
-        return attention_seconds(s) * HALVING_SLOWDOWN * max(0.0, math.log2(FULL_SPEED_CHUNK_TOKENS / tokens))
+        # the attention's schedule with these chunks against the fewest (smaller blocks, more of them, more merges):
+        # measured block by block where the GPU was calibrated (the built-in table slows smaller blocks down)
+        fewest = fewest_chunks(s)
+        return attention_seconds(s, groups=1) - attention_seconds(s, chunks=fewest, groups=1)
 
     def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
         return {"FPDTStrategy": {"chunks": s.o.chunks}}

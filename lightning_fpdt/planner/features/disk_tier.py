@@ -32,12 +32,12 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from lightning_fpdt.offload.disk import STAGING_DEPTH, STAGING_PIECE_BYTES, staging_bytes
 from lightning_fpdt.planner.components import Component, MemoryPlan
-from lightning_fpdt.planner.cost import attention_forward_seconds, dense_forward_seconds
+from lightning_fpdt.planner.cost import block_forward_seconds, layer_attention_seconds
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, auto_or_int
 from lightning_fpdt.planner.features.block_inputs import backward_reads
 from lightning_fpdt.planner.sizes import StepSizes
-from lightning_fpdt.offload.disk import STAGING_DEPTH, STAGING_PIECE_BYTES, staging_bytes
 
 DISK_GBPS = 1.5
 """The disk's read and write rate the command plans with by default, GB/s: a local NVMe of an H200 host, measured
@@ -81,8 +81,8 @@ class DiskTier(MemoryFeature):
         if s.disk_rate <= 0:
             return math.inf  # no disk planned: never chosen
         io = s.A / s.disk_rate  # one block input written, or read
-        block_forward = attention_forward_seconds(s) / s.L + dense_forward_seconds(s, s.block_parameters)
-        attention_backward = 2 * attention_forward_seconds(s) / s.L
+        block_forward = layer_attention_seconds(s, "forward") + block_forward_seconds(s)
+        attention_backward = layer_attention_seconds(s, "backward")
         seconds = k * max(0.0, io - block_forward)  # written behind the block's forward
         seconds += io  # the first input of the backward: read after the loss, nothing covers it
         seconds += (k - 1) * (max(0.0, io - attention_backward) if o.prefetch else io)

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_fpdt.planner.cost import attention_seconds, dense_forward_seconds
+from lightning_fpdt.planner.cost import FORWARD, attention_gemms, attention_seconds, gemm_seconds
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, auto_or_int
+from lightning_fpdt.planner.rates import GROUP_SLOWDOWN
 from lightning_fpdt.planner.sizes import StepSizes
 from lightning_fpdt.sequence.ring_rules import ring_choices
 from lightning_fpdt.sequence.sizes import valid_head_chunks
-
-GROUP_SLOWDOWN = 0.02
-"""Share of the attention's time each group beyond the first adds (smaller calls: +6% at ``G = 4`` on an H100)."""
 
 
 class HeadGroups(MemoryFeature):
@@ -26,15 +24,17 @@ class HeadGroups(MemoryFeature):
         return f"head groups: {s.G} smaller attention calls, each group's projections run again"
 
     def choices(self, field: str, s: StepSizes) -> tuple[Any, ...]:
-        return ring_choices("head_chunks", s.o.ring_size, tuple(valid_head_chunks(s.g.num_heads, s.g.num_kv_heads, s.P)))
+        valid = tuple(valid_head_chunks(s.g.num_heads, s.g.num_kv_heads, s.P))
+        return ring_choices("head_chunks", s.o.ring_size, valid)
 
     def extra_seconds(self, s: StepSizes) -> float:
         if s.G == 1:
             return 0.0
-        g = s.g
-        # each group's q/k/v projections run again in its backward; the smaller attention calls
-        projections = s.L * g.hidden_size * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim
-        return dense_forward_seconds(s, projections) + attention_seconds(s) * GROUP_SLOWDOWN * (s.G - 1)
+        # each group's q/k/v projections run again in its backward (narrower GEMMs, at their own rates); the
+        # attention in G calls of H/G heads against all heads at once (measured where the GPU was calibrated)
+        projections = s.L * gemm_seconds(s, attention_gemms(s)[:3], FORWARD)
+        calls = 0.0 if s.rates.calibrated else GROUP_SLOWDOWN * (s.G - 1) * attention_seconds(s)  # the table's rule
+        return projections + attention_seconds(s) - attention_seconds(s, groups=1) + calls
 
     def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
         return {"FPDTStrategy": {"head_chunks": s.G}}

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_fpdt.planner.components import Component
-from lightning_fpdt.planner.rates import COPY_BYTES, HOST_STEP_BYTES, PAGEABLE_COPY_BYTES
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES
 from lightning_fpdt.planner.sizes import StepSizes
@@ -69,7 +68,8 @@ class HostStates(MemoryFeature):
         shard = s.dtypes["master"] * s.total_parameters // s.W
         trained = s.dtypes["master"] * s.trainable_parameters // s.W
         # the weights copied in twice (forward, backward), the gradients out, the optimizer's passes on the host
-        return 2 * shard / COPY_BYTES + trained / PAGEABLE_COPY_BYTES + 4 * trained / HOST_STEP_BYTES
+        r = s.rates
+        return 2 * shard / r.copy_bytes + trained / r.pageable_copy_bytes + 4 * trained / r.host_step_bytes
 
     def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
         return {"FPDTStrategy": {"cpu_offload_params": True}} if s.o.cpu_offload_params else {}

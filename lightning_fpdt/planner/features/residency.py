@@ -14,8 +14,12 @@ from typing import Any, Optional
 
 from lightning_fpdt.memory.block_schedule import largest_segment
 from lightning_fpdt.planner.components import Component
-from lightning_fpdt.planner.cost import attention_forward_seconds, dense_forward_seconds
-from lightning_fpdt.planner.rates import COPY_BYTES
+from lightning_fpdt.planner.cost import (
+    attention_forward_seconds,
+    block_forward_seconds,
+    compute_seconds,
+    exposed_copy_seconds,
+)
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, all_or_count
 from lightning_fpdt.planner.sizes import StepSizes
 
@@ -73,15 +77,13 @@ class Residency(MemoryFeature):
         if not o.activation_checkpointing or o.keep_inputs == "all":
             return 0.0
         regenerated = s.L - o.keep_inputs  # each regenerated input is one block's forward run again
-        seconds = dense_forward_seconds(s, regenerated * s.block_parameters)
+        seconds = regenerated * block_forward_seconds(s)
         if o.recompute_attention:
             seconds += attention_forward_seconds(s) * regenerated / s.L  # nothing recorded: computed again
-        elif o.offload:
-            seconds += regenerated * s.out / COPY_BYTES  # the recorded output comes back from the host
-        if o.activation_offload:
-            # each regenerated input goes to the host and comes back: a round trip, about half of it waited for
-            seconds += regenerated * s.A / COPY_BYTES
-        return seconds
+        # the recorded output comes back from the host; each regenerated input goes to the host and back
+        moved = regenerated * ((s.out if o.offload and not o.recompute_attention else 0)
+                               + (2 * s.A if o.activation_offload else 0))
+        return seconds + exposed_copy_seconds(s, moved, compute_seconds(s) * regenerated / s.L) if moved else seconds
 
     def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
         if not s.o.activation_checkpointing:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_fpdt.planner.components import LOSS_TILE_BYTES_PER_LOGIT, UNTILED_LOSS_BYTES_PER_LOGIT, Component, \
-    loss_tile_tokens
+from lightning_fpdt.planner.components import (
+    LOSS_TILE_BYTES_PER_LOGIT,
+    UNTILED_LOSS_BYTES_PER_LOGIT,
+    Component,
+    loss_tile_tokens,
+)
 from lightning_fpdt.planner.features.base import MemoryFeature
 from lightning_fpdt.planner.sizes import StepSizes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_fpdt.planner.components import MLP_BACKWARD_BUFFERS, MLP_GRAD_SUM_BYTES, Component, mlp_tile_tokens
-from lightning_fpdt.planner.cost import dense_forward_seconds
+from lightning_fpdt.planner.cost import mlp_forward_seconds
 from lightning_fpdt.planner.features.base import MemoryFeature
 from lightning_fpdt.planner.sizes import StepSizes
 
@@ -40,7 +40,7 @@ class TiledMLPFeature(MemoryFeature):
         # (memory/block_offload.py), so the MLP's forward still runs twice a step
         if not s.o.tiled_mlp or s.o.activation_checkpointing:
             return 0.0
-        return dense_forward_seconds(s, s.L * 3 * s.g.hidden_size * s.g.intermediate_size)
+        return s.L * mlp_forward_seconds(s)
 
     def arguments(self, s: StepSizes) -> dict[str, dict[str, Any]]:
         return {"TiledMLP": {}} if s.o.tiled_mlp else {}

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lightning_fpdt.callbacks.activation_offload import ActivationOffload
+from lightning_fpdt.fused import ops
 from lightning_fpdt.fused.ops import FUSED_OPS
 from lightning_fpdt.integrations import install_head_groups
-from lightning_fpdt.models import ops
 from lightning_fpdt.models.llama import LlamaConfig, LlamaDecoderLayer
 from lightning_fpdt.sequence import FPDTAttention
 

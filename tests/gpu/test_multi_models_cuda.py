@@ -95,7 +95,12 @@ def fit(case: str, fpdt: bool) -> TwoModels:
     if fpdt:
         options.update(strategy=FPDTStrategy(chunks=2, offload=True),
                        callbacks=[ActivationOffload(), TiledMLP(num_tiles=2), TiledLoss(num_tiles=2)])
-    L.Trainer(**options).fit(module, torch.utils.data.DataLoader(batches(), batch_size=None))
+    data = batches()
+    # the order the fpdt strategy's DistributedSampler (shuffle, seed 0) gives its one data-parallel group, given to
+    # the single-device run too
+    order = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=None, sampler=None if fpdt else order)
+    L.Trainer(**options).fit(module, loader)
     return module
 
 

@@ -73,8 +73,22 @@ def trial_candidates(request: PlanRequest, *, margin: float = TRIAL_MARGIN,
     """The fitting configurations of ``request`` whose estimates are within ``margin`` of the fastest's (the fastest
     first), at most ``limit``; fewer than two: nothing to try."""
     run, base, free = prepared(request)
-    plans = fitting_near(run, base, free, margin=margin, limit=limit)
+    plans: list[Any] = []
+    for plan in fitting_near(run, base, free, margin=margin, limit=limit * SAME_ESTIMATE_SPARE):
+        seconds = estimated_step_seconds(plan)
+        if all(abs(seconds - estimated_step_seconds(kept)) > SAME_ESTIMATE * seconds for kept in plans):
+            plans.append(plan)
+    plans = plans[:limit]
     return [TrialCandidate(label_of(plan, plans[0]), estimated_step_seconds(plan), plan) for plan in plans]
+
+
+SAME_ESTIMATE = 0.002
+"""Configurations whose estimates are this close (a share) differ, by the model, in memory only (a block input kept
+or regenerated at no cost it sees): the trial takes the first of them and spends its steps on configurations the
+model prices differently (a chunk count, offload, the attention's recompute)."""
+SAME_ESTIMATE_SPARE = 4
+"""How many times :data:`MAX_TRIAL_CANDIDATES` configurations are looked at, so that the ones of equal estimates
+left out leave room for others within the margin."""
 
 
 class PlanTrial:

@@ -50,6 +50,21 @@ def test_candidates_are_the_fitting_plans_within_the_margin_fastest_first():
     assert [c.estimate_s for c in candidates] == sorted(c.estimate_s for c in candidates)
 
 
+def test_candidates_the_model_prices_alike_take_one_place(monkeypatch):
+    """Configurations of one estimate (they differ in memory only, by the model: a block input kept or regenerated)
+    take one place among the candidates, so a configuration priced a few per cent higher (another chunk count) is
+    still tried: the first four within the margin of 1.0, 1.0, 1.001, 1.0, 1.03, 1.05 s give 1.0, 1.03 and 1.05."""
+    from lightning_fpdt.planner import trial
+
+    plans = [f"plan{i}" for i in range(6)]
+    estimates = dict(zip(plans, [1.0, 1.0, 1.001, 1.0, 1.03, 1.05]))
+    monkeypatch.setattr(trial, "prepared", lambda request: (None, None, set()))
+    monkeypatch.setattr(trial, "fitting_near", lambda run, base, free, margin, limit: plans[:limit])
+    monkeypatch.setattr(trial, "estimated_step_seconds", estimates.__getitem__)
+    monkeypatch.setattr(trial, "label_of", lambda plan, first: plan)
+    assert [c.label for c in trial.trial_candidates(None)] == ["plan0", "plan4", "plan5"]
+
+
 class CandidateClock:
     """A fake clock whose step takes the seconds of the candidate it ran (``durations[id(plan)]``, ``running``: the
     plan of the step that runs)."""

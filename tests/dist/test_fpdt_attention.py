@@ -7,11 +7,11 @@ import torch
 
 from lightning_fpdt.sequence import (
     SequenceLayout,
-    StashFactory,
     all_to_all_head_to_seq,
     all_to_all_seq_to_head,
     fpdt_attention,
 )
+from lightning_fpdt.offload.host_stash import StashFactory
 from lightning_fpdt.sequence.all_to_all import group_rank, group_size
 from tests.dist.attention_checks import assert_matches_reference, draw_inputs, reference
 from tests.reference import causal_attention

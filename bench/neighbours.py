@@ -48,8 +48,8 @@ from lightning_fpdt.planner.calibration import Calibration, current_key, needed_
 from lightning_fpdt.planner.features.chunks import MIN_CHUNK_TOKENS
 from lightning_fpdt.planner.features.residency import kept_input_choices
 from lightning_fpdt.planner.measure import all_to_all_bytes, clock_for
-from lightning_fpdt.planner.options import PlanOptions
 from lightning_fpdt.planner.plan import timed_sizes
+from lightning_fpdt.planner.plan_options import PlanOptions
 from lightning_fpdt.planner.request import PlanRequest
 from lightning_fpdt.planner.search import estimated_step_seconds
 from lightning_fpdt.sequence.planning import MAX_CHUNK_TOKENS

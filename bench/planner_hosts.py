@@ -15,7 +15,7 @@ from typing import Any, Optional
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner import plan_memory
 from lightning_fpdt.planner.components import MemoryPlan, plannable_gpu_bytes
-from lightning_fpdt.planner.layout import heads_a_rank, layout_name
+from lightning_fpdt.planner.layout_summary import heads_a_rank, layout_name
 from lightning_fpdt.planner.search import step_estimate
 
 QWEN2_5_7B = ModelGeometry(num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4, head_dim=128,

@@ -39,7 +39,7 @@ if LIGHTNING_AVAILABLE:
         tiled_cross_entropy,
     )
     from lightning_fpdt.strategy import FPDTFabricStrategy, FPDTStrategy, apply_fpdt  # registers "fpdt" with Lightning
-    from lightning_fpdt.strategy.loss import sequence_loss, sequence_mean, sequence_sum
+    from lightning_fpdt.strategy.step_loss import sequence_loss, sequence_mean, sequence_sum
 else:
     def __getattr__(name: str) -> object:
         if name in LIGHTNING_NAMES:

@@ -37,7 +37,7 @@ from lightning_fpdt.callbacks import (  # noqa: F401  (short names for YAML)
 from lightning_fpdt.data import RetrievalDataModule, TokenFileDataModule  # noqa: F401  (short names for YAML)
 from lightning_fpdt.models.module import HFCausalLM, LlamaLM  # noqa: F401  (short names for YAML)
 from lightning_fpdt.planner import main as plan_main
-from lightning_fpdt.planner.cli import calibrate_main
+from lightning_fpdt.planner.commands import calibrate_main
 
 PLAN_HELP = "Predict a run's GPU peak and pinned host memory, and what to change when it does not fit."
 CALIBRATE_HELP = "Measure this GPU's rates for the planner's step-time model, once (cached)."

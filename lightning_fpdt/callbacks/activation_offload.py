@@ -34,7 +34,7 @@ from lightning_fpdt.callbacks.transforms import transform_without_fpdt
 from lightning_fpdt.integrations import residual_mlps, shared_attentions
 from lightning_fpdt.memory import BlockCheckpoints, BlockOffloadOptions, apply_block_offload, find_blocks
 from lightning_fpdt.offload.host_stash import StashFactory
-from lightning_fpdt.planner.options import MemoryFeatures
+from lightning_fpdt.planner.plan_options import MemoryFeatures
 
 
 class ActivationOffload(Callback):

@@ -13,7 +13,7 @@ from lightning_fpdt.callbacks.transforms import transform_without_fpdt
 from lightning_fpdt.integrations.install import apply_tiled_loss
 from lightning_fpdt.memory.tiled_loss import tiled_cross_entropy
 from lightning_fpdt.memory.tiling import check_num_tiles
-from lightning_fpdt.planner.options import MemoryFeatures
+from lightning_fpdt.planner.plan_options import MemoryFeatures
 
 __all__ = ["TiledLoss", "tiled_cross_entropy"]
 

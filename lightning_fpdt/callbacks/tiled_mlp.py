@@ -12,7 +12,7 @@ from lightning_fpdt.callbacks.transforms import transform_without_fpdt
 from lightning_fpdt.integrations.families import mlp_classes
 from lightning_fpdt.memory.tiled_mlp import apply_tiled_mlp
 from lightning_fpdt.memory.tiling import check_num_tiles
-from lightning_fpdt.planner.options import MemoryFeatures
+from lightning_fpdt.planner.plan_options import MemoryFeatures
 
 
 class TiledMLP(pl.Callback):

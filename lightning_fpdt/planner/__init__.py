@@ -12,7 +12,7 @@ the attention sizes resolve as the strategy resolves them (``lightning_fpdt.sequ
 tiled transforms' own rules (``lightning_fpdt.memory``).
 """
 
-from lightning_fpdt.planner.cli import CALLBACK_NAMES, format_plan, main
+from lightning_fpdt.planner.commands import CALLBACK_NAMES, format_plan, main
 from lightning_fpdt.planner.components import (
     GIB,
     Component,
@@ -34,8 +34,8 @@ from lightning_fpdt.planner.geometry import (
     total_parameters,
 )
 from lightning_fpdt.planner.host import available_host_memory, check_host_memory
-from lightning_fpdt.planner.options import PlanOptions
 from lightning_fpdt.planner.plan import plan_memory
+from lightning_fpdt.planner.plan_options import PlanOptions
 from lightning_fpdt.planner.request import Machine, PlanRequest
 from lightning_fpdt.planner.search import (
     SEARCHED,

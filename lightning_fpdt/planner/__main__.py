@@ -2,6 +2,6 @@
 
 import sys
 
-from lightning_fpdt.planner.cli import main
+from lightning_fpdt.planner.commands import main
 
 sys.exit(main())

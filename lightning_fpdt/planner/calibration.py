@@ -48,7 +48,7 @@ from lightning_fpdt.planner.rates import (
     attention_key,
     gemm_key,
 )
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 
 CACHE_VERSION = 1
 """The cache files' format; a file of another version is measured again."""

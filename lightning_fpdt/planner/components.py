@@ -80,7 +80,7 @@ from typing import Literal, Optional
 
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.memory.tiling import auto_loss_tiles, auto_mlp_tiles
-from lightning_fpdt.planner.options import PlanOptions
+from lightning_fpdt.planner.plan_options import PlanOptions
 from lightning_fpdt.planner.rates import BUILTIN_RATES, INTER_HOST_BYTES, StepRates
 from lightning_fpdt.sequence.planning import AttentionGeometry, rank_heads, stash_bytes
 

@@ -38,7 +38,7 @@ from typing import Any, Optional
 from lightning_fpdt.planner.components import loss_tile_tokens, mlp_tile_tokens
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, attention_geometry
 from lightning_fpdt.planner.rates import INTER_HOST_BYTES, NVLINK_BYTES
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 from lightning_fpdt.sequence.planning import MAX_CHUNK_TOKENS, grouped_geometry, rank_heads
 
 FORWARD = ("forward",)

@@ -8,9 +8,9 @@ from typing import Optional
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner.components import Component, MemoryPlan, attention_backward_bytes
 from lightning_fpdt.planner.features import FEATURES
-from lightning_fpdt.planner.options import PlanOptions
+from lightning_fpdt.planner.plan_options import PlanOptions
 from lightning_fpdt.planner.rates import BUILTIN_RATES, INTER_HOST_BYTES, StepRates
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 from lightning_fpdt.sequence.layout import SequenceLayout
 from lightning_fpdt.sequence.planning import working_set_bytes
 

@@ -11,12 +11,12 @@ from lightning_fpdt.planner.cost import inter_host_rate
 from lightning_fpdt.planner.features import FEATURES
 from lightning_fpdt.planner.geometry import geometry_name
 from lightning_fpdt.planner.host import gib
-from lightning_fpdt.planner.options import PlanOptions, resolve_options
 from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES
+from lightning_fpdt.planner.plan_options import PlanOptions, resolve_options
 from lightning_fpdt.planner.rates import BUILTIN_RATES
 from lightning_fpdt.planner.request import FEATURE_FIELDS, PlanRequest
 from lightning_fpdt.planner.search import SEARCHED, Run, SearchMemo, changes_between, fastest_fitting
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 from lightning_fpdt.sequence.options import FPDTOptions
 
 AUTO_NEUTRAL = {name: value for feature in FEATURES for name, value in feature.neutral.items()}

@@ -14,7 +14,7 @@ from lightning_fpdt.planner.components import GIB
 from lightning_fpdt.planner.cost import inter_host_rate
 from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, resolve_geometry
-from lightning_fpdt.planner.options import MemoryFeatures
+from lightning_fpdt.planner.plan_options import MemoryFeatures
 from lightning_fpdt.planner.rates import StepRates
 from lightning_fpdt.sequence.options import check_switch
 

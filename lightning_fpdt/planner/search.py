@@ -31,10 +31,10 @@ from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.planner.cost import base_parts, base_seconds
 from lightning_fpdt.planner.features import FEATURES
-from lightning_fpdt.planner.options import MemoryFeatures, PlanOptions
 from lightning_fpdt.planner.phases import PROCESS_BASELINE_BYTES, build_plan, plan_sizes, run_sizes
+from lightning_fpdt.planner.plan_options import MemoryFeatures, PlanOptions
 from lightning_fpdt.planner.rates import BUILTIN_RATES, INTER_HOST_BYTES, StepRates
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 from lightning_fpdt.sequence.planning import MAX_CHUNK_TOKENS
 from lightning_fpdt.sequence.ring_rules import RING_RULES
 

@@ -25,7 +25,7 @@ from lightning_fpdt.offload.host_stash import StashFactory
 from lightning_fpdt.planner import plan_memory, resolve_geometry
 from lightning_fpdt.planner.components import MemoryPlan
 from lightning_fpdt.planner.machine import disk_free_bytes, host_reserve_bytes, machine_limits, usable_free_bytes
-from lightning_fpdt.planner.options import MemoryFeatures
+from lightning_fpdt.planner.plan_options import MemoryFeatures
 from lightning_fpdt.planner.request import PlanRequest
 from lightning_fpdt.planner.search import CALLBACK_CHOICES
 from lightning_fpdt.planner.trial import trial_candidates

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from lightning_fpdt.offload.host_stash import StashFactory
-from lightning_fpdt.planner.options import MemoryFeatures
+from lightning_fpdt.planner.plan_options import MemoryFeatures
 
 
 @runtime_checkable

@@ -32,7 +32,6 @@ from lightning_fpdt.strategy import checkpoint as checkpointing
 from lightning_fpdt.strategy import tokens
 from lightning_fpdt.strategy.batch import BatchPlan, BatchStep, check_batch
 from lightning_fpdt.strategy.budget import MemoryBudget, RunFacts, Switch, checked_offload_dir
-from lightning_fpdt.strategy.loss import group_sums, is_reduced, unwrap_loss, with_loss
 from lightning_fpdt.strategy.mesh import MeshSizes, build_mesh
 from lightning_fpdt.strategy.parallelize import (
     EarlyGathers,
@@ -44,6 +43,7 @@ from lightning_fpdt.strategy.parallelize import (
 from lightning_fpdt.strategy.planned_memory import PlannedMemory
 from lightning_fpdt.strategy.precision import FPDTFabricPrecision
 from lightning_fpdt.strategy.predict import gather_sequence
+from lightning_fpdt.strategy.step_loss import group_sums, is_reduced, unwrap_loss, with_loss
 from lightning_fpdt.strategy.topology import Size, resolve_topology
 
 
@@ -213,7 +213,7 @@ class FPDTRun(MeshSizes):
     def reduced_output(self, output: Any) -> Any:
         """A step's output (a loss, or a mapping with ``"loss"``) whose loss is the sequence group's token mean: a
         loss the step computed from this rank's tokens is reduced (docs/design.md §5.3); one built from the group's
-        values stays (``strategy/loss.py``, ``is_reduced``), as does anything before the first batch."""
+        values stays (``strategy/step_loss.py``, ``is_reduced``), as does anything before the first batch."""
         loss = unwrap_loss(output)
         if loss is None or self.context is None or self.batch_plan is None or is_reduced(loss, self.context):
             return output

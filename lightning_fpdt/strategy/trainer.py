@@ -44,7 +44,6 @@ from lightning_fpdt.strategy.host_optimizer import (
     prepare_device_step,
     prepare_host_step,
 )
-from lightning_fpdt.strategy.loss import TrainingLossCheck
 from lightning_fpdt.strategy.materialize import has_meta_parameters
 from lightning_fpdt.strategy.option_docs import documented
 from lightning_fpdt.strategy.parallelize import no_gradient_sync
@@ -52,6 +51,7 @@ from lightning_fpdt.strategy.precision import FPDTPrecision, to_fpdt_precision
 from lightning_fpdt.strategy.predict import check_predict_outputs
 from lightning_fpdt.strategy.preemption import DEFAULT_TIMEOUT, Preemption, add_preemption_checkpoint, watch_with
 from lightning_fpdt.strategy.run import DrivesRun, FPDTRun
+from lightning_fpdt.strategy.step_loss import TrainingLossCheck
 from lightning_fpdt.strategy.watchdog import DEFAULT_STALE_AFTER, RankWatchdog, checked_heartbeat_timeout
 
 

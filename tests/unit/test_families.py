@@ -155,8 +155,8 @@ def test_head_norms_keep_what_the_planner_counts():
     """Beyond a Llama attention of the same sizes, a Qwen3 attention (its norms tiled as the strategy tiles them)
     keeps for its backward the norms' inputs and fp32 rstd: the planner's ``StepSizes.head_norm``, to the byte."""
     from lightning_fpdt.integrations.huggingface import tile_hf_rms_norms
-    from lightning_fpdt.planner.options import PlanOptions
-    from lightning_fpdt.planner.sizes import StepSizes
+    from lightning_fpdt.planner.plan_options import PlanOptions
+    from lightning_fpdt.planner.step_sizes import StepSizes
 
     tokens = 48
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_fpdt.planner import plan_memory
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 from lightning_fpdt.sequence.heads import HeadSplit
 from lightning_fpdt.sequence.planning import AttentionGeometry, stash_bytes
 from lightning_fpdt.sequence.sizes import resolve_sizes

@@ -708,7 +708,7 @@ def test_callbacks_declare_what_the_planner_takes():
     """The strategy plans with what its memory callbacks declare (MemoryFeatures.declared): every declared feature
     is a plan_memory option, ActivationOffload's block-input options included, "auto" where left so."""
     from lightning_fpdt import ActivationOffload, TiledLoss, TiledMLP
-    from lightning_fpdt.planner.options import MemoryFeatures
+    from lightning_fpdt.planner.plan_options import MemoryFeatures
 
     flags = MemoryFeatures.declared([ActivationOffload(reload_input=True, prefetch=0, recompute_attention=True),
                                      TiledMLP(), TiledLoss()]).plan_kwargs()
@@ -801,8 +801,8 @@ def test_plain_blocks_hold_their_activations_and_save_their_recompute():
     from lightning_fpdt.planner import step_seconds
     from lightning_fpdt.planner.arguments import arguments
     from lightning_fpdt.planner.features.block_inputs import PLAIN_BLOCKS_ROOM
-    from lightning_fpdt.planner.options import PlanOptions
     from lightning_fpdt.planner.phases import plan_sizes
+    from lightning_fpdt.planner.plan_options import PlanOptions
 
     run = dict(geometry="llama3-8b", seq_len=32768, num_gpus=4, chunks=1, offload=False, offload_dq=False,
                tiled_mlp=True, tiled_loss=True, activation_offload=True, gpu_memory_gib=200)

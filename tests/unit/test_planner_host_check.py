@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_fpdt.planner import cli, plan_memory
+from lightning_fpdt.planner import commands, plan_memory
 from lightning_fpdt.planner.components import GIB
 from lightning_fpdt.planner.request import Machine
 
@@ -18,16 +18,16 @@ def _machine(monkeypatch, *, gpus: int, card: str = "NVIDIA H200", host_gib: flo
     """This machine as the command sees it: ``gpus`` CUDA devices of ``card``, ``host_gib`` of host memory a plan may
     fill (what ``machine_limits`` reads); returns the calls of ``machine_limits``."""
     calls: list[dict] = []
-    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: gpus > 0)
-    monkeypatch.setattr(cli.torch.cuda, "device_count", lambda: gpus)
-    monkeypatch.setattr(cli.torch.cuda, "get_device_name", lambda device=None: card)
-    monkeypatch.setattr(cli, "cached_rates", lambda card, group_size: None)  # the built-in table
+    monkeypatch.setattr(commands.torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(commands.torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(commands.torch.cuda, "get_device_name", lambda device=None: card)
+    monkeypatch.setattr(commands, "cached_rates", lambda card, group_size: None)  # the built-in table
 
     def limits(**keywords):
         calls.append(keywords)
         return Machine(num_gpus=keywords["num_gpus"], gpus_per_node=keywords["gpus_per_node"], host_memory_gib=host_gib)
 
-    monkeypatch.setattr(cli, "machine_limits", limits)
+    monkeypatch.setattr(commands, "machine_limits", limits)
     return calls
 
 
@@ -40,14 +40,14 @@ def test_a_plan_for_this_machine_checks_its_host_by_default(monkeypatch, capsys)
     reads it): "auto" then fits a 500 GiB host instead of taking 928 GiB of it; a 50 GiB host nothing fits, and the
     command says the host binds (exit 1)."""
     calls = _machine(monkeypatch, gpus=4)
-    assert cli.main(ARGV) == 0
+    assert commands.main(ARGV) == 0
     out = capsys.readouterr().out
     assert calls == [dict(num_gpus=4, gpus_per_node=4)]
     resident = _line(out, "  host memory per host, all resident").split()
     assert resident[-3:] == ["of", "500.0", "GiB"] and float(resident[-4]) <= 500
     assert "not checked" not in _line(out, "recommendation:")
     _machine(monkeypatch, gpus=8, host_gib=50)
-    assert cli.main(ARGV) == 1
+    assert commands.main(ARGV) == 1
     assert "binding limit: host memory" in capsys.readouterr().out
 
 
@@ -60,7 +60,7 @@ def test_a_plan_for_another_machine_says_the_host_was_not_checked(monkeypatch, c
     """A plan that is not for this machine (no GPU here, fewer GPUs, another card named) is not checked against this
     host; its recommendation says so, why, and the host memory per host it needs."""
     calls = _machine(monkeypatch, gpus=gpus)
-    assert cli.main(argv) == 0
+    assert commands.main(argv) == 0
     recommendation = _line(capsys.readouterr().out, "recommendation:")
     plan = plan_memory(geometry="llama3-8b", seq_len=1048576, num_gpus=4, activation_offload=True, tiled_mlp=True,
                        tiled_loss=True)

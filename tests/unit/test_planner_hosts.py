@@ -10,7 +10,7 @@ import pytest
 
 from bench.planner_hosts import lengths
 from lightning_fpdt.planner import plan_memory
-from lightning_fpdt.planner.cli import main
+from lightning_fpdt.planner.commands import main
 from lightning_fpdt.planner.cost import network_seconds, ring_network_seconds, ring_transfer_bytes
 from lightning_fpdt.planner.geometry import resolve_geometry
 from lightning_fpdt.planner.phases import plan_sizes

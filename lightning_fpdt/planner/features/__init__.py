@@ -1,5 +1,5 @@
 """The memory features the planner counts, one module each: its options (the
-:class:`~lightning_fpdt.planner.options.PlanOptions` fields it owns), the values the ``"auto"`` search tries, its
+:class:`~lightning_fpdt.planner.plan_options.PlanOptions` fields it owns), the values the ``"auto"`` search tries, its
 memory terms, its cost in step time, the arguments a user writes for it, the values its ``"auto"`` options take before
 the search resolves them and its command-line flags (:class:`~.base.MemoryFeature`).
 

@@ -21,7 +21,7 @@ from typing import Any, Optional
 from lightning_fpdt.planner.components import Component
 from lightning_fpdt.planner.cost import link_rate
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, switch
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 
 
 class GradientAccumulation(MemoryFeature):

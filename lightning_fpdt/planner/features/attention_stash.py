@@ -11,7 +11,7 @@ from typing import Any, Optional
 from lightning_fpdt.planner.components import Component, attention_host_bytes
 from lightning_fpdt.planner.cost import attention_forward_seconds, attention_seconds, exposed_copy_seconds
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, switch
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 from lightning_fpdt.sequence.planning import stash_bytes
 
 DQ_BYTES = 4

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from lightning_fpdt.planner.components import Component, MemoryPlan
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 
 
 def auto_or_int(value: str) -> Union[str, int]:
@@ -69,8 +69,8 @@ class Flag:
 class MemoryFeature:
     """One memory feature, held in one module of this package (see the package docstring).
 
-    Subclasses set ``fields`` (the :class:`~lightning_fpdt.planner.options.PlanOptions` fields it owns) and override
-    what applies to them; the defaults contribute nothing.
+    Subclasses set ``fields`` (the fields of :class:`~lightning_fpdt.planner.plan_options.PlanOptions` it owns) and
+    override what applies to them; the defaults contribute nothing.
     """
 
     fields: tuple[str, ...] = ()

@@ -12,8 +12,8 @@ from lightning_fpdt.planner.components import Component, MemoryPlan
 from lightning_fpdt.planner.cost import block_forward_seconds, compute_seconds, copy_seconds, exposed_copy_seconds
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, all_or_count, auto_or_int, switch
 from lightning_fpdt.planner.features.tiled_mlp import mlp_backward_work
-from lightning_fpdt.planner.options import PlanOptions
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.plan_options import PlanOptions
+from lightning_fpdt.planner.step_sizes import StepSizes
 
 PLAIN_BLOCKS_ROOM = 6 * 2**30
 """GPU memory a plan with blocks not checkpointed leaves free beside them: their activations live through the step

@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning_fpdt.planner.cost import attention_seconds, fewest_chunks
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, auto_or_int
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 from lightning_fpdt.sequence.planning import MAX_CHUNK_TOKENS
 from lightning_fpdt.sequence.ring_rules import ring_choices
 

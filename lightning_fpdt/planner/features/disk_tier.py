@@ -37,7 +37,7 @@ from lightning_fpdt.planner.components import Component, MemoryPlan
 from lightning_fpdt.planner.cost import block_forward_seconds, layer_attention_seconds
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, auto_or_int
 from lightning_fpdt.planner.features.block_inputs import backward_reads
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 
 DISK_GBPS = 1.5
 """The disk's read and write rate the command plans with by default, GB/s: a local NVMe of an H200 host, measured

@@ -9,7 +9,7 @@ from typing import Any
 from lightning_fpdt.planner.cost import FORWARD, attention_gemms, attention_seconds, gemm_seconds
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, auto_or_int
 from lightning_fpdt.planner.rates import GROUP_SLOWDOWN
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 from lightning_fpdt.sequence.ring_rules import ring_choices
 from lightning_fpdt.sequence.sizes import valid_head_chunks
 

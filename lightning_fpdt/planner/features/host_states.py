@@ -13,7 +13,7 @@ from typing import Any
 from lightning_fpdt.planner.components import Component
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 
 
 class HostStates(MemoryFeature):

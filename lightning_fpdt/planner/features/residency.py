@@ -21,7 +21,7 @@ from lightning_fpdt.planner.cost import (
     exposed_copy_seconds,
 )
 from lightning_fpdt.planner.features.base import Flag, MemoryFeature, all_or_count
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 
 
 def kept_input_choices(num_layers: int) -> tuple[int, ...]:

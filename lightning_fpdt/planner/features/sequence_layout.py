@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning_fpdt.planner.cost import network_seconds, ring_network_seconds, ulysses_leaving_bytes
 from lightning_fpdt.planner.features.base import MemoryFeature
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 from lightning_fpdt.sequence.sizes import ring_sizes
 
 

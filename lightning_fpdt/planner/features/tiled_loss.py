@@ -11,7 +11,7 @@ from lightning_fpdt.planner.components import (
     loss_tile_tokens,
 )
 from lightning_fpdt.planner.features.base import MemoryFeature
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 
 
 class TiledLossFeature(MemoryFeature):

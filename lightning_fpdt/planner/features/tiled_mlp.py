@@ -7,7 +7,7 @@ from typing import Any
 from lightning_fpdt.planner.components import MLP_BACKWARD_BUFFERS, MLP_GRAD_SUM_BYTES, Component, mlp_tile_tokens
 from lightning_fpdt.planner.cost import mlp_forward_seconds
 from lightning_fpdt.planner.features.base import MemoryFeature
-from lightning_fpdt.planner.sizes import StepSizes
+from lightning_fpdt.planner.step_sizes import StepSizes
 
 
 def mlp_backward_work(s: StepSizes, *, tiled: bool) -> int:

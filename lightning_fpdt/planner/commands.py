@@ -26,7 +26,7 @@ from lightning_fpdt.planner.features.base import auto_or_int
 from lightning_fpdt.planner.features.disk_tier import DISK_GBPS
 from lightning_fpdt.planner.geometry import OPTIMIZER_STATES, PRECISIONS, resolve_geometry
 from lightning_fpdt.planner.host import gib
-from lightning_fpdt.planner.layout import describe_layout
+from lightning_fpdt.planner.layout_summary import describe_layout
 from lightning_fpdt.planner.machine import machine_limits
 from lightning_fpdt.planner.measure import all_to_all_bytes, clock_for
 from lightning_fpdt.planner.plan import plan_memory, timed_sizes

@@ -13,7 +13,7 @@ from functools import cached_property
 from lightning_fpdt.flops import ModelGeometry
 from lightning_fpdt.memory.block_schedule import largest_segment
 from lightning_fpdt.planner.geometry import PRECISIONS, attention_geometry, parameter_counts, total_parameters
-from lightning_fpdt.planner.options import PlanOptions
+from lightning_fpdt.planner.plan_options import PlanOptions
 from lightning_fpdt.planner.rates import BUILTIN_RATES, INTER_HOST_BYTES, StepRates
 from lightning_fpdt.sequence.planning import AttentionGeometry, grouped_geometry, rank_heads
 

@@ -164,8 +164,16 @@ def layer_attention_seconds(s: StepSizes, kind: str, *, chunks: Optional[int] = 
     """One layer's attention ``kind`` (``forward`` or ``backward``) on the busiest rank: its blocks
     (:func:`attention_blocks`; a ring's rank computes ``1/R`` of them), each group of heads in turn, and the partial
     outputs' merges. ``chunks``, ``groups``: instead of the plan's."""
+    u = s.o.chunks if chunks is None else chunks
     G = s.G if groups is None else groups
-    blocks = attention_blocks(s, chunks=chunks, groups=groups)
+    g = s.g
+    key = ("layer attention", kind, u, G, s.o.ring_size, s.P, s.b, s.batch_size, s.seq_len, g.num_heads,
+           g.num_kv_heads, g.head_dim)
+    return s.rates.remembered(key, lambda: _layer_attention_seconds(s, kind, u, G))
+
+
+def _layer_attention_seconds(s: StepSizes, kind: str, u: int, G: int) -> float:  # noqa: N803 (the sheet's symbol)
+    blocks = attention_blocks(s, chunks=u, groups=G)
     seconds = sum(count * s.rates.attention_seconds(kind, **shape) for count, shape in blocks if count)
     count, full = blocks[1]
     merges = count * MERGE_BYTES * full["batch"] * full["tokens"] * full["heads"] * full["head_dim"]

@@ -14,7 +14,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Optional
+from typing import Any, Callable, Optional
 
 TABLE_CARD = "NVIDIA H100 80GB HBM3"
 """The card the built-in table was measured on."""
@@ -139,9 +139,34 @@ class StepRates:
             found.setdefault((kind, causal == "causal", int(head_dim)), []).append((sizes, seconds))
         return found
 
+    @cached_property
+    def _looked_up(self) -> dict[tuple[Any, ...], float]:
+        """The times and rates already worked out at these rates (:meth:`remembered`)."""
+        return {}
+
+    def remembered(self, key: tuple[Any, ...], work_out: Callable[[], float]) -> float:
+        """``work_out()``, once for each ``key`` at these rates: a search asks the same shapes of thousands of
+        configurations. ``key`` names everything the answer depends on but the rates."""
+        value = self._looked_up.get(key)
+        if value is None:
+            value = self._looked_up[key] = work_out()
+        return value
+
     def gemm_flops(self, kind: str, rows: int, inner: int, cols: int) -> float:
         """FLOP/s of a GEMM: measured at its shape, else at the nearest measured row count of its ``inner x cols``,
         else :attr:`matmul_flops`."""
+        return self.remembered(("gemm", kind, rows, inner, cols), lambda: self._gemm_flops(kind, rows, inner, cols))
+
+    def attention_seconds(self, kind: str, *, causal: bool, batch: int, heads: int, kv_heads: int, tokens: int,
+                          head_dim: int) -> float:
+        """Seconds of one attention block: measured at its shape; else the nearest measured block of its kind (by
+        tokens, heads and batch), scaled by the FLOPs; else the FLOPs at :attr:`attention_flops`, slowed by
+        :data:`HALVING_SLOWDOWN` for each halving of ``tokens`` below :data:`FULL_SPEED_CHUNK_TOKENS` (the table's
+        rule)."""
+        shape = dict(causal=causal, batch=batch, heads=heads, kv_heads=kv_heads, tokens=tokens, head_dim=head_dim)
+        return self.remembered(("attention", kind, *shape.values()), lambda: self._attention_seconds(kind, **shape))
+
+    def _gemm_flops(self, kind: str, rows: int, inner: int, cols: int) -> float:
         rate = self._gemms.get(gemm_key(kind, rows, inner, cols))
         if rate is not None:
             return rate
@@ -150,12 +175,8 @@ class StepRates:
             return self.matmul_flops
         return _nearest(measured, min(rows, GEMM_MAX_ROWS))
 
-    def attention_seconds(self, kind: str, *, causal: bool, batch: int, heads: int, kv_heads: int, tokens: int,
-                          head_dim: int) -> float:
-        """Seconds of one attention block: measured at its shape; else the nearest measured block of its kind (by
-        tokens, heads and batch), scaled by the FLOPs; else the FLOPs at :attr:`attention_flops`, slowed by
-        :data:`HALVING_SLOWDOWN` for each halving of ``tokens`` below :data:`FULL_SPEED_CHUNK_TOKENS` (the table's
-        rule)."""
+    def _attention_seconds(self, kind: str, *, causal: bool, batch: int, heads: int, kv_heads: int, tokens: int,
+                           head_dim: int) -> float:
         shape = dict(causal=causal, batch=batch, heads=heads, kv_heads=kv_heads, tokens=tokens, head_dim=head_dim)
         seconds = self._attention.get(attention_key(kind, **shape))
         if seconds is not None:

@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_fpdt.sequence.all_to_all import group_size
+
 IGNORE_INDEX = -100
 """The target value of a token that does not count (PyTorch's and Hugging Face's convention)."""
 
@@ -145,11 +147,6 @@ class _GroupSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         return grad * ctx.scale, None, None
-
-
-def group_size(group: Optional[dist.ProcessGroup]) -> int:
-    """Ranks of ``group`` (1 without an initialised process group)."""
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def token_sums(values: Tensor, mask: Optional[Tensor] = None) -> Tensor:

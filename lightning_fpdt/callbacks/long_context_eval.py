@@ -29,7 +29,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_fpdt.callbacks.heatmap import heatmap, labelled_heatmap  # noqa: F401  (heatmap: the grid alone)
+from lightning_fpdt.callbacks.heatmap import labelled_heatmap
 from lightning_fpdt.data.needle import (
     PASSKEY_FILLER,
     KeyValueNeedle,

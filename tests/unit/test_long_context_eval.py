@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor, nn
 
 from lightning_fpdt import LongContextEval
-from lightning_fpdt.callbacks.long_context_eval import heatmap
+from lightning_fpdt.callbacks.heatmap import heatmap
 from lightning_fpdt.data import KeyValueNeedle, PasskeyNeedle, RetrievalDataModule, RetrievalTask
 from lightning_fpdt.data.needle import probe_rng, probe_sample, synthetic_filler
 from lightning_fpdt.models.module import CausalLM, LlamaLM
